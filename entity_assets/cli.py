@@ -1,0 +1,235 @@
+"""`entity-assets`: the command line for people and scripts.
+
+    entity-assets broker start|stop|status     the embedded local Kafka-protocol broker
+    entity-assets produce sample|seed|file     put traffic on the input topics
+    entity-assets run                          one sensor evaluation, then every pending slice in order
+    entity-assets summary                      rows per table, dead letters per code
+    entity-assets demo                         all of the above on the embedded default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from entity_assets.broker import DEFAULT_PORT, LocalBroker
+from entity_assets.ingest import INPUT_STREAMS
+from resources.lake import default_home
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _home() -> Path:
+    return Path(default_home())
+
+
+def _broker(args) -> LocalBroker:
+    return LocalBroker(_home() / "broker", port=args.port)
+
+
+def prepare_environment(port: int = DEFAULT_PORT) -> None:
+    """Points Dagster and the resources at the project home unless the caller chose otherwise."""
+    home = _home()
+    os.environ.setdefault("ENTITY_ASSETS_HOME", str(home))
+    os.environ.setdefault("ENTITY_ASSETS_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}")
+    if "DAGSTER_HOME" not in os.environ:
+        dagster_home = home / "dagster"
+        dagster_home.mkdir(parents=True, exist_ok=True)
+        if (REPO / "dagster.yaml").exists():
+            shutil.copyfile(REPO / "dagster.yaml", dagster_home / "dagster.yaml")
+        os.environ["DAGSTER_HOME"] = str(dagster_home)
+
+
+def _kafka():
+    from entity_assets.definitions import build_resources
+
+    return build_resources()["kafka"]
+
+
+def cmd_broker(args) -> int:
+    broker = _broker(args)
+    if args.action == "start":
+        pid = broker.start()
+        from entity_assets.kafka_io import ensure_topics
+
+        kafka = _kafka()
+        created = ensure_topics(kafka.config(), [kafka.topic(s) for s in INPUT_STREAMS], args.partitions)
+        print(f"broker on {broker.bootstrap} (pid {pid}, data {broker.data_dir}); created topics: {created or 'none'}")
+    elif args.action == "stop":
+        print("stopped" if broker.stop() else "not running")
+    else:
+        print(json.dumps(broker.status()))
+    return 0
+
+
+def produce_records(records, kafka=None) -> Counter:
+    """Produces (stream, key, value) records to their topics; returns counts per stream."""
+    from entity_assets.kafka_io import produce
+
+    kafka = kafka or _kafka()
+    counts: Counter = Counter()
+    by_stream: dict[str, list] = {}
+    for stream, key, value in records:
+        by_stream.setdefault(stream, []).append((key, value))
+    for stream, items in by_stream.items():
+        counts[stream] += produce(kafka.config(), kafka.topic(stream), items)
+    return counts
+
+
+def cmd_produce(args) -> int:
+    from entity_assets import samples
+
+    if args.source == "file":
+        def records():
+            with open(args.path) as f:
+                for line in f:
+                    if line.strip():
+                        r = json.loads(line)
+                        value = r["value"] if isinstance(r["value"], str) else json.dumps(r["value"])
+                        yield r["topic"], r.get("key"), value.encode()
+        counts = produce_records(records())
+    elif args.source == "seed":
+        counts = produce_records(samples.seed_records())
+    else:
+        traffic = samples.BatchTraffic(patches=args.patches, entities=args.entities, ops=args.ops, seed=args.seed,
+                                       learning=args.learning)
+        counts = produce_records(traffic.records())
+        if args.bad:
+            counts += produce_records(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))
+    print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
+    return 0
+
+
+def run_pending(*, max_messages: int | None = None, log=print) -> list[dict]:
+    """One sensor evaluation, then every slice without a successful run, in slice order.
+
+    Runs go through the same job the daemon launches, recorded in the Dagster instance.
+    """
+    from dagster import DagsterInstance, DagsterRunStatus, RunsFilter, build_sensor_context
+
+    from entity_assets.definitions import build_resources, defs
+    from entity_assets.manifests import ManifestStore
+    from entity_assets.sensors import dump_cursor, kafka_offsets_sensor
+    from entity_assets.slices import slice_key
+    from resources import SlicingResource
+
+    instance = DagsterInstance.get()
+    resources = build_resources()
+    resources["slicing"] = SlicingResource(
+        min_interval_seconds=0, max_messages=max_messages or resources["slicing"].max_messages
+    )
+    store = ManifestStore(resources["lake"].open())
+    newest = store.latest()
+    cursor = dump_cursor(newest.seq, newest.positions(), newest.closed_at) if newest else None
+    with build_sensor_context(instance=instance, cursor=cursor, resources=resources) as context:
+        result = kafka_offsets_sensor(context)
+    log(f"sensor: {result.skip_reason.skip_message if result.skip_reason else f'{len(result.run_requests)} new slice(s)'}")
+
+    done = {r.tags.get("dagster/partition") for r in instance.get_runs(
+        RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS]))}
+    pending = [slice_key(s) for s in range(1, store.latest_seq() + 1) if slice_key(s) not in done]
+    instance.add_dynamic_partitions("slices", pending)
+    job = defs.resolve_job_def("slice_job")
+    summaries = []
+    for key in pending:
+        started = time.monotonic()
+        outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
+                                         tags={"dagster/run_key": key})
+        materialized = Counter()
+        for event in outcome.get_asset_materialization_events():
+            mat = event.event_specific_data.materialization
+            rows = mat.metadata.get("rows")
+            materialized[mat.asset_key.to_user_string()] = rows.value if rows else 0
+        summary = {"slice": key, "run_id": outcome.run_id, "success": outcome.success,
+                   "seconds": round(time.monotonic() - started, 1), "rows": dict(materialized)}
+        log(f"slice {key}: {'ok' if outcome.success else 'FAILED'} in {summary['seconds']}s run {outcome.run_id[:8]} "
+            + " ".join(f"{k}={v}" for k, v in materialized.items()))
+        summaries.append(summary)
+        if not outcome.success:
+            break  # later slices would be refused: state applies in slice order
+    return summaries
+
+
+def cmd_run(args) -> int:
+    summaries = run_pending(max_messages=args.max_messages)
+    return 0 if all(s["success"] for s in summaries) else 1
+
+
+def lake_summary() -> dict[str, dict]:
+    from entity_assets.definitions import build_resources
+
+    engine = build_resources()["lake"].open()
+    root = Path(engine.root)
+    out = {}
+    for path in sorted(p for p in root.iterdir() if (p / "_delta_log").is_dir()) if root.is_dir() else []:
+        files = engine.files(path.name)
+        out[path.name] = {"rows": sum(f.rows for f in files), "version": engine.version(path.name)}
+    if "dead_letters" in out and out["dead_letters"]["rows"]:
+        codes = Counter(engine.read("dead_letters", columns=["code"]).column("code").to_pylist())
+        out["dead_letters"]["codes"] = dict(codes)
+    return out
+
+
+def cmd_summary(args) -> int:
+    summary = lake_summary()
+    width = max((len(t) for t in summary), default=10)
+    print(f"{'table':<{width}}  {'rows':>10}  delta version")
+    for table, s in summary.items():
+        extra = f"  {s['codes']}" if s.get("codes") else ""
+        print(f"{table:<{width}}  {s['rows']:>10}  v{s['version']}{extra}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    args.action, args.partitions = "start", args.partitions
+    cmd_broker(args)
+    from entity_assets import samples
+
+    traffic = samples.BatchTraffic(patches=args.patches, entities=args.entities, learning=True)
+    counts = produce_records([*samples.seed_records(), *traffic.records(),
+                              *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))])
+    print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
+    ok = all(s["success"] for s in run_pending())
+    print()
+    cmd_summary(args)
+    print(f"\nDagster home: {os.environ['DAGSTER_HOME']}\nOpen the UI:  scripts/ui.sh   (then http://127.0.0.1:3000)")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="entity-assets", description=__doc__.split("\n")[0])
+    parser.add_argument("--port", type=int, default=int(os.environ.get("ENTITY_ASSETS_BROKER_PORT", DEFAULT_PORT)))
+    sub = parser.add_subparsers(dest="command", required=True)
+    broker = sub.add_parser("broker", help="start, stop or inspect the local broker")
+    broker.add_argument("action", choices=["start", "stop", "status"])
+    broker.add_argument("--partitions", type=int, default=4, help="partitions of the input topics it creates")
+    produce = sub.add_parser("produce", help="produce records to the input topics")
+    produce.add_argument("source", choices=["sample", "seed", "file"])
+    produce.add_argument("path", nargs="?", help="JSONL of {topic, key, value} (for 'file')")
+    produce.add_argument("--patches", type=int, default=10_000)
+    produce.add_argument("--entities", type=int, default=1_000)
+    produce.add_argument("--ops", type=int, default=3)
+    produce.add_argument("--seed", type=int, default=7)
+    produce.add_argument("--learning", action="store_true")
+    produce.add_argument("--bad", action="store_true", help="add one record per dead-letter path")
+    run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
+    run.add_argument("--max-messages", type=int, default=None, help="cap of messages per slice")
+    sub.add_parser("summary", help="rows per table and dead letters per code")
+    demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
+    demo.add_argument("--patches", type=int, default=10_000)
+    demo.add_argument("--entities", type=int, default=1_000)
+    demo.add_argument("--partitions", type=int, default=4)
+    args = parser.parse_args(argv)
+    prepare_environment(args.port)
+    handler = {"broker": cmd_broker, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary, "demo": cmd_demo}
+    return handler[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The code location: assets, checks, the slice job, the Kafka sensor and their resources."""
+
+from __future__ import annotations
+
+import os
+
+from dagster import Definitions, EnvVar
+
+from entity_assets.assets.ingest import ingest
+from entity_assets.jobs import slice_job
+from entity_assets.sensors import kafka_offsets_sensor
+from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
+from resources.kafka import DEFAULT_BOOTSTRAP
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def build_resources() -> dict:
+    """Embedded defaults (local broker, local lake, local Spark); every setting overridable by env."""
+    kafka = {
+        "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
+        "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
+        "publish": _env("ENTITY_ASSETS_PUBLISH", "true").lower() == "true",
+    }
+    for field, var in (("security_protocol", "KAFKA_SECURITY_PROTOCOL"), ("sasl_mechanism", "KAFKA_SASL_MECHANISM"),
+                       ("ssl_ca_location", "KAFKA_SSL_CA_LOCATION")):
+        if os.environ.get(var):
+            kafka[field] = os.environ[var]
+    for field, var in (("sasl_username", "KAFKA_SASL_USERNAME"), ("sasl_password", "KAFKA_SASL_PASSWORD")):
+        if os.environ.get(var):
+            kafka[field] = EnvVar(var)  # resolved at run time, never stored in run config
+    lake = {"root": os.environ["ENTITY_ASSETS_LAKE"]} if os.environ.get("ENTITY_ASSETS_LAKE") else {}
+    return {
+        "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]")),
+        "kafka": KafkaResource(**kafka),
+        "lake": LakeResource(**lake),
+        "slicing": SlicingResource(
+            min_interval_seconds=float(_env("ENTITY_ASSETS_SLICE_INTERVAL_SECONDS", "900")),
+            max_messages=int(_env("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "5000000")),
+        ),
+    }
+
+
+defs = Definitions(
+    assets=[ingest],
+    jobs=[slice_job],
+    sensors=[kafka_offsets_sensor],
+    resources=build_resources(),
+)

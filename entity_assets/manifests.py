@@ -1,0 +1,41 @@
+"""Durable slice manifests: the record every (re)materialization of a slice reads."""
+
+from __future__ import annotations
+
+from entity_assets.slices import MANIFEST_SCHEMA, Manifest, manifest_to_arrow, manifests_from_arrow, slice_key, slice_seq
+from entity_assets.storage import DeltaRsEngine
+
+TABLE = "slice_manifests"
+APP_ID = "entity-assets-sensor"
+
+
+class MissingManifest(LookupError):
+    pass
+
+
+class ManifestStore:
+    """Manifests live in a Delta table, one commit per slice, idempotent by sequence number."""
+
+    def __init__(self, engine: DeltaRsEngine):
+        self.engine = engine
+        engine.ensure(TABLE, MANIFEST_SCHEMA)
+
+    def latest_seq(self) -> int:
+        return self.engine.applied(TABLE, APP_ID) or 0
+
+    def get(self, key_or_seq: str | int) -> Manifest:
+        seq = slice_seq(key_or_seq) if isinstance(key_or_seq, str) else key_or_seq
+        found = manifests_from_arrow(self.engine.read(TABLE, where={"seq": seq}))
+        if seq not in found:
+            raise MissingManifest(f"slice {slice_key(seq)} has no manifest in {self.engine.uri(TABLE)}")
+        return found[seq]
+
+    def latest(self) -> Manifest | None:
+        seq = self.latest_seq()
+        return self.get(seq) if seq else None
+
+    def write(self, manifest: Manifest) -> None:
+        if manifest.seq != self.latest_seq() + 1:
+            raise ValueError(f"manifest {manifest.key} out of order: latest is {slice_key(self.latest_seq())}")
+        self.engine.append_small(TABLE, manifest_to_arrow(manifest), slice_key=manifest.key,
+                                 app_txn=(APP_ID, manifest.seq))

@@ -1,0 +1,355 @@
+"""JSON Patch (RFC 6902) over entity documents, with entity create/delete semantics.
+
+Pure stdlib: it runs once per patch in a hot loop, so it never deep-copies.
+Every op copies only the containers on the path it changes and shares every
+other subtree with its input (and shares ``value`` objects taken from the ops).
+Inputs are therefore never mutated, a failed patch leaves the caller holding
+the untouched original, and results must be treated as immutable: mutating a
+result in place can change the input document or the ops it came from.
+
+Deliberate differences from RFC 6902:
+
+* ``add`` creates missing parent *objects* (``add /baz/bat`` on ``{}`` gives
+  ``{"baz": {"bat": ...}}``; RFC A.12 calls that an error). Missing array
+  elements and non-container parents are still errors.
+* Paths may omit the leading slash (``phone/home`` == ``/phone/home``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "STATUS_OK",
+    "STATUS_NOT_FOUND",
+    "STATUS_FAILED",
+    "PatchError",
+    "PatchOutcome",
+    "parse_path",
+    "apply_ops",
+    "apply_patch",
+]
+
+STATUS_OK = 1  # patch applied
+STATUS_NOT_FOUND = 2  # entity did not exist and the patch is not a creation
+STATUS_FAILED = 3  # patch could not be applied (see error)
+
+
+class PatchError(Exception):
+    """One op failed. Attributes: index (0-based op index), op (the op dict), reason (str)."""
+
+    def __init__(self, index: int, op, reason: str):
+        # args carry all three fields so the error survives pickling (multiprocess runs).
+        super().__init__(index, op, reason)
+        self.index = index
+        self.op = op
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"op {self.index} ({_describe(self.op)}): {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class PatchOutcome:
+    status: int  # STATUS_OK, STATUS_NOT_FOUND or STATUS_FAILED
+    doc: dict | None  # new document; None when deleted; the unchanged input on 2/3
+    error: str | None  # None when status == STATUS_OK
+    created: bool  # the entity did not exist before and does now
+    deleted: bool  # the patch deleted the entity
+
+
+class _Fail(Exception):
+    """Internal: an op-level failure, turned into a PatchError that knows the op index."""
+
+
+def _describe(op) -> str:
+    if not isinstance(op, dict):
+        return f"<{type(op).__name__}>"
+    parts = [str(op.get("op", "?"))]
+    src, path = op.get("from"), op.get("path")
+    if isinstance(src, str):
+        parts.append((src or '""') + " ->")
+    if isinstance(path, str):
+        parts.append(path or '""')
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------- paths
+
+
+_BAD_ESCAPE = re.compile(r"~(?![01])")
+
+
+@functools.lru_cache(maxsize=65536)
+def parse_path(path: str) -> tuple[str, ...]:
+    """Split a JSON Pointer into unescaped reference tokens.
+
+    ``""`` is the whole document. A missing leading slash is implied, so
+    ``"phone/home"`` and ``"/phone/home"`` are both ``("phone", "home")``.
+    As in RFC 6901, ``"/"`` is *not* the root: it is the member named ``""``.
+    ``~1`` decodes to ``/`` before ``~0`` decodes to ``~`` (``"~01"`` -> ``"~1"``);
+    any other ``~`` sequence raises ValueError. Cached: the same paths repeat.
+    """
+    if not isinstance(path, str):
+        raise ValueError(f"path must be a string, got {type(path).__name__}")
+    if path == "":
+        return ()
+    raw = path[1:] if path[0] == "/" else path
+    tokens = raw.split("/")
+    if "~" in raw:
+        if _BAD_ESCAPE.search(raw):
+            raise ValueError(f"invalid '~' escape in path {path!r}")
+        tokens = [t.replace("~1", "/").replace("~0", "~") for t in tokens]
+    return tuple(tokens)
+
+
+def _index(token: str, size: int, end_ok: bool) -> int:
+    """Array index for token; end_ok allows ``-`` and ``size`` (add targets only)."""
+    if token == "-":
+        if end_ok:
+            return size
+        raise _Fail("index '-' (past the end) is only valid as an add target")
+    if not (token.isascii() and token.isdigit()) or (len(token) > 1 and token[0] == "0"):
+        raise _Fail(f"invalid array index: {token!r}")
+    i = int(token)
+    if i > size or (i == size and not end_ok):
+        raise _Fail(f"index out of range: {token!r} (array length {size})")
+    return i
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return {dict: "object", list: "array"}.get(type(value), type(value).__name__)
+
+
+def _get(doc, tokens: tuple[str, ...]):
+    node = doc
+    for token in tokens:
+        if isinstance(node, dict):
+            if token not in node:
+                raise _Fail(f"path not found: {token!r}")
+            node = node[token]
+        elif isinstance(node, list):
+            node = node[_index(token, len(node), end_ok=False)]
+        else:
+            raise _Fail(f"cannot resolve {token!r} inside a {_kind(node)}")
+    return node
+
+
+def _edit(node, tokens: tuple[str, ...], depth: int, leaf, arg, create: bool):
+    """Copy of node with leaf(parent, key, arg) applied at tokens; copies only the spine."""
+    token = tokens[depth]
+    if depth == len(tokens) - 1:
+        return leaf(node, token, arg)
+    if isinstance(node, dict):
+        if token in node:
+            child = node[token]
+        elif create:
+            child = {}
+        else:
+            raise _Fail(f"path not found: {token!r}")
+        new = dict(node)
+        new[token] = _edit(child, tokens, depth + 1, leaf, arg, create)
+        return new
+    if isinstance(node, list):
+        i = _index(token, len(node), end_ok=False)
+        new = list(node)
+        new[i] = _edit(node[i], tokens, depth + 1, leaf, arg, create)
+        return new
+    raise _Fail(f"cannot resolve {token!r} inside a {_kind(node)}")
+
+
+def _leaf_add(parent, key, value):
+    if isinstance(parent, dict):
+        new = dict(parent)
+        new[key] = value
+        return new
+    if isinstance(parent, list):
+        i = _index(key, len(parent), end_ok=True)
+        return parent[:i] + [value] + parent[i:]
+    raise _Fail(f"cannot add {key!r} to a {_kind(parent)}")
+
+
+def _leaf_remove(parent, key, _):
+    if isinstance(parent, dict):
+        if key not in parent:
+            raise _Fail(f"path not found: {key!r}")
+        new = dict(parent)
+        del new[key]
+        return new
+    if isinstance(parent, list):
+        i = _index(key, len(parent), end_ok=False)
+        return parent[:i] + parent[i + 1 :]
+    raise _Fail(f"cannot resolve {key!r} inside a {_kind(parent)}")
+
+
+def _leaf_replace(parent, key, value):
+    if isinstance(parent, dict):
+        if key not in parent:
+            raise _Fail(f"path not found: {key!r}")
+        new = dict(parent)
+        new[key] = value
+        return new
+    if isinstance(parent, list):
+        new = list(parent)
+        new[_index(key, len(parent), end_ok=False)] = value
+        return new
+    raise _Fail(f"cannot resolve {key!r} inside a {_kind(parent)}")
+
+
+def _add(doc, tokens, value):
+    return value if not tokens else _edit(doc, tokens, 0, _leaf_add, value, True)
+
+
+def _remove(doc, tokens):
+    if not tokens:
+        raise _Fail("removing the whole document is only allowed as an entity deletion")
+    return _edit(doc, tokens, 0, _leaf_remove, None, False)
+
+
+def json_equal(a, b) -> bool:
+    """RFC 6902 equality: 1 == 1.0, but booleans never equal numbers (Python says True == 1)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a is b
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(json_equal(v, b[k]) for k, v in a.items())
+        )
+    if isinstance(a, list):
+        return (
+            isinstance(b, list)
+            and len(a) == len(b)
+            and all(json_equal(x, y) for x, y in zip(a, b))
+        )
+    if isinstance(a, (int, float)):
+        return isinstance(b, (int, float)) and a == b
+    if isinstance(a, str):
+        return isinstance(b, str) and a == b
+    return a is None and b is None
+
+
+# ---------------------------------------------------------------- ops
+
+
+def _tokens(op: dict, key: str) -> tuple[str, ...]:
+    if key not in op:
+        raise _Fail(f"missing {key!r}")
+    path = op[key]
+    if not isinstance(path, str):
+        raise _Fail(f"{key!r} must be a string, got {_kind(path)}")
+    try:
+        return parse_path(path)
+    except ValueError as exc:
+        raise _Fail(str(exc)) from None
+
+
+def _value(op: dict):
+    if "value" not in op:
+        raise _Fail("missing 'value'")
+    return op["value"]
+
+
+def _apply_one(doc, op):
+    if not isinstance(op, dict):
+        raise _Fail(f"an op must be an object, got {_kind(op)}")
+    name = op.get("op")
+    if not isinstance(name, str) or name not in _OPS:
+        raise _Fail(f"unknown op: {name!r}" if "op" in op else "missing 'op'")
+    path = _tokens(op, "path")
+    if name == "add":
+        return _add(doc, path, _value(op))
+    if name == "remove":
+        return _remove(doc, path)
+    if name == "replace":
+        value = _value(op)
+        return value if not path else _edit(doc, path, 0, _leaf_replace, value, False)
+    if name == "test":
+        value = _value(op)
+        if not json_equal(_get(doc, path), value):
+            raise _Fail(f"test failed: value is not {value!r}")
+        return doc
+    src = _tokens(op, "from")
+    value = _get(doc, src)
+    if name == "copy":
+        return _add(doc, path, value)
+    # move
+    if path == src:
+        return doc
+    if path[: len(src)] == src:
+        raise _Fail("cannot move a location into one of its children")
+    return _add(_remove(doc, src), path, value)
+
+
+_OPS = frozenset({"add", "remove", "replace", "move", "copy", "test"})
+
+
+def apply_ops(doc, ops: list[dict]):
+    """Apply RFC 6902 ops to any JSON value and return the new value; raises PatchError.
+
+    `doc` is never mutated; the result shares untouched subtrees with it.
+    """
+    if not isinstance(ops, list):
+        raise PatchError(-1, ops, f"a patch must be an array of ops, got {_kind(ops)}")
+    for index, op in enumerate(ops):
+        try:
+            doc = _apply_one(doc, op)
+        except _Fail as exc:
+            raise PatchError(index, op, str(exc)) from None
+    return doc
+
+
+# ---------------------------------------------------------------- entities
+
+
+def _is_delete(op) -> bool:
+    return isinstance(op, dict) and op.get("op") == "remove" and op.get("path") == ""
+
+
+def _outcome(status, doc=None, error=None, created=False, deleted=False) -> PatchOutcome:
+    return PatchOutcome(status, doc, error, created, deleted)
+
+
+def apply_patch(doc: dict | None, ops: list) -> PatchOutcome:
+    """Apply a patch to an entity (None = does not exist). Never raises for bad ops.
+
+    All-add patches on a missing entity create it; a trailing ``remove ""``
+    deletes it; any failure returns STATUS_FAILED with the original doc.
+    """
+    if not isinstance(ops, list):
+        return _outcome(STATUS_FAILED, doc, f"a patch must be an array of ops, got {_kind(ops)}")
+    created = doc is None
+    if created:
+        if not ops or not all(isinstance(op, dict) and op.get("op") == "add" for op in ops):
+            return _outcome(STATUS_NOT_FOUND, None, "entity does not exist")
+        base = {}
+    else:
+        base = doc
+    body, deleted = ops, False
+    for index, op in enumerate(ops):
+        if _is_delete(op):
+            if index != len(ops) - 1:
+                reason = "deleting the entity (remove \"\") must be the last op"
+                return _outcome(STATUS_FAILED, doc, str(PatchError(index, op, reason)))
+            body, deleted = ops[:-1], True
+    try:
+        result = apply_ops(base, body)
+    except PatchError as exc:
+        return _outcome(STATUS_FAILED, doc, str(exc))
+    if deleted:
+        return _outcome(STATUS_OK, None, deleted=True)
+    if not isinstance(result, dict):
+        return _outcome(
+            STATUS_FAILED, doc, f"an entity document must be an object, got {_kind(result)}"
+        )
+    return _outcome(STATUS_OK, result, created=created)

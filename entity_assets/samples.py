@@ -1,0 +1,110 @@
+"""Sample traffic: the seed's own messages and a reproducible generator of entity batches.
+
+Records are (stream, key, value) with JSON values, ready for `kafka_io.produce`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+Record = tuple[str, str, bytes]  # (stream, key, value)
+
+SEED_CLIENT = "c297cf20-18bd-40e2-827d-9b563ca28ccd"
+
+SEED_ENTITY_BATCH = {
+    "db": "my-db", "clientid": SEED_CLIENT, "request": 2, "user": "jsmith", "begun": 1415747086227,
+    "includeBefore": True, "includeAfter": True, "learning": True,
+    "patches": [{
+        "collection": "Contacts", "zone": "default", "entity": "400cb092-00af-4e44-bdcb-1a0c536692bf",
+        "ops": [
+            {"op": "add", "path": "firstName", "value": "Sally"},
+            {"op": "add", "path": "lastName", "value": "Anderson"},
+            {"op": "add", "path": "phone/home", "value": "1-222-555-1234"},
+        ],
+    }],
+}
+
+
+def request_key(clientid: str, request: int) -> str:
+    """The entity-batches key: the request id is unique per client."""
+    return f"{clientid}/{request}"
+
+
+def encode(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def seed_records() -> list[Record]:
+    b = SEED_ENTITY_BATCH
+    return [("entity-batches", request_key(b["clientid"], b["request"]), encode(b))]
+
+
+# A bad record for every dead-letter path of the validation, so the demo shows them.
+BAD_VALUES: list[tuple[str, bytes]] = [
+    ("malformed JSON", b'{"clientid": "c297cf20-18bd-40e2-827d-9b563ca28ccd", "request": '),
+    ("missing required field", encode({k: v for k, v in SEED_ENTITY_BATCH.items() if k != "user"})),
+    ("wrong type", encode({**SEED_ENTITY_BATCH, "request": "two"})),
+    ("malformed UUID", encode({**SEED_ENTITY_BATCH, "clientid": "not-a-uuid"})),
+    ("unknown op", encode({**SEED_ENTITY_BATCH, "patches": [{**SEED_ENTITY_BATCH["patches"][0], "ops": [{"op": "upsert", "path": "a", "value": 1}]}]})),
+]
+
+
+@dataclass(frozen=True)
+class BatchTraffic:
+    """N patches over E entities, `ops` ops each; the first patch of an entity creates it."""
+
+    patches: int = 1000
+    entities: int = 100
+    ops: int = 3
+    patches_per_batch: int = 1
+    clients: int = 8
+    seed: int = 7
+    dbid: str = "my-db"
+    collections: tuple[str, ...] = ("Contacts", "Groups")
+    zones: tuple[str, ...] = ("default", "A")
+    learning: bool = False
+    include_before: bool = False
+    include_after: bool = True
+    begun: int = 1415747086227
+
+    def records(self) -> Iterator[Record]:
+        rng = random.Random(self.seed)
+        clients = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(self.clients)]
+        targets = [
+            (self.collections[i % len(self.collections)], self.zones[i % len(self.zones)],
+             str(uuid.UUID(int=rng.getrandbits(128), version=4)))
+            for i in range(self.entities)
+        ]
+        created = [False] * self.entities
+        requests = [0] * self.clients
+        made = 0
+        while made < self.patches:
+            c = rng.randrange(self.clients)
+            requests[c] += 1
+            patches = []
+            for _ in range(min(self.patches_per_batch, self.patches - made)):
+                i = made % self.entities if made < self.entities else rng.randrange(self.entities)
+                collection, zone, entity = targets[i]
+                patches.append({"collection": collection, "zone": zone, "entity": entity,
+                                "ops": self._ops(rng, made, creating=not created[i])})
+                created[i] = True
+                made += 1
+            batch = {
+                "dbid": self.dbid, "clientid": clients[c], "request": requests[c], "user": f"user{c}",
+                "begun": self.begun + made, "learning": self.learning,
+                "includeBefore": self.include_before, "includeAfter": self.include_after, "patches": patches,
+            }
+            yield ("entity-batches", request_key(clients[c], requests[c]), encode(batch))
+
+    def _ops(self, rng: random.Random, n: int, *, creating: bool) -> list[dict]:
+        fields = [("firstName", f"First{n}"), ("lastName", f"Last{rng.randrange(1000)}"),
+                  ("phone/home", f"1-222-555-{rng.randrange(10000):04d}"), ("age", rng.randrange(18, 90)),
+                  ("active", rng.random() < 0.5)]
+        ops = [{"op": "add", "path": p, "value": v} for p, v in fields[: self.ops]]
+        if not creating and self.ops > 1:
+            ops[0] = {"op": "replace", "path": fields[0][0], "value": fields[0][1]}
+        return ops

@@ -1,0 +1,70 @@
+"""The Kafka offsets sensor: closes slices from new offsets and requests one run per slice."""
+
+
+import json
+import time
+
+from dagster import RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
+
+from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.jobs import slice_job
+from entity_assets.manifests import ManifestStore
+from entity_assets.partitions import slices_partitions
+from entity_assets.slices import plan_slices, slice_key
+from resources import KafkaResource, LakeResource, SlicingResource
+
+
+def load_cursor(raw: str | None) -> tuple[int, dict, int | None]:
+    if not raw:
+        return 0, {}, None
+    data = json.loads(raw)
+    positions = {(tp.rsplit("|", 1)[0], int(tp.rsplit("|", 1)[1])): off for tp, off in data["next"].items()}
+    return data["seq"], positions, data.get("closed_at")
+
+
+def dump_cursor(seq: int, positions: dict, closed_at: int | None) -> str:
+    return json.dumps({"seq": seq, "next": {f"{t}|{p}": off for (t, p), off in sorted(positions.items())},
+                       "closed_at": closed_at})
+
+
+@sensor(job=slice_job, minimum_interval_seconds=30, description="Closes a slice of new Kafka offsets and requests its run.")
+def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource, lake: LakeResource,
+                         slicing: SlicingResource):
+    """The manifest table, not the cursor, is the truth.
+
+    The cursor (last requested slice, next offsets) saves a lake read per tick. If manifests
+    exist past the cursor (a tick that wrote them and died, or slices closed by the CLI), the
+    sensor resumes from the newest manifest and requests those slices again; run keys make
+    that idempotent.
+    """
+    store = ManifestStore(lake.open())
+    cursor_seq, positions, closed_at = load_cursor(context.cursor)
+    latest = store.latest_seq()
+    if latest != cursor_seq:
+        newest = store.get(latest) if latest else None
+        positions = newest.positions() if newest else {}
+        closed_at = newest.closed_at if newest else None
+        if latest < cursor_seq:
+            context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest}: resuming from the lake")
+            cursor_seq = latest
+
+    ends = kafka.end_offsets([kafka.topic(s) for s in INPUT_STREAMS])
+    ends = {**positions, **ends}  # keep positions of topics the broker did not list this time
+    new = plan_slices(positions, ends, policy=slicing.policy(), next_seq=latest + 1,
+                      last_closed_at=closed_at, now=int(time.time() * 1000))
+    for manifest in new:
+        store.write(manifest)
+    if new:
+        positions, closed_at = new[-1].positions(), new[-1].closed_at
+    last = new[-1].seq if new else latest
+    keys = [slice_key(seq) for seq in range(cursor_seq + 1, last + 1)]
+    cursor = dump_cursor(last, positions, closed_at)
+    if not keys:
+        pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
+        return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"), cursor=cursor)
+    context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
+    return SensorResult(
+        run_requests=[RunRequest(run_key=k, partition_key=k) for k in keys],
+        dynamic_partitions_requests=[slices_partitions.build_add_request(keys)],
+        cursor=cursor,
+    )

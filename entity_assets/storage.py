@@ -1,0 +1,259 @@
+"""Delta Lake storage through delta-rs: task-side file writers and driver-side commits.
+
+Spark tasks write parquet data files straight into a table's folder and hand back small
+`DataFile` records; the driver commits those records as one Delta transaction. Data never
+passes through the driver, and a slice's rows are replaced (never appended twice) because
+every commit removes the files the slice wrote before.
+
+Nothing here knows Dagster; `resources.lake.LakeResource` is the interface assets use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+SLICE = "slice"
+"""Every table carries the slice key column; file statistics on it find a slice's files."""
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A parquet file a task wrote into a table's folder, not yet committed."""
+
+    table: str
+    path: str  # relative to the table root
+    size: int
+    rows: int
+    stats: str  # Delta stats JSON (numRecords, min/max of the key columns)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """A committed file of a table snapshot, with the statistics used for pruning."""
+
+    path: str
+    uri: str
+    size: int
+    rows: int
+    min: dict = field(default_factory=dict)
+    max: dict = field(default_factory=dict)
+
+
+def _filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.FileSystem, str]:
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
+    scheme = {"s3a": "s3", "s3n": "s3"}.get(parsed.scheme, parsed.scheme)
+    fs, path = pafs.FileSystem.from_uri(uri.replace(parsed.scheme + "://", scheme + "://", 1))
+    return fs, path
+
+
+class FileWriter:
+    """Buffers rows of one table in a task and writes bounded parquet files.
+
+    Memory stays bounded by `max_rows` per buffer, whatever the slice size.
+    """
+
+    def __init__(
+        self,
+        table: str,
+        table_uri: str,
+        schema: pa.Schema,
+        slice_key: str,
+        *,
+        stats_columns: Sequence[str] = (SLICE,),
+        storage_options: dict[str, str] | None = None,
+        max_rows: int = 250_000,
+    ):
+        self.table, self.schema, self.slice_key = table, schema, slice_key
+        self.stats_columns = tuple(stats_columns)
+        self.max_rows = max_rows
+        self._fs, self._root = _filesystem(table_uri, storage_options)
+        self._columns: dict[str, list] = {name: [] for name in schema.names}
+        self.files: list[DataFile] = []
+
+    def append(self, row: dict) -> None:
+        for name, values in self._columns.items():
+            values.append(row.get(name))
+        if len(self._columns[SLICE]) >= self.max_rows:
+            self.flush()
+
+    def write_table(self, data: pa.Table) -> None:
+        """Writes an Arrow table (already holding the slice column) as one file."""
+        if data.num_rows:
+            self._write(data.select(self.schema.names).cast(self.schema))
+
+    def flush(self) -> None:
+        if self._columns[SLICE]:
+            data = pa.Table.from_pydict(self._columns, schema=self.schema)
+            self._columns = {name: [] for name in self.schema.names}
+            self._write(data)
+
+    def close(self) -> list[DataFile]:
+        self.flush()
+        return self.files
+
+    def _write(self, data: pa.Table) -> None:
+        name = f"part-{self.slice_key}-{uuid.uuid4().hex}.parquet"
+        path = f"{self._root}/{name}"
+        with self._fs.open_output_stream(path) as sink:
+            pq.write_table(data, sink, compression="zstd")
+        size = self._fs.get_file_info(path).size
+        self.files.append(DataFile(self.table, name, size, data.num_rows, _stats(data, self.stats_columns)))
+
+
+def _stats(data: pa.Table, columns: Iterable[str]) -> str:
+    import pyarrow.compute as pc
+
+    mins, maxs, nulls = {}, {}, {}
+    for name in columns:
+        col = data.column(name)
+        bounds = pc.min_max(col)
+        mins[name], maxs[name] = bounds["min"].as_py(), bounds["max"].as_py()
+        nulls[name] = col.null_count
+    return json.dumps({"numRecords": data.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
+
+
+class DeltaRsEngine:
+    """Commits and reads Delta tables with delta-rs (the default engine where Spark lacks the Delta jars)."""
+
+    def __init__(self, root: str, storage_options: dict[str, str] | None = None):
+        self.root = root.rstrip("/")
+        self.storage_options = storage_options or None
+
+    def uri(self, table: str) -> str:
+        return f"{self.root}/{table}"
+
+    def _open(self, table: str, version: int | None = None):
+        from deltalake import DeltaTable
+
+        return DeltaTable(self.uri(table), version=version, storage_options=self.storage_options)
+
+    def exists(self, table: str) -> bool:
+        from deltalake import DeltaTable
+
+        return DeltaTable.is_deltatable(self.uri(table), storage_options=self.storage_options)
+
+    def ensure(self, table: str, schema: pa.Schema, *, change_data_feed: bool = False) -> None:
+        from deltalake import DeltaTable
+
+        if not self.exists(table):
+            config = {"delta.enableChangeDataFeed": "true"} if change_data_feed else None
+            DeltaTable.create(
+                self.uri(table), schema, mode="ignore", configuration=config,
+                storage_options=self.storage_options,
+            )
+
+    def version(self, table: str) -> int:
+        return self._open(table).version()
+
+    def applied(self, table: str, app_id: str) -> int | None:
+        """The last slice sequence number committed to `table` by `app_id`."""
+        return self._open(table).transaction_version(app_id)
+
+    def files(self, table: str, version: int | None = None) -> list[TableFile]:
+        dt = self._open(table, version)
+        actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+        base = dt.table_uri.rstrip("/")
+        out = []
+        for a in actions:
+            mins = {k[4:]: v for k, v in a.items() if k.startswith("min.")}
+            maxs = {k[4:]: v for k, v in a.items() if k.startswith("max.")}
+            out.append(TableFile(a["path"], f"{base}/{a['path']}", a["size_bytes"], a["num_records"] or 0, mins, maxs))
+        return out
+
+    def slice_files(self, table: str, slice_keys: Iterable[str], version: int | None = None) -> list[TableFile]:
+        keys = set(slice_keys)
+        return [f for f in self.files(table, version) if f.min.get(SLICE) in keys and f.max.get(SLICE) == f.min.get(SLICE)]
+
+    def commit(
+        self,
+        table: str,
+        schema: pa.Schema,
+        *,
+        add: Sequence[DataFile],
+        remove: Sequence[TableFile] = (),
+        operation: str,
+        slice_key: str,
+        app_txn: tuple[str, int] | None = None,
+    ) -> int:
+        """One Delta transaction: remove `remove`, add `add`, record the slice and app transaction."""
+        from deltalake.transaction import AddAction, CommitProperties, RemoveAction, Transaction
+
+        now = int(time.time() * 1000)
+        actions = [RemoveAction(f.path, True, now, size=f.size) for f in remove]
+        actions += [AddAction(f.path, f.size, {}, now, True, f.stats) for f in add]
+        props = CommitProperties(
+            custom_metadata={"entity_assets.operation": operation, "entity_assets.slice": slice_key},
+            app_transactions=[Transaction(*app_txn)] if app_txn else None,
+        )
+        self._open(table).create_write_transaction(actions, "append", schema, commit_properties=props)
+        return self.version(table)
+
+    def replace_slice(self, table: str, schema: pa.Schema, files: Sequence[DataFile], slice_key: str) -> int:
+        """Replaces every row of `slice_key` with `files`: a re-run rewrites, never duplicates."""
+        self.ensure(table, schema)
+        return self.commit(table, schema, add=files, remove=self.slice_files(table, [slice_key]),
+                           operation="replace_slice", slice_key=slice_key)
+
+    def version_after(self, table: str, slice_key: str, operation: str) -> int | None:
+        """The table version whose commit did `operation` for `slice_key` (newest first; None if never)."""
+        for entry in self._open(table).history():
+            if entry.get("entity_assets.slice") == slice_key and entry.get("entity_assets.operation") == operation:
+                return entry["version"]
+        return None
+
+    def read(self, table: str, version: int | None = None, columns: list[str] | None = None,
+             where: dict | None = None) -> pa.Table:
+        """Reads a small table on the driver (manifests, summaries), pruning files by stats.
+
+        `where` holds column equalities; files whose min/max exclude them are skipped.
+        """
+        where = where or {}
+        files = [
+            f for f in self.files(table, version)
+            if all(f.min.get(k) is None or f.min[k] <= v <= f.max[k] for k, v in where.items())
+        ]
+        schema = pa.schema(self._open(table, version).schema().to_arrow())
+        if columns:
+            schema = pa.schema([schema.field(c) for c in columns])
+        parts = [pq.read_table(f.uri, columns=columns) for f in files]
+        data = pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
+        for k, v in where.items():
+            import pyarrow.compute as pc
+
+            data = data.filter(pc.equal(data[k], v))
+        return data
+
+    def history(self, table: str, limit: int | None = None) -> list[dict]:
+        return self._open(table).history(limit)
+
+    def append_small(self, table: str, data: pa.Table, *, slice_key: str, app_txn: tuple[str, int] | None = None) -> int:
+        """Driver-side append of a tiny table (slice manifests), idempotent through the app transaction."""
+        from deltalake import write_deltalake
+        from deltalake.transaction import CommitProperties, Transaction
+
+        if app_txn and (self.applied(table, app_txn[0]) or -1) >= app_txn[1]:
+            return self.version(table)
+        write_deltalake(
+            self.uri(table), data, mode="append", storage_options=self.storage_options,
+            commit_properties=CommitProperties(
+                custom_metadata={"entity_assets.operation": "append", "entity_assets.slice": slice_key},
+                app_transactions=[Transaction(*app_txn)] if app_txn else None,
+            ),
+        )
+        return self.version(table)
+

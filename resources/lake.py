@@ -1,0 +1,34 @@
+"""The lake: every Delta table read and write goes through this resource."""
+
+from __future__ import annotations
+
+import os
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from entity_assets.storage import DeltaRsEngine
+
+
+def default_home() -> str:
+    """Project-local state (broker data, lake, Dagster storage) unless ENTITY_ASSETS_HOME says otherwise."""
+    return os.path.abspath(os.environ.get("ENTITY_ASSETS_HOME", ".entity-assets"))
+
+
+class LakeResource(ConfigurableResource):
+    """Root URI and engine of the Delta lake.
+
+    `delta-rs` commits the files Spark tasks write; a cluster with the Delta Lake jars can
+    add a delta-spark engine behind the same `DeltaRsEngine` method set (docs/storage.md).
+    """
+
+    root: str = Field(default_factory=lambda: os.path.join(default_home(), "lake"),
+                      description="local folder or object-store URI (s3://, abfss://, gs://)")
+    storage_options: dict[str, str] = Field(default_factory=dict, description="delta-rs/object-store options; secrets via EnvVar")
+    engine: str = Field(default="delta-rs", description="table engine; delta-rs is the one shipped")
+
+    def open(self) -> DeltaRsEngine:
+        if self.engine != "delta-rs":
+            raise ValueError(f"unknown lake engine {self.engine!r}: this build ships 'delta-rs'")
+        root = self.root if "://" in self.root else os.path.abspath(self.root)
+        return DeltaRsEngine(root, self.storage_options)

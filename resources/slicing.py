@@ -1,0 +1,20 @@
+"""Slice sizing policy, shared by the sensor and the ingest step."""
+
+from __future__ import annotations
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from entity_assets.slices import SlicePolicy
+
+
+class SlicingResource(ConfigurableResource):
+    """How offsets become slices. See docs/slices.md for how to size these."""
+
+    min_interval_seconds: float = Field(default=900.0, description="minimum time between two slices")
+    max_messages: int = Field(default=5_000_000, description="upper bound of messages in one slice")
+    max_messages_per_task: int = Field(default=200_000, description="Kafka records one Spark task reads")
+    input_partitions: int = Field(default=4, description="partitions of input topics created by the local broker")
+
+    def policy(self) -> SlicePolicy:
+        return SlicePolicy(self.min_interval_seconds, self.max_messages)

@@ -1,0 +1,48 @@
+"""Spark: `local[*]` by default, any master URL (or Spark Connect `sc://`) by configuration."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from dagster import ConfigurableResource
+from pydantic import Field, PrivateAttr
+
+DEFAULT_CONF = {
+    "spark.sql.shuffle.partitions": "8",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.python.worker.reuse": "true",
+}
+
+
+class SparkResource(ConfigurableResource):
+    """One SparkSession per run.
+
+    The slice job runs on Dagster's in-process executor, so every asset step of a run shares
+    this resource instance and the JVM starts once; the session is built on first use, so a
+    run that needs no Spark pays nothing.
+    """
+
+    master: str = Field(default="local[*]", description="local[*], spark://host:7077, yarn, or sc://host for Spark Connect")
+    app_name: str = "entity-assets"
+    conf: dict[str, str] = Field(default_factory=dict, description="extra Spark conf, over the defaults")
+
+    _session = PrivateAttr(default=None)
+
+    def session(self):
+        if self._session is None:
+            from pyspark.sql import SparkSession
+
+            # Python workers must run the interpreter that has this project's packages.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+            os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+            builder = SparkSession.builder.appName(self.app_name)
+            builder = builder.remote(self.master) if self.master.startswith("sc://") else builder.master(self.master)
+            for key, value in {**DEFAULT_CONF, **self.conf}.items():
+                builder = builder.config(key, value)
+            self._session = builder.getOrCreate()
+        return self._session
+
+    def parallelism(self) -> int:
+        return max(1, self.session().sparkContext.defaultParallelism)

@@ -1,0 +1,473 @@
+"""Unit tests for entity_assets.patch (pure stdlib, milliseconds)."""
+
+import json
+import pickle
+
+import pytest
+
+from entity_assets.patch import (
+    STATUS_FAILED,
+    STATUS_NOT_FOUND,
+    STATUS_OK,
+    PatchError,
+    PatchOutcome,
+    apply_ops,
+    apply_patch,
+    parse_path,
+)
+
+
+def ops_error(doc, ops) -> PatchError:
+    with pytest.raises(PatchError) as info:
+        apply_ops(doc, ops)
+    return info.value
+
+
+# ---------------------------------------------------------------- RFC 6902 Appendix A
+
+
+def test_a01_add_object_member():
+    assert apply_ops({"foo": "bar"}, [{"op": "add", "path": "/baz", "value": "qux"}]) == {
+        "baz": "qux",
+        "foo": "bar",
+    }
+
+
+def test_a02_add_array_element():
+    doc = {"foo": ["bar", "baz"]}
+    assert apply_ops(doc, [{"op": "add", "path": "/foo/1", "value": "qux"}]) == {
+        "foo": ["bar", "qux", "baz"]
+    }
+
+
+def test_a03_remove_object_member():
+    doc = {"baz": "qux", "foo": "bar"}
+    assert apply_ops(doc, [{"op": "remove", "path": "/baz"}]) == {"foo": "bar"}
+
+
+def test_a04_remove_array_element():
+    doc = {"foo": ["bar", "qux", "baz"]}
+    assert apply_ops(doc, [{"op": "remove", "path": "/foo/1"}]) == {"foo": ["bar", "baz"]}
+
+
+def test_a05_replace_value():
+    doc = {"baz": "qux", "foo": "bar"}
+    assert apply_ops(doc, [{"op": "replace", "path": "/baz", "value": "boo"}]) == {
+        "baz": "boo",
+        "foo": "bar",
+    }
+
+
+def test_a06_move_value():
+    doc = {"foo": {"bar": "baz", "waldo": "fred"}, "qux": {"corge": "grault"}}
+    ops = [{"op": "move", "from": "/foo/waldo", "path": "/qux/thud"}]
+    assert apply_ops(doc, ops) == {
+        "foo": {"bar": "baz"},
+        "qux": {"corge": "grault", "thud": "fred"},
+    }
+
+
+def test_a07_move_array_element():
+    doc = {"foo": ["all", "grass", "cows", "eat"]}
+    ops = [{"op": "move", "from": "/foo/1", "path": "/foo/3"}]
+    assert apply_ops(doc, ops) == {"foo": ["all", "cows", "eat", "grass"]}
+
+
+def test_a08_test_success():
+    doc = {"baz": "qux", "foo": ["a", 2, "c"]}
+    ops = [
+        {"op": "test", "path": "/baz", "value": "qux"},
+        {"op": "test", "path": "/foo/1", "value": 2},
+    ]
+    assert apply_ops(doc, ops) == doc
+
+
+def test_a09_test_error():
+    err = ops_error({"baz": "qux"}, [{"op": "test", "path": "/baz", "value": "bar"}])
+    assert err.index == 0 and "test failed" in err.reason
+
+
+def test_a10_add_nested_member_object():
+    doc = {"foo": "bar"}
+    ops = [{"op": "add", "path": "/child", "value": {"grandchild": {}}}]
+    assert apply_ops(doc, ops) == {"foo": "bar", "child": {"grandchild": {}}}
+
+
+def test_a11_ignore_unrecognized_elements():
+    ops = [{"op": "add", "path": "/baz", "value": "qux", "xyz": 123}]
+    assert apply_ops({"foo": "bar"}, ops) == {"foo": "bar", "baz": "qux"}
+
+
+def test_a12_add_to_nonexistent_target_creates_parents_deliberately():
+    # RFC 6902 A.12 says this is an error. Our product extension: `add` creates
+    # missing parent OBJECTS, so the result is a nested object instead.
+    ops = [{"op": "add", "path": "/baz/bat", "value": "qux"}]
+    assert apply_ops({"foo": "bar"}, ops) == {"foo": "bar", "baz": {"bat": "qux"}}
+
+
+def test_a13_invalid_patch_document_duplicate_op_key():
+    # Duplicate members are a JSON parsing matter: Python's json keeps the last
+    # "op", so this becomes a remove of a missing member, which still fails.
+    ops = json.loads('[{"op": "add", "path": "/baz", "value": "qux", "op": "remove"}]')
+    err = ops_error({"foo": "bar"}, ops)
+    assert err.reason == "path not found: 'baz'"
+
+
+def test_a14_tilde_escape_ordering():
+    doc = {"/": 9, "~1": 10}
+    assert apply_ops(doc, [{"op": "test", "path": "/~01", "value": 10}]) == doc
+
+
+def test_a15_comparing_strings_and_numbers():
+    doc = {"/": 9, "~1": 10}
+    err = ops_error(doc, [{"op": "test", "path": "/~01", "value": "10"}])
+    assert "test failed" in err.reason
+
+
+def test_a16_add_array_value():
+    ops = [{"op": "add", "path": "/foo/-", "value": ["abc", "def"]}]
+    assert apply_ops({"foo": ["bar"]}, ops) == {"foo": ["bar", ["abc", "def"]]}
+
+
+# ---------------------------------------------------------------- seed sample / entity semantics
+
+SEED_OPS = [
+    {"op": "add", "path": "firstName", "value": "Sally"},
+    {"op": "add", "path": "lastName", "value": "Anderson"},
+    {"op": "add", "path": "phone/home", "value": "1-222-555-1234"},
+]
+
+
+def test_seed_creation_sample():
+    out = apply_patch(None, SEED_OPS)
+    assert out == PatchOutcome(
+        status=STATUS_OK,
+        doc={"firstName": "Sally", "lastName": "Anderson", "phone": {"home": "1-222-555-1234"}},
+        error=None,
+        created=True,
+        deleted=False,
+    )
+
+
+def test_update_existing_entity():
+    out = apply_patch({"a": 1}, [{"op": "replace", "path": "a", "value": 2}])
+    assert (out.status, out.doc, out.error, out.created, out.deleted) == (
+        STATUS_OK, {"a": 2}, None, False, False,
+    )
+
+
+def test_missing_entity_non_creation_is_not_found():
+    ops = [{"op": "add", "path": "a", "value": 1}, {"op": "replace", "path": "a", "value": 2}]
+    out = apply_patch(None, ops)
+    assert (out.status, out.doc, out.error) == (STATUS_NOT_FOUND, None, "entity does not exist")
+    assert apply_patch(None, []).status == STATUS_NOT_FOUND
+    assert apply_patch(None, [{"op": "remove", "path": ""}]).status == STATUS_NOT_FOUND
+
+
+def test_failed_creation_is_failed():
+    ops = [{"op": "add", "path": "a", "value": "x"}, {"op": "add", "path": "a/b", "value": 1}]
+    out = apply_patch(None, ops)
+    assert out.status == STATUS_FAILED and out.doc is None and not out.created
+    assert out.error == "op 1 (add a/b): cannot add 'b' to a string"
+
+
+def test_deletion():
+    doc = {"a": 1}
+    out = apply_patch(doc, [{"op": "test", "path": "/a", "value": 1}, {"op": "remove", "path": ""}])
+    assert (out.status, out.doc, out.error, out.created, out.deleted) == (
+        STATUS_OK, None, None, False, True,
+    )
+    assert doc == {"a": 1}
+
+
+def test_deletion_preceding_ops_must_succeed():
+    doc = {"a": 1}
+    out = apply_patch(doc, [{"op": "test", "path": "/a", "value": 2}, {"op": "remove", "path": ""}])
+    assert out.status == STATUS_FAILED and out.doc is doc and not out.deleted
+
+
+def test_ops_after_deletion_fail():
+    doc = {"a": 1}
+    ops = [{"op": "remove", "path": ""}, {"op": "add", "path": "/b", "value": 2}]
+    out = apply_patch(doc, ops)
+    assert out.status == STATUS_FAILED and out.doc is doc and not out.deleted
+    assert out.error.startswith('op 0 (remove ""): ') and "last op" in out.error
+
+
+def test_remove_root_in_apply_ops_is_an_error():
+    assert "entity deletion" in ops_error({"a": 1}, [{"op": "remove", "path": ""}]).reason
+
+
+def test_root_add_and_replace():
+    assert apply_ops({"a": 1}, [{"op": "add", "path": "", "value": [1]}]) == [1]
+    assert apply_ops({"a": 1}, [{"op": "replace", "path": "", "value": 3}]) == 3
+    out = apply_patch({"a": 1}, [{"op": "replace", "path": "", "value": {"b": 2}}])
+    assert out.status == STATUS_OK and out.doc == {"b": 2}
+
+
+@pytest.mark.parametrize("value", [[1], "x", 3, None, True])
+def test_entity_must_stay_an_object(value):
+    doc = {"a": 1}
+    for op in ("add", "replace"):
+        out = apply_patch(doc, [{"op": op, "path": "", "value": value}])
+        assert out.status == STATUS_FAILED and out.doc is doc
+        assert out.error.startswith("an entity document must be an object")
+
+
+@pytest.mark.parametrize("ops", [None, {"op": "add"}, "[]", 3])
+def test_apply_patch_ops_not_a_list(ops):
+    out = apply_patch({"a": 1}, ops)
+    assert out.status == STATUS_FAILED and "array of ops" in out.error
+    with pytest.raises(PatchError):
+        apply_ops({"a": 1}, ops)
+
+
+@pytest.mark.parametrize("op", [None, "add", 3, ["op", "add"]])
+def test_apply_patch_op_not_a_dict(op):
+    doc = {"a": 1}
+    out = apply_patch(doc, [{"op": "add", "path": "b", "value": 1}, op])
+    assert out.status == STATUS_FAILED and out.doc is doc
+    assert out.error.startswith("op 1 (<") and "an op must be an object" in out.error
+    assert apply_patch(None, [op]).status == STATUS_NOT_FOUND
+
+
+# ---------------------------------------------------------------- op errors
+
+
+@pytest.mark.parametrize(
+    "op, reason",
+    [
+        ({"op": "frobnicate", "path": "/a"}, "unknown op: 'frobnicate'"),
+        ({"op": ["add"], "path": "/a"}, "unknown op: ['add']"),
+        ({"path": "/a", "value": 1}, "missing 'op'"),
+        ({"op": "add", "value": 1}, "missing 'path'"),
+        ({"op": "remove"}, "missing 'path'"),
+        ({"op": "add", "path": 3, "value": 1}, "'path' must be a string, got number"),
+        ({"op": "add", "path": ["a"], "value": 1}, "'path' must be a string, got array"),
+        ({"op": "add", "path": "/b"}, "missing 'value'"),
+        ({"op": "replace", "path": "/a"}, "missing 'value'"),
+        ({"op": "test", "path": "/a"}, "missing 'value'"),
+        ({"op": "move", "path": "/b"}, "missing 'from'"),
+        ({"op": "copy", "path": "/b"}, "missing 'from'"),
+        ({"op": "copy", "path": "/b", "from": None}, "'from' must be a string, got null"),
+        ({"op": "remove", "path": "/zz"}, "path not found: 'zz'"),
+        ({"op": "replace", "path": "/zz", "value": 1}, "path not found: 'zz'"),
+        ({"op": "test", "path": "/zz", "value": 1}, "path not found: 'zz'"),
+        ({"op": "move", "from": "/zz", "path": "/b"}, "path not found: 'zz'"),
+        ({"op": "copy", "from": "/zz", "path": "/b"}, "path not found: 'zz'"),
+        ({"op": "move", "from": "/o", "path": "/o/x"}, "cannot move a location into one of its children"),
+        ({"op": "add", "path": "/a/x", "value": 1}, "cannot add 'x' to a number"),
+        ({"op": "add", "path": "/s/x/y", "value": 1}, "cannot resolve 'x' inside a string"),
+        ({"op": "add", "path": "/arr/5/x", "value": 1}, "index out of range: '5' (array length 2)"),
+        ({"op": "add", "path": "/arr/3", "value": 1}, "index out of range: '3' (array length 2)"),
+        ({"op": "remove", "path": "/arr/2"}, "index out of range: '2' (array length 2)"),
+        ({"op": "replace", "path": "/arr/2", "value": 1}, "index out of range: '2' (array length 2)"),
+        ({"op": "remove", "path": "/arr/-"}, "index '-' (past the end) is only valid as an add target"),
+        ({"op": "test", "path": "/arr/-", "value": 1}, "index '-' (past the end) is only valid as an add target"),
+        ({"op": "add", "path": "/arr/01", "value": 1}, "invalid array index: '01'"),
+        ({"op": "add", "path": "/arr/x", "value": 1}, "invalid array index: 'x'"),
+        ({"op": "add", "path": "/arr/-1", "value": 1}, "invalid array index: '-1'"),
+        ({"op": "add", "path": "/arr/\u00b2", "value": 1}, "invalid array index: '\u00b2'"),
+        ({"op": "add", "path": "/a~2", "value": 1}, "invalid '~' escape in path '/a~2'"),
+        ({"op": "add", "path": "/a~", "value": 1}, "invalid '~' escape in path '/a~'"),
+    ],
+)
+def test_op_errors(op, reason):
+    doc = {"a": 1, "s": "str", "o": {"k": 1}, "arr": [1, 2]}
+    snapshot = json.dumps(doc, sort_keys=True)
+    err = ops_error(doc, [op])
+    assert (err.index, err.op, err.reason) == (0, op, reason)
+    out = apply_patch(doc, [op])
+    assert out.status == STATUS_FAILED and out.doc is doc and out.error == str(err)
+    assert json.dumps(doc, sort_keys=True) == snapshot
+
+
+def test_error_message_names_index_op_path_and_reason():
+    doc = {"a": 1}
+    ops = [
+        {"op": "test", "path": "/a", "value": 1},
+        {"op": "add", "path": "/b", "value": 2},
+        {"op": "replace", "path": "/phone/home", "value": "x"},
+    ]
+    err = ops_error(doc, ops)
+    assert str(err) == "op 2 (replace /phone/home): path not found: 'phone'"
+    assert (err.index, err.op, err.reason) == (2, ops[2], "path not found: 'phone'")
+    move = {"op": "move", "from": "/zz", "path": "/b"}
+    assert str(ops_error(doc, [move])) == "op 0 (move /zz -> /b): path not found: 'zz'"
+
+
+def test_patch_error_pickles():
+    err = pickle.loads(pickle.dumps(PatchError(1, {"op": "add"}, "boom")))
+    assert (err.index, err.op, err.reason, str(err)) == (1, {"op": "add"}, "boom", "op 1 (add): boom")
+
+
+# ---------------------------------------------------------------- ops semantics
+
+
+def test_add_creates_only_missing_object_parents():
+    assert apply_ops({}, [{"op": "add", "path": "/a/b/c", "value": 1}]) == {"a": {"b": {"c": 1}}}
+    assert apply_ops({"a": {"x": 0}}, [{"op": "add", "path": "a/b", "value": 1}]) == {
+        "a": {"x": 0, "b": 1}
+    }
+    # a missing array element is not created
+    err = ops_error({"arr": []}, [{"op": "add", "path": "/arr/0/x", "value": 1}])
+    assert err.reason == "index out of range: '0' (array length 0)"
+    # through an array element that exists
+    assert apply_ops({"arr": [{}]}, [{"op": "add", "path": "/arr/0/x/y", "value": 1}]) == {
+        "arr": [{"x": {"y": 1}}]
+    }
+
+
+def test_add_replaces_existing_member_and_appends():
+    assert apply_ops({"a": 1}, [{"op": "add", "path": "/a", "value": 2}]) == {"a": 2}
+    assert apply_ops([1, 2], [{"op": "add", "path": "/2", "value": 3}]) == [1, 2, 3]
+    assert apply_ops([1, 2], [{"op": "add", "path": "/-", "value": 3}]) == [1, 2, 3]
+    assert apply_ops([1, 2], [{"op": "add", "path": "/0", "value": 0}]) == [0, 1, 2]
+
+
+def test_replace_array_element():
+    assert apply_ops([1, 2], [{"op": "replace", "path": "/1", "value": 9}]) == [1, 9]
+
+
+def test_move_and_copy():
+    doc = {"a": {"b": 1}, "arr": [1, 2]}
+    assert apply_ops(doc, [{"op": "copy", "from": "/a", "path": "/c"}]) == {
+        "a": {"b": 1}, "arr": [1, 2], "c": {"b": 1},
+    }
+    assert apply_ops(doc, [{"op": "copy", "from": "/a/b", "path": "/arr/-"}])["arr"] == [1, 2, 1]
+    assert apply_ops(doc, [{"op": "move", "from": "/a/b", "path": "/arr/-"}]) == {
+        "a": {}, "arr": [1, 2, 1],
+    }
+    # moving to itself is a no-op; moving a child over its parent is allowed
+    assert apply_ops(doc, [{"op": "move", "from": "/a", "path": "/a"}]) is doc
+    assert apply_ops(doc, [{"op": "move", "from": "/a/b", "path": "/a"}]) == {"a": 1, "arr": [1, 2]}
+    # the whole document cannot move into itself
+    assert "children" in ops_error(doc, [{"op": "move", "from": "", "path": "/x"}]).reason
+
+
+def test_test_json_equality():
+    doc = {"i": 1, "f": 1.0, "t": True, "n": None, "z": 0, "o": {"a": [1, {"b": False}]}}
+
+    def passes(path, value):
+        try:
+            apply_ops(doc, [{"op": "test", "path": path, "value": value}])
+            return True
+        except PatchError:
+            return False
+
+    assert passes("/i", 1.0) and passes("/f", 1)  # numbers compare numerically
+    assert not passes("/i", True) and not passes("/t", 1)  # booleans are not numbers
+    assert not passes("/z", False) and not passes("/z", None) and not passes("/n", False)
+    assert passes("/t", True) and passes("/n", None)
+    assert passes("/o", {"a": [1.0, {"b": False}]})
+    assert not passes("/o", {"a": [1, {"b": 0}]})
+    assert not passes("/o", {"a": [1]}) and not passes("/o", {"a": [1, {"b": False}], "x": 1})
+    assert not passes("/o/a", {"0": 1}) and not passes("/i", "1")
+    assert passes("", doc)
+
+
+# ---------------------------------------------------------------- paths
+
+
+def test_parse_path_forms():
+    assert parse_path("") == ()
+    assert parse_path("/") == ("",)  # RFC: "/" is the empty-string key, not the root
+    assert parse_path("a/b") == parse_path("/a/b") == ("a", "b")
+    assert parse_path("/a/") == ("a", "")
+    assert parse_path("/~0") == ("~",)
+    assert parse_path("/~1") == ("/",)
+    assert parse_path("/~01") == ("~1",)  # ~1 decoded first
+    assert parse_path("/a~1b~0c") == ("a/b~c",)
+    assert parse_path("/arr/0") == ("arr", "0")
+    with pytest.raises(ValueError):
+        parse_path("/a~2")
+    with pytest.raises(ValueError):
+        parse_path("/~~01")
+
+
+def test_parse_path_is_cached():
+    parse_path.cache_clear()
+    parse_path("/cached/path")
+    parse_path("/cached/path")
+    assert parse_path.cache_info().hits == 1
+
+
+def test_paths_in_ops():
+    doc = {"": 0, "a/b": 1, "m~n": 2, "arr": [10, 20]}
+    assert apply_ops(doc, [{"op": "test", "path": "/", "value": 0}]) == doc
+    assert apply_ops(doc, [{"op": "replace", "path": "/", "value": 5}])[""] == 5
+    assert apply_ops(doc, [{"op": "remove", "path": "/a~1b"}]).keys() == {"", "m~n", "arr"}
+    assert apply_ops(doc, [{"op": "replace", "path": "m~0n", "value": 3}])["m~n"] == 3
+    assert apply_ops(doc, [{"op": "test", "path": "arr/1", "value": 20}]) == doc
+    assert apply_ops(doc, [{"op": "add", "path": "arr/-", "value": 30}])["arr"] == [10, 20, 30]
+    # on an object, "-" and "01" are plain member names
+    assert apply_ops({}, [{"op": "add", "path": "/-", "value": 1}]) == {"-": 1}
+    assert apply_ops({}, [{"op": "add", "path": "/01", "value": 1}]) == {"01": 1}
+
+
+# ---------------------------------------------------------------- no mutation / sharing
+
+
+def make_doc():
+    return {
+        "name": {"first": "Sally", "last": "Anderson"},
+        "phone": {"home": "1", "work": "2"},
+        "tags": ["a", "b"],
+        "addresses": [{"city": "X"}, {"city": "Y"}],
+    }
+
+
+def test_all_or_nothing():
+    doc = make_doc()
+    snapshot = json.dumps(doc, sort_keys=True)
+    ops = [
+        {"op": "replace", "path": "/name/first", "value": "Sal"},
+        {"op": "add", "path": "/tags/-", "value": "c"},
+        {"op": "remove", "path": "/phone/mobile"},
+    ]
+    out = apply_patch(doc, ops)
+    assert out.status == STATUS_FAILED and out.doc is doc
+    assert out.error == "op 2 (remove /phone/mobile): path not found: 'mobile'"
+    assert json.dumps(doc, sort_keys=True) == snapshot
+
+
+def test_no_mutation_on_success_for_every_op():
+    doc = make_doc()
+    snapshot = json.dumps(doc, sort_keys=True)
+    ops = [
+        {"op": "add", "path": "/name/middle", "value": "J"},
+        {"op": "add", "path": "/tags/0", "value": "z"},
+        {"op": "remove", "path": "/addresses/0/city"},
+        {"op": "replace", "path": "/phone/home", "value": "9"},
+        {"op": "move", "from": "/phone/work", "path": "/name/work"},
+        {"op": "copy", "from": "/tags", "path": "/addresses/1/tags"},
+        {"op": "test", "path": "/tags", "value": ["z", "a", "b"]},
+    ]
+    out = apply_patch(doc, ops)
+    assert out.status == STATUS_OK
+    assert out.doc == {
+        "name": {"first": "Sally", "last": "Anderson", "middle": "J", "work": "2"},
+        "phone": {"home": "9"},
+        "tags": ["z", "a", "b"],
+        "addresses": [{}, {"city": "Y", "tags": ["z", "a", "b"]}],
+    }
+    assert json.dumps(doc, sort_keys=True) == snapshot
+
+
+def test_structural_sharing():
+    doc = make_doc()
+    new = apply_ops(doc, [{"op": "replace", "path": "/addresses/1/city", "value": "Z"}])
+    assert new is not doc and new["addresses"] is not doc["addresses"]
+    assert new["addresses"][1] is not doc["addresses"][1]
+    # untouched subtrees are the very same objects
+    assert new["name"] is doc["name"] and new["phone"] is doc["phone"]
+    assert new["tags"] is doc["tags"] and new["addresses"][0] is doc["addresses"][0]
+    # values from ops are shared, not copied
+    value = {"deep": [1, 2]}
+    assert apply_ops(doc, [{"op": "add", "path": "/v", "value": value}])["v"] is value
+
+
+def test_input_ops_not_mutated():
+    ops = json.loads(json.dumps(SEED_OPS))
+    apply_patch(None, ops)
+    assert ops == SEED_OPS
