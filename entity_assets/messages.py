@@ -1,0 +1,542 @@
+"""Pydantic models of the Kafka stream messages (seed 004) and the hot-path parser.
+
+Field names are the seed's wire names (``includeBefore``, ``appVersion``, ...) so that a model
+attribute, a Delta column and a JSON key never need a mapping table. Only ``from`` (a Python
+keyword) is spelled ``from_`` in Python.
+
+Pure pydantic on purpose: this module is imported by Spark workers and tests, and must stay
+cheap to import and fast to run (validation happens in pydantic-core's Rust code; the few
+Python validators are one call per model, not per field).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal, TypeVar
+
+import pydantic_core
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    computed_field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "DeadLetterCode",
+    "InvalidMessage",
+    "parse_message",
+    "to_message",
+    "to_json",
+    "TOPIC_MODELS",
+    "PatchOp",
+    "PatchSpec",
+    "EntityBatch",
+    "EntityPatch",
+    "EntityUpdate",
+    "SchemaPatch",
+    "SchemaUpdate",
+    "SchemaLearningEntityType",
+    "PartialResponse",
+    "CompleteResponse",
+    "Connection",
+    "DeviceChange",
+    "DeviceNotification",
+    "NotificationAck",
+    "ZoneSubscription",
+]
+
+MAX_MESSAGE_BYTES = 1_000_000
+"""The seed's 1000 KB message limit; larger records are dead-lettered before any parsing."""
+
+
+class DeadLetterCode(StrEnum):
+    """Codes written with each dead letter; GENERR* are the seed's, EA-* the project's own."""
+
+    BAD_FORMAT = "GENERR001"
+    UNSUPPORTED_TYPE = "GENERR002"
+    MALFORMED_JSON = "GENERR007"
+    UNEXPECTED = "GENERR009"
+    INVALID_UUID = "GENERR010"
+    OVERSIZE = "EA-OVERSIZE"
+    DUPLICATE = "EA-DUPLICATE"
+    SCHEMA_PENDING = "EA-SCHEMA-PENDING"
+
+
+class InvalidMessage(Exception):
+    """A record that must go to dead letters; ``reason`` names the offending field."""
+
+    def __init__(self, code: DeadLetterCode, reason: str) -> None:
+        # args == (code, reason) keeps the exception picklable across Spark workers.
+        super().__init__(code, reason)
+        self.code = code
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.reason}"
+
+
+# --------------------------------------------------------------------------- field types
+
+# Canonical 8-4-4-4-12 hex form, any version, either case. The check runs in Rust (pattern),
+# and parse_message recognises its error type on ``clientid`` to answer GENERR010.
+_UUID_PATTERN = r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+ClientId = Annotated[str, StringConstraints(pattern=_UUID_PATTERN)]
+# Identifiers become Kafka keys, partition values and Delta columns: empty ones are garbage.
+Name = Annotated[str, StringConstraints(min_length=1)]
+Part = Annotated[int, Field(ge=1)]
+# Literal[1, 2, 3] would accept JSON true and 1.0 even in strict mode; a bounded strict int won't.
+Status = Annotated[int, Field(ge=1, le=3)]
+Action = Literal["created", "updated", "deleted"]
+Document = dict[str, Any]
+
+_STRICT = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class _Model(BaseModel):
+    model_config = _STRICT
+
+
+class _DbModel(_Model):
+    """Accepts ``dbid`` (the tables) or ``db`` (the samples); rejects both when they differ.
+
+    Serializes ``dbid`` under both names, because the seed's samples (so its clients) read ``db``.
+    """
+
+    # Only the raw "db" key, kept for the conflict check.
+    db_given: str | None = Field(default=None, validation_alias="db", exclude=True, repr=False)
+
+    @computed_field(repr=False)  # type: ignore[prop-decorator]
+    @property
+    def db(self) -> str:
+        return self.dbid  # type: ignore[attr-defined,no-any-return]
+
+    @model_validator(mode="after")
+    def _db_matches_dbid(self) -> Any:
+        db = self.db_given
+        if db is not None and db != self.dbid:  # type: ignore[attr-defined]
+            raise PydanticCustomError(
+                "db_conflict",
+                "'db' ({db}) and 'dbid' ({dbid}) differ",
+                {"db": db, "dbid": self.dbid, "field": "dbid"},  # type: ignore[attr-defined]
+            )
+        return self
+
+
+def _dbid() -> Any:
+    return Field(validation_alias=AliasChoices("dbid", "db"))
+
+
+# --------------------------------------------------------------------------- patches
+
+_NEEDS_VALUE = frozenset(("add", "replace", "test"))
+_NEEDS_FROM = frozenset(("move", "copy"))
+
+
+class PatchOp(_Model):
+    """One JSON-Patch-like operation.
+
+    ``value`` is tri-state: absent (not in ``model_fields_set``), null, or a value; add/replace/
+    test need the key present (null is a legal value), move/copy need ``from``. Serialization
+    is the wire form (``from``, ``value`` only when present) whatever dump options are used.
+    """
+
+    op: Literal["add", "remove", "replace", "move", "copy", "test"]
+    path: str
+    value: Any = None
+    from_: str | None = Field(default=None, alias="from")
+
+    @model_validator(mode="after")
+    def _operands_present(self) -> PatchOp:
+        op = self.op
+        if op in _NEEDS_VALUE:
+            if "value" not in self.__pydantic_fields_set__:
+                raise PydanticCustomError(
+                    "op_field_missing", "field required for op '{op}'", {"op": op, "field": "value"}
+                )
+        elif op in _NEEDS_FROM and self.from_ is None:
+            raise PydanticCustomError(
+                "op_field_missing", "field required for op '{op}'", {"op": op, "field": "from"}
+            )
+        return self
+
+    @model_serializer(mode="plain")
+    def _wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.op, "path": self.path}
+        if "value" in self.__pydantic_fields_set__:
+            out["value"] = self.value
+        if self.from_ is not None:
+            out["from"] = self.from_
+        return out
+
+
+Ops = Annotated[list[PatchOp], Field(min_length=1)]
+
+
+class PatchSpec(_Model):
+    """One patch inside an entity batch (the seed's "raw patch document")."""
+
+    collection: Name
+    zone: Name
+    entity: Name
+    ops: Ops
+
+
+# --------------------------------------------------------------------------- entity streams
+
+
+class EntityBatch(_DbModel):
+    """entity-batches: a client's request over several entities, keyed by request id."""
+
+    clientid: ClientId
+    request: int
+    user: Name
+    dbid: Name = _dbid()
+    begun: int
+    patches: Annotated[list[PatchSpec], Field(min_length=1)]
+    learning: bool = False
+    includeBefore: bool = False
+    includeAfter: bool = False
+
+
+class EntityPatch(_DbModel):
+    """entity-patches: one patch of a batch, keyed by entity id."""
+
+    clientid: ClientId
+    request: int
+    user: Name
+    dbid: Name = _dbid()
+    collection: Name
+    zone: Name
+    entity: Name
+    parts: Part
+    part: Part
+    begun: int
+    ops: Ops
+    learning: bool = False
+    includeBefore: bool = False
+    includeAfter: bool = False
+
+
+class EntityUpdate(EntityPatch):
+    """entity-updates (and zone-changes): the applied patch and its outcome.
+
+    ``before``/``after`` are tri-state: unset = not requested (omitted on output), None = the
+    entity did not exist (before) or was deleted (after), written as null.
+    """
+
+    ended: int
+    status: Status
+    error: str | None = None
+    before: Document | None = None
+    after: Document | None = None
+
+
+class SchemaPatch(_DbModel):
+    """schema-patches: one patch to a database schema, keyed by database id."""
+
+    clientid: ClientId
+    request: int
+    user: Name
+    dbid: Name = _dbid()
+    parts: Part
+    part: Part
+    begun: int
+    ops: Ops
+    includeBefore: bool = False
+    includeAfter: bool = False
+
+
+class SchemaUpdate(SchemaPatch):
+    """schema-updates: the applied schema patch; before/after tri-state as in EntityUpdate."""
+
+    ended: int
+    status: Status
+    error: str | None = None
+    before: Document | None = None
+    after: Document | None = None
+
+
+class SchemaLearningEntityType(_DbModel):
+    """schema-learning entity-type message.
+
+    The seed's table requires ``parts`` (entity types in the schema) but its sample carries only
+    ``part``; both are accepted and at least one must be present.
+    """
+
+    clientid: ClientId
+    request: int
+    user: Name
+    dbid: Name = _dbid()
+    parts: Part | None = None
+    part: Part | None = None
+    begun: int
+    status: Annotated[int, Field(ge=1, le=1)]
+    after: Document
+
+    @model_validator(mode="after")
+    def _part_or_parts(self) -> SchemaLearningEntityType:
+        if self.parts is None and self.part is None:
+            raise PydanticCustomError(
+                "missing", "field required ('parts' or 'part')", {"field": "parts"}
+            )
+        return self
+
+
+class PartialResponse(_DbModel):
+    """partial-responses: the seed's minimal header, plus the whole entity/schema update.
+
+    Extra keys are kept as parsed (unvalidated) so the response is republished unchanged,
+    nulls included.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    clientid: ClientId
+    request: int
+    user: Name
+    dbid: Name = _dbid()
+    parts: Part
+    part: Part
+    begun: int
+    ended: int
+    status: Status
+
+
+class CompleteResponse(_Model):
+    """complete-responses: all partial responses of one request (``responses`` kept verbatim)."""
+
+    clientid: ClientId
+    request: int
+    user: Name
+    parts: Part
+    begun: int
+    ended: int
+    responses: list[Document]
+
+
+class Connection(_DbModel):
+    """connections: which device/app version a user connects with, keyed by username."""
+
+    clientid: ClientId
+    dbid: Name = _dbid()
+    user: Name
+    device: Name
+    appVersion: str
+    begun: int
+
+
+class DeviceChange(_DbModel):
+    """changes-by-device: one change summary for one device (the device is the Kafka key)."""
+
+    dbid: Name = _dbid()
+    collection: Name
+    zone: Name
+    entity: Name
+    notification: Name
+    action: Action
+    ended: int
+
+
+class DeviceNotification(_DbModel):
+    """device-notifications: a device's unacknowledged notifications summary."""
+
+    dbid: Name = _dbid()
+    user: Name
+    device: Name
+    count: Annotated[int, Field(ge=0)]
+    begun: int
+    ended: int
+
+
+# --------------------------------------------------------------------------- project-defined
+
+
+class NotificationAck(_DbModel):
+    """notification-acks (project-defined; the seed leaves acknowledgement open). Key: device.
+
+    An app acknowledges either listed notification ids (``notifications``) or everything up to a
+    point (``upTo``: every notification with ``ended <= upTo``), or both; an ack naming neither
+    is rejected. ``begun`` is the app's own timestamp of the ack.
+    """
+
+    dbid: Name = _dbid()
+    user: Name
+    device: Name
+    notifications: list[Name] | None = None
+    upTo: int | None = None
+    begun: int
+
+    @model_validator(mode="after")
+    def _acknowledges_something(self) -> NotificationAck:
+        if not self.notifications and self.upTo is None:
+            raise PydanticCustomError(
+                "missing",
+                "field required: non-empty 'notifications' or 'upTo'",
+                {"field": "notifications"},
+            )
+        return self
+
+
+_ALL_ACTIONS: tuple[Action, ...] = ("created", "updated", "deleted")
+
+
+class ZoneSubscription(_Model):
+    """Document of an entity of the built-in ``$zoneSubscription`` collection (project-defined).
+
+    The seed stores subscriptions as entities but leaves their fields open. Partitioning is by
+    ``subjectZone`` (the zone watched), not by the subscription entity's own zone.
+    ``subjectCollection`` None means every collection; ``actions`` defaults to all three.
+    """
+
+    subjectZone: Name
+    subjectCollection: Name | None = None
+    device: Name
+    user: Name
+    actions: Annotated[list[Action], Field(min_length=1)] = Field(
+        default_factory=lambda: list(_ALL_ACTIONS)
+    )
+
+    def covers(self, collection: str, action: str) -> bool:
+        """Whether a change in this zone should notify the subscribed device."""
+        return (
+            self.subjectCollection is None or self.subjectCollection == collection
+        ) and action in self.actions
+
+
+TOPIC_MODELS: dict[str, type[BaseModel]] = {
+    "entity-batches": EntityBatch,
+    "entity-patches": EntityPatch,
+    "entity-updates": EntityUpdate,
+    "zone-changes": EntityUpdate,
+    "schema-patches": SchemaPatch,
+    "schema-updates": SchemaUpdate,
+    "partial-responses": PartialResponse,
+    "complete-responses": CompleteResponse,
+    "connections": Connection,
+    "changes-by-device": DeviceChange,
+    "device-notifications": DeviceNotification,
+    "notification-acks": NotificationAck,
+}
+"""Single-shape topics and their model. schema-learning carries two shapes (EntityUpdate and
+SchemaLearningEntityType), so it is left to the caller."""
+
+
+# --------------------------------------------------------------------------- output
+
+_TRI_STATE = ("before", "after")
+
+
+def _has_kept_nulls(model: BaseModel) -> bool:
+    fields_set = model.__pydantic_fields_set__
+    for name in _TRI_STATE:
+        if name in fields_set and getattr(model, name, 0) is None:
+            return True
+    extra = model.__pydantic_extra__
+    return bool(extra) and any(value is None for value in extra.values())
+
+
+def to_message(model: BaseModel) -> dict[str, Any]:
+    """The JSON-ready dict published to Kafka.
+
+    None optionals are omitted, except ``before``/``after`` explicitly set to None (and null
+    extras of a PartialResponse), which are written as null: a null ``before`` tells the client
+    the entity was created. ``dbid`` appears as both ``dbid`` and ``db``.
+    """
+    out: dict[str, Any] = model.__pydantic_serializer__.to_python(
+        model, mode="json", by_alias=True, exclude_none=True
+    )
+    if _has_kept_nulls(model):
+        fields_set = model.__pydantic_fields_set__
+        for name in _TRI_STATE:
+            if name in fields_set and getattr(model, name, 0) is None:
+                out[name] = None
+        for name, value in (model.__pydantic_extra__ or {}).items():
+            if value is None:
+                out[name] = None
+    return out
+
+
+def to_json(model: BaseModel) -> bytes:
+    """``to_message`` as compact UTF-8 JSON, serialized straight from the model when possible."""
+    if _has_kept_nulls(model):
+        return pydantic_core.to_json(to_message(model))
+    return model.__pydantic_serializer__.to_json(model, by_alias=True, exclude_none=True)
+
+
+# --------------------------------------------------------------------------- parsing
+
+T = TypeVar("T", bound=BaseModel)
+
+_MAX_REASONS = 3
+# Our own errors raised at model level name their field in ctx, so the reason can point at it.
+_OWN_ERROR_TYPES = frozenset(("op_field_missing", "db_conflict", "missing"))
+_NOT_OBJECT_TYPES = frozenset(("model_type", "model_attributes_type", "dict_type"))
+
+
+def _location(err: Any) -> str:
+    loc = err["loc"]
+    ctx = err.get("ctx")
+    if ctx and "field" in ctx and err["type"] in _OWN_ERROR_TYPES:
+        loc = (*loc, ctx["field"])
+    return ".".join(str(part) for part in loc) or "message"
+
+
+def _is_bad_uuid(err: Any) -> bool:
+    return err["type"] == "string_pattern_mismatch" and err["loc"] == ("clientid",)
+
+
+def _classify(exc: ValidationError) -> InvalidMessage:
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    kind = first["type"]
+    if kind == "json_invalid":
+        return InvalidMessage(DeadLetterCode.MALFORMED_JSON, first["msg"])
+    if kind in _NOT_OBJECT_TYPES and not first["loc"]:
+        return InvalidMessage(DeadLetterCode.BAD_FORMAT, "message is not a JSON object")
+    code = DeadLetterCode.BAD_FORMAT
+    for err in errors:
+        if _is_bad_uuid(err):
+            code = DeadLetterCode.INVALID_UUID
+            break
+    parts = []
+    for err in errors[:_MAX_REASONS]:
+        if _is_bad_uuid(err):
+            parts.append("clientid: not a UUID (8-4-4-4-12 hex)")
+            continue
+        msg = err["msg"]
+        parts.append(f"{_location(err)}: {msg[:1].lower()}{msg[1:]}")
+    reason = "; ".join(parts)
+    if len(errors) > _MAX_REASONS:
+        reason += f" (+{len(errors) - _MAX_REASONS} more)"
+    return InvalidMessage(code, reason)
+
+
+def parse_message(model: type[T], raw: bytes | bytearray | memoryview | str | None) -> T:
+    """Validate one Kafka record value, or raise InvalidMessage carrying its dead-letter code.
+
+    The size check comes first so an oversize record never reaches the JSON parser.
+    """
+    if not raw:
+        raise InvalidMessage(DeadLetterCode.BAD_FORMAT, "empty message value")
+    if type(raw) is memoryview:
+        raw = raw.tobytes()
+    elif type(raw) is str:
+        raw = raw.encode()
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise InvalidMessage(
+            DeadLetterCode.OVERSIZE, f"message is {len(raw)} bytes, over {MAX_MESSAGE_BYTES}"
+        )
+    try:
+        return model.__pydantic_validator__.validate_json(raw)  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise _classify(exc) from None
+    except Exception as exc:  # never let one record kill a slice
+        raise InvalidMessage(DeadLetterCode.UNEXPECTED, f"{type(exc).__name__}: {exc}"[:300]) from exc
