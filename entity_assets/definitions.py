@@ -6,6 +6,7 @@ import os
 
 from dagster import Definitions, EnvVar
 
+from entity_assets.assets.entities import apply_entity_patches, entity_patches
 from entity_assets.assets.ingest import ingest
 from entity_assets.jobs import slice_job
 from entity_assets.sensors import kafka_offsets_sensor
@@ -44,7 +45,7 @@ def build_resources() -> dict:
 
 
 defs = Definitions(
-    assets=[ingest],
+    assets=[ingest, entity_patches, apply_entity_patches],
     jobs=[slice_job],
     sensors=[kafka_offsets_sensor],
     resources=build_resources(),

@@ -45,6 +45,24 @@ SCHEMAS: dict[str, pa.Schema] = {
         LINEAGE,
         [("stream", STR), ("kafka_key", BIN), ("value", BIN), ("code", STR), ("reason", STR)],
     ),
+    # the entity core
+    "entity_patches": _schema(
+        LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, [("bucket", I32)]
+    ),
+    "entity_updates": _schema(
+        LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, RESULT
+    ),
+    "entities": _schema(
+        [("slice", STR)], [("dbid", STR)], TARGET,
+        [("version", I64), ("deleted", BOOL), ("document", STR), ("ended", I64), ("bucket", I32)],
+    ),
+    "complete_responses": _schema(
+        LINEAGE, REQUEST, [("parts", I32), ("begun", I64), ("ended", I64), ("responses", STR)]
+    ),
 }
+# Partial responses carry the structure of entity-updates and schema-updates (the seed), so
+# schema results (no collection/zone/entity) share the table; `stream` says which.
+SCHEMAS["partial_responses"] = pa.schema(list(SCHEMAS["entity_updates"]) + [pa.field("stream", STR)])
+SCHEMAS["pending_responses"] = SCHEMAS["partial_responses"]
 
 INPUT_TABLES = ("entity_batches", "schema_patches", "connections", "notification_acks")

@@ -24,6 +24,7 @@ class KafkaResource(ConfigurableResource):
     ssl_ca_location: str | None = None
     client_config: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings, passed through")
     publish: bool = Field(default=True, description="publish derived streams back to their topics")
+    new_topic_partitions: int = Field(default=4, description="partitions of output topics this project creates")
 
     def config(self) -> dict[str, str]:
         """librdkafka settings for consumers, producers and admin clients."""

@@ -46,3 +46,85 @@ def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
         "delta_version": MetadataValue.int(summary["version"]),
         "table_uri": MetadataValue.path(engine.uri(table)),
     }
+
+
+# --------------------------------------------------------------------------- Spark reads
+
+def read_df(spark, files, table: str):
+    """A DataFrame over committed files of `table` (never the folder: it also holds removed files)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    schema = from_arrow_schema(SCHEMAS[table])
+    if not files:
+        return spark.createDataFrame([], schema)
+    return spark.read.schema(schema).parquet(*[f.uri for f in files])
+
+
+def collect_files(df) -> dict[str, list[DataFile]]:
+    """Collects the file records a mapInArrow task body yielded (see fold.FILES_SCHEMA)."""
+    by_table: dict[str, list[DataFile]] = defaultdict(list)
+    for row in df.collect():
+        by_table[row["table"]].append(DataFile(**row.asDict()))
+    return by_table
+
+
+# --------------------------------------------------------------------------- state order
+
+STATE_APP = "entity-assets"
+"""App id of the Delta app transactions that record the last slice applied to a state table."""
+
+
+class OutOfOrder(Exception):
+    pass
+
+
+def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bool, int | None]:
+    """(apply, version): whether this slice advances `table`, and the state version to read.
+
+    State advances strictly in slice order. A slice already applied is replayed against the
+    state as of the slice before it (Delta time travel), and the state is left as it is.
+    """
+    from entity_assets.slices import slice_key as key_of, slice_seq
+
+    seq = slice_seq(slice_key)
+    applied = engine.applied(table, STATE_APP) or 0
+    if applied < seq - 1:
+        raise OutOfOrder(
+            f"slice {slice_key} cannot be applied to {table}: it holds slices up to {key_of(applied)}, "
+            f"so slice {key_of(applied + 1)} is missing. Materialize the slices in order (a backfill of "
+            f"{key_of(applied + 1)}..{slice_key} does this)."
+        )
+    if applied == seq - 1:
+        return True, None
+    version = 0 if seq == 1 else engine.version_after(table, key_of(seq - 1), "apply")
+    if version is None:
+        raise OutOfOrder(f"no version of {table} records slice {key_of(seq - 1)}: cannot replay {slice_key}")
+    return False, version
+
+
+def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove) -> int:
+    from entity_assets.slices import slice_seq
+
+    return engine.commit(table, SCHEMAS[table], add=add, remove=remove, operation="apply",
+                         slice_key=slice_key, app_txn=(STATE_APP, slice_seq(slice_key)))
+
+
+# --------------------------------------------------------------------------- publishing
+
+def publish(spark, kafka, engine: DeltaRsEngine, table: str, slice_key: str) -> int:
+    """Publishes the slice's rows of `table` to its topic; returns the message count."""
+    from functools import partial
+
+    from entity_assets.kafka_io import ensure_topics
+    from entity_assets.publish import STREAMS, publish_task
+
+    if not kafka.publish:
+        return 0
+    topic = kafka.topic(STREAMS[table].name)
+    ensure_topics(kafka.config(), [topic], kafka.new_topic_partitions)
+    n_partitions = len(kafka.end_offsets([topic]))
+    uris = [f.uri for f in engine.slice_files(table, [slice_key])]
+    if not uris:
+        return 0
+    fn = partial(publish_task, table=table, topic=topic, partitions=n_partitions, kafka_config=kafka.config())
+    return sum(spark.sparkContext.parallelize(uris, len(uris)).mapPartitions(fn).collect())

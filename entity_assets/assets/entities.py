@@ -1,0 +1,194 @@
+"""The entity core: patches, updates, entity state, partial and complete responses."""
+
+import json
+from functools import partial
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetSpec,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+    multi_asset,
+)
+
+from entity_assets import fold
+from entity_assets.assets.common import (
+    OutOfOrder,
+    collect_files,
+    commit_slice,
+    commit_state,
+    ensure_tables,
+    publish,
+    read_df,
+    state_version,
+    table_metadata,
+)
+from entity_assets.core import ENTITY_KEY, ORDER
+from entity_assets.partitions import slices_partitions
+from entity_assets.slices import slice_key, slice_seq
+from entity_assets.tables import SCHEMAS
+from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
+
+KINDS = {"spark", "delta", "kafka"}
+
+
+@asset(
+    partitions_def=slices_partitions,
+    deps=["entity_batches"],
+    group_name="entities",
+    kinds=KINDS,
+    description="One patch per entity of each batch (part is 1-based in batch order); keyed and partitioned by entity id.",
+)
+def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
+                   kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
+    """Redelivered requests (same clientid and request) are exploded once.
+
+    A request seen earlier in this slice (lower Kafka coordinates) or in the previous
+    `dedupe_window_slices` slices is a duplicate: it stays in entity_batches, the durable
+    log, and is counted here.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    engine, key = lake.open(), context.partition_key
+    ensure_tables(engine, ["entity_patches"])
+    session = spark.session()
+    seq = slice_seq(key)
+    batch_files = engine.slice_files("entity_batches", [key])
+    prior_files = engine.slice_files(
+        "entity_batches", [slice_key(s) for s in range(max(1, seq - slicing.dedupe_window_slices), seq)]
+    )
+    batches = read_df(session, batch_files, "entity_batches")
+    first = Window.partitionBy("clientid", "request").orderBy("kafka_topic", "kafka_partition", "kafka_offset")
+    unique = batches.withColumn("_n", F.row_number().over(first)).filter("_n = 1").drop("_n")
+    if prior_files:
+        seen = read_df(session, prior_files, "entity_batches").select("clientid", "request")
+        unique = unique.join(seen, ["clientid", "request"], "left_anti")
+    fn = partial(fold.explode_task, slice_key=key, uri=engine.uri("entity_patches"),
+                 storage_options=engine.storage_options)
+    files = collect_files(unique.mapInArrow(fn, fold.FILES_DDL))
+    exploded = files.pop(fold.COUNT_BATCHES, [])
+    summary = commit_slice(engine, ["entity_patches"], files, key)["entity_patches"]
+    published = publish(session, kafka, engine, "entity_patches", key)
+    batches_in = sum(f.rows for f in batch_files)
+    meta = table_metadata(engine, "entity_patches", summary)
+    meta.update(batches=batches_in, duplicates=batches_in - sum(f.rows for f in exploded), published=published)
+    return MaterializeResult(metadata=meta)
+
+
+APPLY_TABLES = ("entity_updates", "entities", "partial_responses", "complete_responses")
+
+
+@multi_asset(
+    name="apply_entity_patches",
+    specs=[
+        AssetSpec("entity_updates", deps=["entity_patches"], group_name="entities", kinds=KINDS,
+                  description="Successful applications only (status 1), with ended and before/after as requested."),
+        AssetSpec("entities", deps=["entity_patches"], group_name="entities", kinds={"spark", "delta"},
+                  description="State: current document and version per (dbid, collection, zone, entity); "
+                              "Delta versions give the state as of any slice."),
+        AssetSpec("partial_responses", deps=["entity_patches"], group_name="responses", kinds=KINDS,
+                  description="One response per processed part, any status; keyed by request id, partitioned by client id."),
+        AssetSpec("complete_responses", deps=["partial_responses"], group_name="responses", kinds=KINDS,
+                  description="One message per request once every part is processed, responses ordered by part."),
+    ],
+    check_specs=[
+        AssetCheckSpec("updates_are_successes", asset="entity_updates",
+                       description="entity-updates holds only status 1"),
+        AssetCheckSpec("responses_have_every_part", asset="complete_responses",
+                       description="every complete response carries `parts` responses"),
+        AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
+    ],
+    partitions_def=slices_partitions,
+    can_subset=False,
+)
+def apply_entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
+                         kafka: KafkaResource):
+    """Folds the slice's patches over the entity state, bucket by bucket, in slice order."""
+    from pyspark.sql import functions as F
+
+    engine, key = lake.open(), context.partition_key
+    ensure_tables(engine, APPLY_TABLES + ("pending_responses",))
+    session = spark.session()
+    try:
+        apply, version = state_version(engine, "entities", key)
+        pending_apply, pending_version = state_version(engine, "pending_responses", key)
+    except OutOfOrder as exc:
+        raise Failure(str(exc)) from exc
+    if not apply:
+        context.log.info(f"slice {key} is already applied: replaying against the state of the slice before it")
+
+    uris = {t: engine.uri(t) for t in APPLY_TABLES + ("pending_responses",)}
+    state = engine.files("entities", version)
+    state_files: dict[int, list[str]] = {}
+    for f in state:
+        state_files.setdefault(f.min["bucket"], []).append(f.uri)
+    patches = read_df(session, engine.slice_files("entity_patches", [key]), "entity_patches")
+    ordered = patches.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *ENTITY_KEY, *ORDER)
+    fn = partial(fold.fold_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
+                 state_files=state_files, write_state=apply)
+    files = collect_files(ordered.mapInArrow(fn, fold.FILES_DDL))
+    new_state = files.pop("entities", [])
+    summary = commit_slice(engine, ["entity_updates", "partial_responses"], files, key)
+    if apply:
+        rewritten = {json.loads(f.stats)["minValues"]["bucket"] for f in new_state}
+        removed = [f for f in state if f.min["bucket"] in rewritten]
+        summary["entities"] = {"rows": sum(f.rows for f in new_state), "files": len(new_state),
+                               "version": commit_state(engine, "entities", key, new_state, removed)}
+    else:
+        summary["entities"] = {"rows": 0, "files": 0, "version": engine.version("entities")}
+
+    # complete responses: this slice's parts plus the parts still pending from earlier slices
+    pending = engine.files("pending_responses", pending_version)
+    parts = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses").unionByName(
+        read_df(session, pending, "pending_responses"))
+    grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions("clientid", "request", "part")
+    fn = partial(fold.complete_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
+                 write_state=pending_apply)
+    files = collect_files(grouped.mapInArrow(fn, fold.FILES_DDL))
+    new_pending = files.pop("pending_responses", [])
+    summary.update(commit_slice(engine, ["complete_responses"], files, key))
+    if pending_apply:
+        commit_state(engine, "pending_responses", key, new_pending, pending)
+
+    published = {t: publish(session, kafka, engine, t, key) for t in ("entity_updates", "partial_responses", "complete_responses")}
+
+    partials = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses")
+    by_status = {f"status_{r['status']}": r["count"] for r in partials.groupBy("status").count().collect()}
+    updates = read_df(session, engine.slice_files("entity_updates", [key]), "entity_updates")
+    completes = read_df(session, engine.slice_files("complete_responses", [key]), "complete_responses")
+    bad_updates = updates.filter("status != 1").count()
+    incomplete = completes.filter(F.size(F.from_json("responses", "array<string>")) != F.col("parts")).count()
+    current = read_df(session, engine.files("entities"), "entities")
+    repeated_keys = current.groupBy(*ENTITY_KEY).count().filter("count > 1").count()
+
+    for table in APPLY_TABLES:
+        meta = table_metadata(engine, table, summary[table])
+        if table in published:
+            meta["published"] = MetadataValue.int(published[table])
+        if table == "partial_responses":
+            meta.update({k: MetadataValue.int(v) for k, v in sorted(by_status.items())})
+            meta["pending_parts"] = MetadataValue.int(sum(f.rows for f in new_pending) if pending_apply else 0)
+        if table == "entity_updates":
+            meta["preview"] = MetadataValue.md(_preview(updates))
+        if table == "entities":
+            meta["replayed"] = MetadataValue.bool(not apply)
+        yield MaterializeResult(asset_key=table, metadata=meta)
+    yield AssetCheckResult(asset_key="entity_updates", check_name="updates_are_successes", passed=bad_updates == 0,
+                           metadata={"non_success_rows": bad_updates})
+    yield AssetCheckResult(asset_key="complete_responses", check_name="responses_have_every_part",
+                           passed=incomplete == 0, metadata={"incomplete": incomplete})
+    yield AssetCheckResult(asset_key="entities", check_name="one_row_per_entity", passed=repeated_keys == 0,
+                           metadata={"repeated_keys": repeated_keys})
+
+
+def _preview(df, n: int = 5) -> str:
+    cols = ["entity", "collection", "zone", "part", "status", "after"]
+    rows = df.select(*cols).limit(n).collect()
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c])[:60] for c in cols) + " |" for r in rows]
+    return "\n".join(lines)

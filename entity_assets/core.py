@@ -1,0 +1,186 @@
+"""The entity core as pure functions: batches to patches, patches to updates and responses.
+
+Nothing here knows Dagster or Spark; the assets call these inside Spark tasks. Rows are
+plain dicts with the column names of `tables.SCHEMAS`; JSON documents are text.
+
+Order of application (docs/entity-core.md): within a slice, the patches of one entity apply
+in (begun, clientid, request, part) order, all fields of the messages themselves, so the
+result does not depend on which Kafka partition a batch landed on. Across slices, slice
+order wins.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable, Iterator
+
+from entity_assets.patch import STATUS_OK, apply_patch
+
+STATE_BUCKETS = 32
+"""Hash buckets of the entity state. Fixed for the life of a lake: changing it needs a rebuild."""
+
+ORDER = ("begun", "clientid", "request", "part")
+ENTITY_KEY = ("dbid", "collection", "zone", "entity")
+
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def dumps(value) -> str:
+    return _dumps(value)
+
+
+def bucket_of(dbid: str, collection: str, zone: str, entity: str) -> int:
+    """Stable across processes and machines (Python's hash() is not)."""
+    return zlib.crc32(f"{dbid}\x1f{collection}\x1f{zone}\x1f{entity}".encode()) % STATE_BUCKETS
+
+
+def explode_batch(batch: dict) -> Iterator[dict]:
+    """One entity-patches row per patch of a batch; part is 1-based in batch order."""
+    patches = json.loads(batch["patches"])
+    parts = len(patches)
+    for part, patch in enumerate(patches, start=1):
+        yield {
+            "slice": batch["slice"], "kafka_topic": batch["kafka_topic"], "kafka_partition": batch["kafka_partition"],
+            "kafka_offset": batch["kafka_offset"], "kafka_timestamp": batch["kafka_timestamp"],
+            "clientid": batch["clientid"], "request": batch["request"], "user": batch["user"], "dbid": batch["dbid"],
+            "collection": patch["collection"], "zone": patch["zone"], "entity": patch["entity"],
+            "parts": parts, "part": part, "begun": batch["begun"], "ops": dumps(patch["ops"]),
+            "learning": batch["learning"], "includeBefore": batch["includeBefore"], "includeAfter": batch["includeAfter"],
+            "bucket": bucket_of(batch["dbid"], patch["collection"], patch["zone"], patch["entity"]),
+        }
+
+
+def ended_of(row: dict) -> int:
+    """Completion time from the message itself (its Kafka timestamp), never the wall clock."""
+    return max(row["kafka_timestamp"] or 0, row["begun"])
+
+
+class EntityState:
+    """The current document and version of one entity while a slice folds over it."""
+
+    __slots__ = ("doc", "version", "changed", "ended")
+
+    def __init__(self, document: str | None, version: int, deleted: bool, ended: int | None):
+        self.doc = None if deleted or document is None else json.loads(document)
+        self.version, self.changed, self.ended = version, False, ended
+
+
+def apply_one(state: EntityState, patch: dict) -> dict:
+    """Applies one patch row to `state`; returns its result row (every status)."""
+    ops = json.loads(patch["ops"])
+    before = state.doc
+    outcome = apply_patch(before, ops)
+    ended = ended_of(patch)
+    result = dict(patch)
+    result.pop("bucket", None)
+    result.update(ended=ended, status=outcome.status, error=outcome.error, before=None, after=None)
+    if outcome.status == STATUS_OK:
+        state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
+        if patch["includeBefore"] and before is not None:
+            result["before"] = dumps(before)
+        if patch["includeAfter"] and outcome.doc is not None:
+            result["after"] = dumps(outcome.doc)
+    return result
+
+
+def state_row(key: tuple, state: EntityState, slice_key: str, bucket: int) -> dict:
+    dbid, collection, zone, entity = key
+    return {
+        "slice": slice_key, "dbid": dbid, "collection": collection, "zone": zone, "entity": entity,
+        "version": state.version, "deleted": state.doc is None,
+        "document": None if state.doc is None else dumps(state.doc), "ended": state.ended, "bucket": bucket,
+    }
+
+
+# --------------------------------------------------------------------------- messages
+
+_REQUEST_FIELDS = ("clientid", "request", "user")
+_UPDATE_FIELDS = ("collection", "zone", "entity", "parts", "part", "begun")
+
+
+def result_message(row: dict) -> dict:
+    """The entity-updates / schema-updates / partial-responses message of a result row.
+
+    `before` and `after` appear only when the request asked for them; a requested `before`
+    is null when the patch created the entity (the seed's sample).
+    """
+    msg = {"dbid": row["dbid"], "db": row["dbid"]}
+    for name in _REQUEST_FIELDS:
+        msg[name] = row[name]
+    for name in _UPDATE_FIELDS:
+        if row.get(name) is not None:
+            msg[name] = row[name]
+    msg["ops"] = json.loads(row["ops"])
+    msg["status"] = row["status"]
+    msg["ended"] = row["ended"]
+    if row.get("learning"):
+        msg["learning"] = True
+    for flag in ("includeBefore", "includeAfter"):
+        if row.get(flag):
+            msg[flag] = True
+    if row["status"] != STATUS_OK:
+        msg["error"] = row["error"]
+    else:
+        if row.get("includeBefore"):
+            msg["before"] = None if row["before"] is None else json.loads(row["before"])
+        if row.get("includeAfter"):
+            msg["after"] = None if row["after"] is None else json.loads(row["after"])
+    return msg
+
+
+def complete_row(parts: list[dict], slice_key: str) -> dict:
+    """The complete-responses row of a request whose parts are all processed (sorted by part)."""
+    first, last = parts[0], max(parts, key=lambda r: r["ended"])
+    return {
+        "slice": slice_key, "kafka_topic": last["kafka_topic"], "kafka_partition": last["kafka_partition"],
+        "kafka_offset": last["kafka_offset"], "kafka_timestamp": last["kafka_timestamp"],
+        "clientid": first["clientid"], "request": first["request"], "user": first["user"], "dbid": first["dbid"],
+        "parts": first["parts"], "begun": first["begun"], "ended": last["ended"],
+        "responses": dumps([result_message(p) for p in parts]),
+    }
+
+
+def patch_message(row: dict) -> dict:
+    """The entity-patches message of a patch row."""
+    msg = {"dbid": row["dbid"], "db": row["dbid"]}
+    for name in _REQUEST_FIELDS + _UPDATE_FIELDS:
+        msg[name] = row[name]
+    msg["ops"] = json.loads(row["ops"])
+    for flag in ("learning", "includeBefore", "includeAfter"):
+        if row.get(flag):
+            msg[flag] = True
+    return msg
+
+
+def complete_message(row: dict) -> dict:
+    return {
+        "clientid": row["clientid"], "request": row["request"], "user": row["user"], "parts": row["parts"],
+        "begun": row["begun"], "ended": row["ended"], "responses": json.loads(row["responses"]),
+    }
+
+
+def group_requests(rows: Iterable[dict]) -> Iterator[tuple[tuple, list[dict]]]:
+    """Groups result rows sorted by (clientid, request, part), dropping repeated parts."""
+    key, parts, seen = None, [], set()
+    for row in rows:
+        k = (row["clientid"], row["request"])
+        if k != key:
+            if parts:
+                yield key, parts
+            key, parts, seen = k, [], set()
+        if row["part"] not in seen:
+            seen.add(row["part"])
+            parts.append(row)
+    if parts:
+        yield key, parts
+
+
+def split_complete(grouped: Iterable[tuple[tuple, list[dict]]], slice_key: str) -> Iterator[tuple[str, dict]]:
+    """Yields ("complete", row) for requests with every part, ("pending", part row) otherwise."""
+    for _, parts in grouped:
+        if len(parts) >= parts[0]["parts"]:
+            yield "complete", complete_row(sorted(parts, key=lambda r: r["part"]), slice_key)
+        else:
+            for p in parts:
+                yield "pending", p
