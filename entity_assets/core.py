@@ -56,27 +56,40 @@ def ended_of(row: dict) -> int:
     return max(row["kafka_timestamp"] or 0, row["begun"])
 
 
-class EntityState:
-    """The current document and version of one entity while a slice folds over it."""
+class DocState:
+    """A document (an entity, or a database schema) and its version while a slice folds over it."""
 
     __slots__ = ("doc", "version", "changed", "ended")
 
-    def __init__(self, document: str | None, version: int, deleted: bool, ended: int | None):
-        self.doc = None if deleted or document is None else json.loads(document)
-        self.version, self.changed, self.ended = version, False, ended
+    def __init__(self, row: dict | None = None):
+        if row is None:
+            self.doc, self.version, self.ended = None, 0, None
+        else:
+            self.doc = None if row["deleted"] or row["document"] is None else json.loads(row["document"])
+            self.version, self.ended = row["version"], row["ended"]
+        self.changed = False
+
+    def row(self, key: dict, slice_key: str, bucket: int) -> dict:
+        return {**key, "slice": slice_key, "version": self.version, "deleted": self.doc is None,
+                "document": None if self.doc is None else dumps(self.doc), "ended": self.ended, "bucket": bucket}
 
 
-def apply_one(state: EntityState, patch: dict) -> dict:
-    """Applies one patch row to `state`; returns its result row (every status)."""
+def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> dict:
+    """Applies one patch row to `state`; returns its result row (every status).
+
+    `implicit_empty`: a missing document counts as `{}` (every database has a schema), so
+    schema patches end with status 1 or 3, never 2.
+    """
     ops = json.loads(patch["ops"])
     before = state.doc
-    outcome = apply_patch(before, ops)
+    outcome = apply_patch({} if implicit_empty and before is None else before, ops)
     ended = ended_of(patch)
     result = dict(patch)
     result.pop("bucket", None)
-    result.update(ended=ended, status=outcome.status, error=outcome.error, before=None, after=None)
+    result.update(ended=ended, status=outcome.status, error=outcome.error, before=None, after=None, action=None)
     if outcome.status == STATUS_OK:
         state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
+        result["action"] = "created" if before is None else ("deleted" if outcome.deleted else "updated")
         if patch["includeBefore"] and before is not None:
             result["before"] = dumps(before)
         if patch["includeAfter"] and outcome.doc is not None:
@@ -84,13 +97,22 @@ def apply_one(state: EntityState, patch: dict) -> dict:
     return result
 
 
-def state_row(key: tuple, state: EntityState, slice_key: str, bucket: int) -> dict:
-    dbid, collection, zone, entity = key
-    return {
-        "slice": slice_key, "dbid": dbid, "collection": collection, "zone": zone, "entity": entity,
-        "version": state.version, "deleted": state.doc is None,
-        "document": None if state.doc is None else dumps(state.doc), "ended": state.ended, "bucket": bucket,
-    }
+def learning_row(result: dict, doc: dict) -> dict:
+    """An entity message of schema-learning: the entity update, always with its document."""
+    return {**result, "after": dumps(doc), "kind": "entity"}
+
+
+def entity_type_rows(result: dict, schema: dict) -> list[dict]:
+    """schema-learning entity-type messages: one per entity type of the updated schema.
+
+    The header of the schema update, no ops, `parts` the number of types, `after` that type only.
+    """
+    types = sorted(name for name, value in schema.items() if isinstance(value, dict))
+    return [
+        {**result, "collection": name, "zone": None, "entity": None, "ops": None, "before": None,
+         "after": dumps({name: schema[name]}), "parts": len(types), "part": part, "kind": "entity-type"}
+        for part, name in enumerate(types, start=1)
+    ]
 
 
 # --------------------------------------------------------------------------- messages
@@ -111,7 +133,8 @@ def result_message(row: dict) -> dict:
     for name in _UPDATE_FIELDS:
         if row.get(name) is not None:
             msg[name] = row[name]
-    msg["ops"] = json.loads(row["ops"])
+    if row.get("ops") is not None:
+        msg["ops"] = json.loads(row["ops"])
     msg["status"] = row["status"]
     msg["ended"] = row["ended"]
     if row.get("learning"):
@@ -122,9 +145,9 @@ def result_message(row: dict) -> dict:
     if row["status"] != STATUS_OK:
         msg["error"] = row["error"]
     else:
-        if row.get("includeBefore"):
+        if row.get("includeBefore") and "before" in row:  # schema-learning rows keep no before
             msg["before"] = None if row["before"] is None else json.loads(row["before"])
-        if row.get("includeAfter"):
+        if row.get("includeAfter") or row.get("kind"):  # schema-learning rows always carry after
             msg["after"] = None if row["after"] is None else json.loads(row["after"])
     return msg
 

@@ -6,8 +6,11 @@ import os
 
 from dagster import Definitions, EnvVar
 
-from entity_assets.assets.entities import apply_entity_patches, entity_patches
+from entity_assets.assets.devices import devices
+from entity_assets.assets.entities import apply_patches, entity_patches
 from entity_assets.assets.ingest import ingest
+from entity_assets.assets.notifications import changes_by_device, device_notifications, zone_changes
+from entity_assets.assets.schemas import learn_schemas
 from entity_assets.jobs import slice_job
 from entity_assets.sensors import kafka_offsets_sensor
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
@@ -45,7 +48,8 @@ def build_resources() -> dict:
 
 
 defs = Definitions(
-    assets=[ingest, entity_patches, apply_entity_patches],
+    assets=[ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes, changes_by_device,
+            device_notifications],
     jobs=[slice_job],
     sensors=[kafka_offsets_sensor],
     resources=build_resources(),

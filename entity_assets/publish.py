@@ -61,11 +61,26 @@ class Stream:
     message: Callable[[dict], dict]
 
 
+def _device_change(row: dict) -> dict:
+    """changes-by-device: the device is the key, not part of the message (the seed)."""
+    return {"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in
+            ("collection", "zone", "entity", "notification", "action", "ended")}}
+
+
+def _device_notification(row: dict) -> dict:
+    return {"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in ("user", "device", "count", "begun", "ended")}}
+
+
 STREAMS: dict[str, Stream] = {
     "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_message),
     "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_message),
+    "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_message),
+    "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_message),
     "partial_responses": Stream("partial-responses", request_key, "clientid", core.result_message),
     "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_message),
+    "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_message),
+    "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change),
+    "device_notifications": Stream("device-notifications", lambda r: r["device"], None, _device_notification),
 }
 
 

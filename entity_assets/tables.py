@@ -23,6 +23,7 @@ REQUEST = [("clientid", STR), ("request", I64), ("user", STR), ("dbid", STR)]
 FLAGS = [("learning", BOOL), ("includeBefore", BOOL), ("includeAfter", BOOL)]
 TARGET = [("collection", STR), ("zone", STR), ("entity", STR)]
 RESULT = [("ended", I64), ("status", I32), ("error", STR), ("before", STR), ("after", STR)]
+STATE = [("version", I64), ("deleted", BOOL), ("document", STR), ("ended", I64), ("bucket", I32)]
 
 
 def _schema(*groups) -> pa.Schema:
@@ -49,12 +50,42 @@ SCHEMAS: dict[str, pa.Schema] = {
     "entity_patches": _schema(
         LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, [("bucket", I32)]
     ),
+    # action (created/updated/deleted) and subjectZone (the zone-changes partition) are derived
+    # columns for the notification streams; they are not part of the published message.
     "entity_updates": _schema(
-        LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, RESULT
+        LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, RESULT,
+        [("action", STR), ("subjectZone", STR)],
     ),
-    "entities": _schema(
-        [("slice", STR)], [("dbid", STR)], TARGET,
-        [("version", I64), ("deleted", BOOL), ("document", STR), ("ended", I64), ("bucket", I32)],
+    "entities": _schema([("slice", STR), ("dbid", STR)], TARGET, STATE),
+    "schema_updates": _schema(
+        LINEAGE, REQUEST, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS[1:], RESULT
+    ),
+    "schemas": _schema([("slice", STR), ("dbid", STR)], STATE),
+    # entity rows (kind "entity", the entity-updates shape with `after` always set) and
+    # entity-type rows (kind "entity-type": collection is the type, `after` that type only)
+    "schema_learning": _schema(
+        LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS,
+        [("ended", I64), ("status", I32), ("after", STR), ("kind", STR)],
+    ),
+    "learned_schemas": _schema(
+        [("slice", STR), ("dbid", STR), ("collection", STR), ("observed", I64), ("declared", STR),
+         ("learned", STR), ("summary", STR), ("disagreements", STR)]
+    ),
+    "devices": _schema(
+        [("slice", STR), ("dbid", STR), ("user", STR), ("device", STR), ("clientid", STR), ("appVersion", STR),
+         ("firstSeen", I64), ("lastSeen", I64), ("connections", I64)]
+    ),
+    "zone_changes": None,  # set below: the entity-updates structure (the seed)
+    "changes_by_device": _schema(
+        LINEAGE, [("dbid", STR)], TARGET,
+        [("notification", STR), ("action", STR), ("ended", I64), ("device", STR), ("user", STR)],
+    ),
+    "device_notifications": _schema(
+        [("slice", STR), ("dbid", STR), ("user", STR), ("device", STR), ("count", I64), ("begun", I64), ("ended", I64)]
+    ),
+    "device_inboxes": _schema(
+        [("slice", STR), ("dbid", STR), ("user", STR), ("device", STR), ("version", I64), ("deleted", BOOL),
+         ("document", STR), ("ended", I64), ("bucket", I32)]
     ),
     "complete_responses": _schema(
         LINEAGE, REQUEST, [("parts", I32), ("begun", I64), ("ended", I64), ("responses", STR)]
@@ -64,5 +95,6 @@ SCHEMAS: dict[str, pa.Schema] = {
 # schema results (no collection/zone/entity) share the table; `stream` says which.
 SCHEMAS["partial_responses"] = pa.schema(list(SCHEMAS["entity_updates"]) + [pa.field("stream", STR)])
 SCHEMAS["pending_responses"] = SCHEMAS["partial_responses"]
+SCHEMAS["zone_changes"] = SCHEMAS["entity_updates"]
 
 INPUT_TABLES = ("entity_batches", "schema_patches", "connections", "notification_acks")

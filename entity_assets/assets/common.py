@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
@@ -107,6 +108,46 @@ def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove)
 
     return engine.commit(table, SCHEMAS[table], add=add, remove=remove, operation="apply",
                          slice_key=slice_key, app_txn=(STATE_APP, slice_seq(slice_key)))
+
+
+def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: DeltaRsEngine, state_table: str,
+                 slice_key: str, uris: dict[str, str], **task_args) -> tuple[dict[str, list[DataFile]], dict]:
+    """Runs a bucketed state fold (see fold.BucketStore) and commits the state table.
+
+    `df` needs a `bucket` column; each task gets whole buckets sorted by `order`. Returns the
+    other tables' files (for the caller to commit) and a summary of the state commit.
+    """
+    from functools import partial
+
+    from entity_assets.fold import FILES_DDL
+
+    apply, version = state_version(engine, state_table, slice_key)
+    snapshot = engine.files(state_table, version)
+    state_files: dict[int, list[str]] = defaultdict(list)
+    for f in snapshot:
+        state_files[f.min["bucket"]].append(f.uri)
+    ordered = df.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *order)
+    fn = partial(task, slice_key=slice_key, uris=uris, storage_options=engine.storage_options,
+                 state_files=dict(state_files), write_state=apply, **task_args)
+    files = collect_files(ordered.mapInArrow(fn, FILES_DDL))
+    new_state = files.pop(state_table, [])
+    if apply:
+        rewritten = {json.loads(f.stats)["minValues"]["bucket"] for f in new_state}
+        removed = [f for f in snapshot if f.min["bucket"] in rewritten]
+        summary = {"rows": sum(f.rows for f in new_state), "files": len(new_state),
+                   "version": commit_state(engine, state_table, slice_key, new_state, removed)}
+    else:
+        summary = {"rows": 0, "files": 0, "version": engine.version(state_table)}
+    summary["replayed"] = not apply
+    return files, summary
+
+
+def merge_files(*groups: dict[str, list[DataFile]]) -> dict[str, list[DataFile]]:
+    out: dict[str, list[DataFile]] = defaultdict(list)
+    for group in groups:
+        for table, files in group.items():
+            out[table].extend(files)
+    return out
 
 
 # --------------------------------------------------------------------------- publishing

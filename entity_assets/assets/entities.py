@@ -1,6 +1,5 @@
 """The entity core: patches, updates, entity state, partial and complete responses."""
 
-import json
 from functools import partial
 
 from dagster import (
@@ -22,15 +21,16 @@ from entity_assets.assets.common import (
     commit_slice,
     commit_state,
     ensure_tables,
+    fold_buckets,
+    merge_files,
     publish,
     read_df,
     state_version,
     table_metadata,
 )
-from entity_assets.core import ENTITY_KEY, ORDER
+from entity_assets.core import ENTITY_KEY, ORDER, STATE_BUCKETS
 from entity_assets.partitions import slices_partitions
 from entity_assets.slices import slice_key, slice_seq
-from entity_assets.tables import SCHEMAS
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 KINDS = {"spark", "delta", "kafka"}
@@ -68,7 +68,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     if prior_files:
         seen = read_df(session, prior_files, "entity_batches").select("clientid", "request")
         unique = unique.join(seen, ["clientid", "request"], "left_anti")
-    fn = partial(fold.explode_task, slice_key=key, uri=engine.uri("entity_patches"),
+    fn = partial(fold.explode_task, slice_key=key, uris={"entity_patches": engine.uri("entity_patches")},
                  storage_options=engine.storage_options)
     files = collect_files(unique.mapInArrow(fn, fold.FILES_DDL))
     exploded = files.pop(fold.COUNT_BATCHES, [])
@@ -80,19 +80,29 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     return MaterializeResult(metadata=meta)
 
 
-APPLY_TABLES = ("entity_updates", "entities", "partial_responses", "complete_responses")
+STREAM_TABLES = ("entity_updates", "schema_updates", "partial_responses", "schema_learning")
+STATE_TABLES = ("entities", "schemas", "pending_responses")
+APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
 
 
 @multi_asset(
-    name="apply_entity_patches",
+    name="apply_patches",
     specs=[
         AssetSpec("entity_updates", deps=["entity_patches"], group_name="entities", kinds=KINDS,
-                  description="Successful applications only (status 1), with ended and before/after as requested."),
+                  description="Successful entity patches only (status 1), with ended and before/after as requested."),
         AssetSpec("entities", deps=["entity_patches"], group_name="entities", kinds={"spark", "delta"},
                   description="State: current document and version per (dbid, collection, zone, entity); "
                               "Delta versions give the state as of any slice."),
-        AssetSpec("partial_responses", deps=["entity_patches"], group_name="responses", kinds=KINDS,
-                  description="One response per processed part, any status; keyed by request id, partitioned by client id."),
+        AssetSpec("schema_updates", deps=["schema_patches"], group_name="schemas", kinds=KINDS,
+                  description="Successful schema patches (status 1) with before/after as requested."),
+        AssetSpec("schemas", deps=["schema_patches"], group_name="schemas", kinds={"spark", "delta"},
+                  description="State: the declared schema document and version of each database."),
+        AssetSpec("schema_learning", deps=["entity_patches", "schema_patches"], group_name="schemas", kinds=KINDS,
+                  description="Entity updates of learning requests plus one entity-type message per type of "
+                              "every updated schema; partitioned by collection."),
+        AssetSpec("partial_responses", deps=["entity_patches", "schema_patches"], group_name="responses", kinds=KINDS,
+                  description="One response per processed part of entity and schema requests, any status; "
+                              "keyed by request id, partitioned by client id."),
         AssetSpec("complete_responses", deps=["partial_responses"], group_name="responses", kinds=KINDS,
                   description="One message per request once every part is processed, responses ordered by part."),
     ],
@@ -106,47 +116,40 @@ APPLY_TABLES = ("entity_updates", "entities", "partial_responses", "complete_res
     partitions_def=slices_partitions,
     can_subset=False,
 )
-def apply_entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
-                         kafka: KafkaResource):
-    """Folds the slice's patches over the entity state, bucket by bucket, in slice order."""
+def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, kafka: KafkaResource):
+    """Folds the slice's entity and schema patches over their state, bucket by bucket, in slice order.
+
+    Entity and schema results share one step because both feed partial and complete
+    responses and schema learning.
+    """
     from pyspark.sql import functions as F
 
     engine, key = lake.open(), context.partition_key
-    ensure_tables(engine, APPLY_TABLES + ("pending_responses",))
+    ensure_tables(engine, APPLY_TABLES)
     session = spark.session()
+    uris = {t: engine.uri(t) for t in APPLY_TABLES}
     try:
-        apply, version = state_version(engine, "entities", key)
+        patches = read_df(session, engine.slice_files("entity_patches", [key]), "entity_patches")
+        entity_files, entities = fold_buckets(spark, patches, ENTITY_KEY + ORDER, fold.fold_task, engine=engine,
+                                              state_table="entities", slice_key=key, uris=uris)
+        schema_patches = read_df(session, engine.slice_files("schema_patches", [key]), "schema_patches").withColumn(
+            "bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
+        schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
+                                             engine=engine, state_table="schemas", slice_key=key, uris=uris)
         pending_apply, pending_version = state_version(engine, "pending_responses", key)
     except OutOfOrder as exc:
         raise Failure(str(exc)) from exc
-    if not apply:
-        context.log.info(f"slice {key} is already applied: replaying against the state of the slice before it")
-
-    uris = {t: engine.uri(t) for t in APPLY_TABLES + ("pending_responses",)}
-    state = engine.files("entities", version)
-    state_files: dict[int, list[str]] = {}
-    for f in state:
-        state_files.setdefault(f.min["bucket"], []).append(f.uri)
-    patches = read_df(session, engine.slice_files("entity_patches", [key]), "entity_patches")
-    ordered = patches.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *ENTITY_KEY, *ORDER)
-    fn = partial(fold.fold_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
-                 state_files=state_files, write_state=apply)
-    files = collect_files(ordered.mapInArrow(fn, fold.FILES_DDL))
-    new_state = files.pop("entities", [])
-    summary = commit_slice(engine, ["entity_updates", "partial_responses"], files, key)
-    if apply:
-        rewritten = {json.loads(f.stats)["minValues"]["bucket"] for f in new_state}
-        removed = [f for f in state if f.min["bucket"] in rewritten]
-        summary["entities"] = {"rows": sum(f.rows for f in new_state), "files": len(new_state),
-                               "version": commit_state(engine, "entities", key, new_state, removed)}
-    else:
-        summary["entities"] = {"rows": 0, "files": 0, "version": engine.version("entities")}
+    if entities["replayed"]:
+        context.log.info(f"slice {key} is already applied: replayed against the state of the slice before it")
+    summary = commit_slice(engine, STREAM_TABLES, merge_files(entity_files, schema_files), key)
+    summary.update(entities=entities, schemas=schemas)
 
     # complete responses: this slice's parts plus the parts still pending from earlier slices
     pending = engine.files("pending_responses", pending_version)
     parts = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses").unionByName(
         read_df(session, pending, "pending_responses"))
-    grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions("clientid", "request", "part")
+    grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions(
+        "clientid", "request", "part")
     fn = partial(fold.complete_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
                  write_state=pending_apply)
     files = collect_files(grouped.mapInArrow(fn, fold.FILES_DDL))
@@ -155,10 +158,12 @@ def apply_entity_patches(context: AssetExecutionContext, spark: SparkResource, l
     if pending_apply:
         commit_state(engine, "pending_responses", key, new_pending, pending)
 
-    published = {t: publish(session, kafka, engine, t, key) for t in ("entity_updates", "partial_responses", "complete_responses")}
+    published = {t: publish(session, kafka, engine, t, key)
+                 for t in ("entity_updates", "schema_updates", "schema_learning", "partial_responses", "complete_responses")}
 
     partials = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses")
-    by_status = {f"status_{r['status']}": r["count"] for r in partials.groupBy("status").count().collect()}
+    by_status = {f"{r['stream']} status {r['status']}": r["count"]
+                 for r in partials.groupBy("stream", "status").count().collect()}
     updates = read_df(session, engine.slice_files("entity_updates", [key]), "entity_updates")
     completes = read_df(session, engine.slice_files("complete_responses", [key]), "complete_responses")
     bad_updates = updates.filter("status != 1").count()
@@ -166,7 +171,8 @@ def apply_entity_patches(context: AssetExecutionContext, spark: SparkResource, l
     current = read_df(session, engine.files("entities"), "entities")
     repeated_keys = current.groupBy(*ENTITY_KEY).count().filter("count > 1").count()
 
-    for table in APPLY_TABLES:
+    for table in ("entity_updates", "entities", "schema_updates", "schemas", "schema_learning",
+                  "partial_responses", "complete_responses"):
         meta = table_metadata(engine, table, summary[table])
         if table in published:
             meta["published"] = MetadataValue.int(published[table])
@@ -175,8 +181,8 @@ def apply_entity_patches(context: AssetExecutionContext, spark: SparkResource, l
             meta["pending_parts"] = MetadataValue.int(sum(f.rows for f in new_pending) if pending_apply else 0)
         if table == "entity_updates":
             meta["preview"] = MetadataValue.md(_preview(updates))
-        if table == "entities":
-            meta["replayed"] = MetadataValue.bool(not apply)
+        if table in ("entities", "schemas"):
+            meta["replayed"] = MetadataValue.bool(summary[table]["replayed"])
         yield MaterializeResult(asset_key=table, metadata=meta)
     yield AssetCheckResult(asset_key="entity_updates", check_name="updates_are_successes", passed=bad_updates == 0,
                            metadata={"non_success_rows": bad_updates})
@@ -187,7 +193,7 @@ def apply_entity_patches(context: AssetExecutionContext, spark: SparkResource, l
 
 
 def _preview(df, n: int = 5) -> str:
-    cols = ["entity", "collection", "zone", "part", "status", "after"]
+    cols = ["entity", "collection", "zone", "part", "action", "after"]
     rows = df.select(*cols).limit(n).collect()
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c])[:60] for c in cols) + " |" for r in rows]

@@ -1,0 +1,66 @@
+"""Devices: who connects with which device and app version."""
+
+from functools import partial
+
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
+
+from entity_assets import fold
+from entity_assets.assets.common import (
+    OutOfOrder,
+    collect_files,
+    commit_state,
+    ensure_tables,
+    read_df,
+    state_version,
+    table_metadata,
+)
+from entity_assets.partitions import slices_partitions
+from resources import LakeResource, SparkResource
+
+DEVICE_KEY = ("dbid", "user", "device")
+
+
+@asset(
+    partitions_def=slices_partitions,
+    deps=["connections"],
+    group_name="devices",
+    kinds={"spark", "delta"},
+    description="State: per user the devices seen, first and last seen, the latest app version and client.",
+)
+def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource) -> MaterializeResult:
+    """The seed's reason for the connections stream: which app versions are in use."""
+    from pyspark.sql import functions as F
+
+    engine, key = lake.open(), context.partition_key
+    ensure_tables(engine, ["devices"])
+    try:
+        apply, version = state_version(engine, "devices", key)
+    except OutOfOrder as exc:
+        raise Failure(str(exc)) from exc
+    session = spark.session()
+    prior = read_df(session, engine.files("devices", version), "devices")
+    seen = read_df(session, engine.slice_files("connections", [key]), "connections").select(
+        *DEVICE_KEY, "clientid", "appVersion", F.col("begun").alias("firstSeen"), F.col("begun").alias("lastSeen"),
+        F.lit(1).cast("long").alias("connections"))
+    latest = F.struct("lastSeen", "appVersion", "clientid")
+    merged = (
+        prior.drop("slice").unionByName(seen)
+        .groupBy(*DEVICE_KEY)
+        .agg(F.min("firstSeen").alias("firstSeen"), F.max("lastSeen").alias("lastSeen"),
+             F.max(latest).alias("latest"), F.sum("connections").alias("connections"))
+        .select(F.lit(key).alias("slice"), *DEVICE_KEY, "latest.clientid", "latest.appVersion", "firstSeen",
+                "lastSeen", "connections")
+    )
+    app_versions = {r["appVersion"]: r["count"] for r in merged.groupBy("appVersion").count().collect()}
+    summary = {"rows": sum(app_versions.values()), "files": 0, "version": engine.version("devices")}
+    if apply:
+        fn = partial(fold.copy_task, target="devices", slice_key=key, uris={"devices": engine.uri("devices")},
+                     storage_options=engine.storage_options)
+        files = collect_files(merged.mapInArrow(fn, fold.FILES_DDL)).get("devices", [])
+        summary.update(files=len(files), version=commit_state(engine, "devices", key, files,
+                                                              engine.files("devices", version)))
+    meta = table_metadata(engine, "devices", summary)
+    meta.update(app_versions=MetadataValue.json(dict(sorted(app_versions.items(), key=lambda kv: str(kv[0])))),
+                connections_this_slice=MetadataValue.int(sum(f.rows for f in engine.slice_files("connections", [key]))),
+                replayed=MetadataValue.bool(not apply))
+    return MaterializeResult(metadata=meta)

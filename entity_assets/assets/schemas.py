@@ -1,0 +1,90 @@
+"""Schema learning: the entity-type schema inferred per collection from the learning stream."""
+
+import json
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetSpec,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    multi_asset,
+)
+
+from entity_assets import fold
+from entity_assets.assets.common import OutOfOrder, commit_state, ensure_tables, read_df, state_version, table_metadata
+from entity_assets.learning import Summary, disagreements, entity_types, infer
+from entity_assets.partitions import slices_partitions
+from entity_assets.storage import FileWriter
+from entity_assets.tables import SCHEMAS
+from resources import LakeResource, SparkResource
+
+SUMMARY_DDL = "dbid string, collection string, summary string"
+
+
+@multi_asset(
+    name="learn_schemas",
+    specs=[AssetSpec("learned_schemas", deps=["schema_learning", "schemas"], group_name="schemas",
+                     kinds={"spark", "delta"},
+                     description="Per database and collection, the entity-type schema learned from the learning "
+                                 "stream, starting from the declared schema; evolves slice by slice.")],
+    check_specs=[AssetCheckSpec("entities_match_declared_schema", asset="learned_schemas",
+                                description="observed entities agree with the declared schema")],
+    partitions_def=slices_partitions,
+)
+def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource):
+    """Spark tasks summarize their rows; the driver merges summaries, never documents."""
+    engine, key = lake.open(), context.partition_key
+    ensure_tables(engine, ["learned_schemas"])
+    try:
+        apply, version = state_version(engine, "learned_schemas", key)
+    except OutOfOrder as exc:
+        raise Failure(str(exc)) from exc
+    session = spark.session()
+    learning = read_df(session, engine.slice_files("schema_learning", [key]), "schema_learning").filter("kind = 'entity'")
+    partials = learning.repartition(spark.parallelism() * 2, "dbid", "collection").mapInArrow(fold.learn_task, SUMMARY_DDL)
+
+    summaries: dict[tuple[str, str], Summary] = {}
+    for row in engine.read("learned_schemas", version).to_pylist():
+        summaries[(row["dbid"], row["collection"])] = Summary.from_json(row["summary"])
+    observed_now = 0
+    for row in partials.collect():
+        part = Summary.from_json(row["summary"])
+        observed_now += part.observed
+        summaries.setdefault((row["dbid"], row["collection"]), Summary()).merge(part)
+
+    declared: dict[tuple[str, str], dict] = {}
+    schemas_version = engine.version_after("schemas", key, "apply")
+    for row in engine.read("schemas", schemas_version).to_pylist():
+        if not row["deleted"] and row["document"]:
+            for collection, entity_type in entity_types(json.loads(row["document"])).items():
+                declared[(row["dbid"], collection)] = entity_type
+
+    rows, report = [], {}
+    for dbid, collection in sorted(set(summaries) | set(declared)):
+        summary = summaries.get((dbid, collection), Summary())
+        decl = declared.get((dbid, collection))
+        issues = disagreements(summary, decl) if summary.observed else []
+        if issues:
+            report[f"{dbid}/{collection}"] = issues
+        rows.append({"slice": key, "dbid": dbid, "collection": collection, "observed": summary.observed,
+                     "declared": None if decl is None else json.dumps(decl, sort_keys=True),
+                     "learned": json.dumps(infer(summary, decl), sort_keys=True), "summary": summary.to_json(),
+                     "disagreements": json.dumps(issues)})
+    result = {"rows": len(rows), "files": 0, "version": engine.version("learned_schemas")}
+    if apply:  # a replay recomputes the check but leaves the state as it is
+        writer = FileWriter("learned_schemas", engine.uri("learned_schemas"), SCHEMAS["learned_schemas"], key,
+                            storage_options=engine.storage_options)
+        for row in rows:
+            writer.append(row)
+        files = writer.close()
+        result.update(files=len(files), version=commit_state(engine, "learned_schemas", key, files,
+                                                            engine.files("learned_schemas", version)))
+    meta = table_metadata(engine, "learned_schemas", result)
+    meta.update(collections=MetadataValue.int(len(summaries)), observed_this_slice=MetadataValue.int(observed_now),
+                replayed=MetadataValue.bool(not apply))
+    yield MaterializeResult(asset_key="learned_schemas", metadata=meta)
+    yield AssetCheckResult(asset_key="learned_schemas", check_name="entities_match_declared_schema",
+                           passed=not report, metadata={"disagreements": MetadataValue.json(report)})

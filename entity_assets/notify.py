@@ -1,0 +1,266 @@
+"""Zone subscriptions, change fan-out and device inboxes (seed 004: zone-changes,
+changes-by-device, device-notifications).
+
+Pure Python on purpose (stdlib + the pydantic models of ``messages``): the Dagster assets and the
+Spark jobs call these functions per row, and the tests exercise the rules without a JVM.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import ValidationError
+
+from entity_assets.messages import ZoneSubscription
+
+__all__ = [
+    "SUBSCRIPTIONS",
+    "NOTIFICATION_NAMESPACE",
+    "action_of",
+    "subject_zone",
+    "parse_subscription",
+    "notification_id",
+    "SubscriptionIndex",
+    "fan_out",
+    "DeviceInbox",
+]
+
+SUBSCRIPTIONS = "$zoneSubscription"
+"""The built-in collection whose entities are zone subscriptions (one per database)."""
+
+NOTIFICATION_NAMESPACE = uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337")
+"""Fixed uuid5 namespace of notification ids; never change it, or re-runs mint new ids."""
+
+
+def action_of(created: bool, deleted: bool) -> str:
+    """The change action of a successful entity update.
+
+    ``created``: the entity did not exist before; ``deleted``: the patch removed the document.
+    Both at once (a patch on a missing entity that leaves nothing) counts as ``deleted``: the entity
+    is absent afterwards, so a subscriber must not be told it now exists.
+    """
+    if deleted:
+        return "deleted"
+    return "created" if created else "updated"
+
+
+def parse_subscription(document: dict[str, Any] | None) -> ZoneSubscription | None:
+    """The subscription a ``$zoneSubscription`` document describes, or None if it is not one.
+
+    Never raises: a malformed subscription is user data, and must not stop a slice.
+    """
+    if not isinstance(document, dict):
+        return None
+    try:
+        return ZoneSubscription.model_validate(document)
+    except (ValidationError, ValueError, TypeError):
+        return None
+
+
+def subject_zone(collection: str, zone: str, document: dict[str, Any] | None) -> str:
+    """The zone-changes partition of a change: a subscription's ``subjectZone``, else ``zone``.
+
+    For subscriptions pass the ``after`` document, or ``before`` for a deletion, so the whole life
+    of a subscription lands in the zone it watches. A missing/invalid document falls back to the
+    entity's own zone (there is no subject zone to honour).
+    """
+    if collection == SUBSCRIPTIONS:
+        sub = parse_subscription(document)
+        if sub is not None:
+            return sub.subjectZone
+    return zone
+
+
+def notification_id(
+    device: str,
+    dbid: str,
+    collection: str,
+    zone: str,
+    entity: str,
+    clientid: str,
+    request: int,
+    part: int,
+) -> str:
+    """Deterministic id of one device's notification of one applied patch.
+
+    (clientid, request, part) identifies the patch, so a re-run of a slice yields the same ids and
+    an app's acks stay valid. The fields are JSON-encoded so no separator can make two keys collide.
+    """
+    key = json.dumps([device, dbid, collection, zone, entity, clientid, int(request), int(part)])
+    return str(uuid.uuid5(NOTIFICATION_NAMESPACE, key))
+
+
+class SubscriptionIndex:
+    """Subscriptions in effect, indexed by (dbid, subjectZone).
+
+    Built from (dbid, subscription entity id, subscription) triples; a later triple with the same
+    (dbid, entity id) replaces the earlier one, so a stream of successive versions can be fed in.
+    """
+
+    def __init__(self, subscriptions: Iterable[tuple[str, str, ZoneSubscription]]) -> None:
+        by_entity: dict[tuple[str, str], ZoneSubscription] = {}
+        for dbid, entity, sub in subscriptions:
+            by_entity[(dbid, entity)] = sub
+        self._by_zone: dict[tuple[str, str], list[ZoneSubscription]] = {}
+        for (dbid, _entity), sub in by_entity.items():
+            self._by_zone.setdefault((dbid, sub.subjectZone), []).append(sub)
+        self._size = len(by_entity)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def devices_for(self, dbid: str, collection: str, zone: str, action: str) -> list[tuple[str, str]]:
+        """Sorted unique (device, user) pairs to notify of ``action`` on ``collection`` in ``zone``."""
+        subs = self._by_zone.get((dbid, zone))
+        if not subs:
+            return []
+        return sorted({(s.device, s.user) for s in subs if s.covers(collection, action)})
+
+
+def fan_out(change: dict[str, Any], index: SubscriptionIndex) -> list[dict[str, Any]]:
+    """changes-by-device rows of one entity update: one per subscribed device.
+
+    The device is the Kafka key and the notification id is per device, so a device subscribed
+    under several users (a shared device token) gets one row, carrying the lowest user in sort
+    order (deterministic across re-runs). Changes of ``$zoneSubscription`` entities notify nobody,
+    and neither do failed updates (entity-updates should hold only status 1; this is a guard).
+    """
+    collection = change["collection"]
+    if collection == SUBSCRIPTIONS or change.get("status", 1) != 1:
+        return []
+    dbid, zone, action = change["dbid"], change["zone"], change["action"]
+    pairs = index.devices_for(dbid, collection, zone, action)
+    if not pairs:
+        return []
+    entity, ended = change["entity"], change["ended"]
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for device, user in pairs:  # sorted, so the first pair of a device has its lowest user
+        if device in seen:
+            continue
+        seen.add(device)
+        rows.append(
+            {
+                "dbid": dbid,
+                "collection": collection,
+                "zone": zone,
+                "entity": entity,
+                "notification": notification_id(
+                    device, dbid, collection, zone, entity,
+                    change["clientid"], change["request"], change["part"],
+                ),
+                "action": action,
+                "ended": ended,
+                "device": device,
+                "user": user,
+            }
+        )
+    return rows
+
+
+class DeviceInbox:
+    """The unacknowledged notifications of one device; state kept between slices as JSON.
+
+    Ordering within a slice: the caller adds the device's new notifications first and then applies
+    its acks, so an ack can acknowledge a notification of the same slice (an app may ack as soon
+    as the push arrives). An ack naming an id that is not pending (unknown, already acked, or not
+    yet seen) is ignored; it is not remembered, so a later notification with that id stays pending
+    until an ``upTo`` covers it.
+
+    ``last`` is the highest ``ended`` ever added; it survives acks so that an emptied inbox still
+    has a timestamp for the message's required ``begun``/``ended``.
+    """
+
+    def __init__(
+        self,
+        dbid: str,
+        user: str,
+        device: str,
+        pending: dict[str, int] | None = None,
+        *,
+        last: int | None = None,
+    ) -> None:
+        self.dbid = dbid
+        self.user = user
+        self.device = device
+        self.pending: dict[str, int] = dict(pending or {})
+        top = max(self.pending.values(), default=None)
+        self.last = top if last is None else (last if top is None else max(last, top))
+
+    def add(self, notification: str, ended: int) -> None:
+        """Record a notification; re-adding a pending id keeps its first ``ended`` (idempotent)."""
+        self.pending.setdefault(notification, ended)
+        if self.last is None or ended > self.last:
+            self.last = ended
+
+    def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None) -> int:
+        """Remove the named notifications and every one with ``ended <= up_to``; how many went."""
+        removed = 0
+        for notification in notifications or ():
+            if self.pending.pop(notification, None) is not None:
+                removed += 1
+        if up_to is not None:
+            covered = [n for n, ended in self.pending.items() if ended <= up_to]
+            for notification in covered:
+                del self.pending[notification]
+            removed += len(covered)
+        return removed
+
+    @property
+    def count(self) -> int:
+        return len(self.pending)
+
+    @property
+    def begun(self) -> int | None:
+        """``ended`` of the oldest unacknowledged notification."""
+        return min(self.pending.values(), default=None)
+
+    @property
+    def ended(self) -> int | None:
+        """``ended`` of the newest unacknowledged notification."""
+        return max(self.pending.values(), default=None)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "dbid": self.dbid,
+                "user": self.user,
+                "device": self.device,
+                "pending": self.pending,
+                "last": self.last,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceInbox:
+        raw = json.loads(text)
+        pending = {str(k): int(v) for k, v in (raw.get("pending") or {}).items()}
+        return cls(raw["dbid"], raw["user"], raw["device"], pending, last=raw.get("last"))
+
+    def message(self) -> dict[str, Any]:
+        """The device-notifications message (validates as ``messages.DeviceNotification``).
+
+        An empty inbox still yields a message (count 0, so the push service can clear the badge);
+        its ``begun``/``ended`` are both the last notification's ``ended`` (0 if there never was one).
+        """
+        if self.pending:
+            begun, ended = self.begun, self.ended
+        else:
+            begun = ended = self.last or 0
+        return {
+            "dbid": self.dbid,
+            "db": self.dbid,
+            "user": self.user,
+            "device": self.device,
+            "count": self.count,
+            "begun": begun,
+            "ended": ended,
+        }
+
+    def __repr__(self) -> str:
+        return f"DeviceInbox({self.dbid!r}, {self.user!r}, {self.device!r}, count={self.count})"

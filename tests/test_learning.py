@@ -1,0 +1,361 @@
+"""Unit tests for entity_assets.learning (pure stdlib, milliseconds)."""
+
+import itertools
+import json
+import pickle
+import random
+
+import pytest
+
+from entity_assets.learning import (
+    TYPES,
+    Summary,
+    disagreements,
+    entity_types,
+    infer,
+    normalize_type,
+    type_of,
+)
+from entity_assets.patch import parse_path
+
+# The seed's schema-updates sample schema (after homePhone was added) and entity-updates sample entity.
+SEED_SCHEMA = {
+    "Contacts": {
+        "fields": {
+            "firstName": {"type": "STRING", "optional": False},
+            "lastName": {"type": "STRING", "optional": False},
+            "homePhone": {"type": "STRING", "optional": True},
+        }
+    },
+    "Groups": {"fields": {"groupName": {"type": "STRING", "optional": False}}},
+}
+SALLY = {"firstName": "Sally", "lastName": "Anderson", "phone": {"home": "1-222-555-1234"}}
+CONTACTS = SEED_SCHEMA["Contacts"]
+
+
+def kinds(found):
+    return [(d["path"], d["kind"]) for d in found]
+
+
+# ---------------------------------------------------------------- type_of / names
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (True, "BOOLEAN"), (False, "BOOLEAN"), (0, "INTEGER"), (2**70, "INTEGER"), (1.5, "DOUBLE"),
+        ("x", "STRING"), ({}, "DOCUMENT"), ([], "ARRAY"), (None, "NULL"),
+    ],
+)
+def test_type_of(value, expected):
+    assert type_of(value) == expected
+    assert expected in TYPES
+
+
+def test_type_of_rejects_non_json():
+    with pytest.raises(TypeError):
+        type_of(object())
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("string", "STRING"), ("Long", "INTEGER"), ("int", "INTEGER"), ("FLOAT", "DOUBLE"),
+        ("number", "DOUBLE"), ("bool", "BOOLEAN"), ("object", "DOCUMENT"), ("Map", "DOCUMENT"),
+        ("list", "ARRAY"), (" double ", "DOUBLE"), ("uuid", "UUID"), (None, None), ("", None),
+    ],
+)
+def test_normalize_type(name, expected):
+    assert normalize_type(name) == expected
+
+
+# ---------------------------------------------------------------- the seed's sample
+
+
+def test_seed_sample_learned_type():
+    learned = infer(Summary.of([SALLY]), CONTACTS)
+    assert learned == {
+        "fields": {
+            "firstName": {"type": "STRING", "optional": False},
+            "homePhone": {"type": "STRING", "optional": True},
+            "lastName": {"type": "STRING", "optional": False},
+            "phone": {"type": "DOCUMENT", "optional": False, "fields": {"home": {"type": "STRING", "optional": False}}},
+        }
+    }
+    assert list(learned["fields"]) == sorted(learned["fields"])
+
+
+def test_seed_sample_disagreements():
+    found = disagreements(Summary.of([SALLY]), CONTACTS)
+    # phone only (not phone/home); homePhone is optional so its absence is fine
+    assert kinds(found) == [("phone", "undeclared")]
+    assert "1 of 1" in found[0]["detail"]
+
+
+def test_entity_types_of_seed_schema():
+    types = entity_types({**SEED_SCHEMA, "comment": "not a collection", "n": 3})
+    assert set(types) == {"Contacts", "Groups"}
+    assert types["Contacts"] is CONTACTS
+    assert entity_types(None) == {}
+    assert entity_types([]) == {}
+
+
+def test_declared_none_makes_every_top_level_field_undeclared():
+    found = disagreements(Summary.of([SALLY]), None)
+    assert kinds(found) == [("firstName", "undeclared"), ("lastName", "undeclared"), ("phone", "undeclared")]
+    assert infer(Summary.of([SALLY])) == infer(Summary.of([SALLY]), None)
+
+
+# ---------------------------------------------------------------- optional inference
+
+
+def test_field_in_two_of_three_documents_is_optional():
+    s = Summary.of([{"a": 1, "b": "x"}, {"a": 2}, {"a": 3, "b": "y"}])
+    assert infer(s)["fields"] == {
+        "a": {"type": "INTEGER", "optional": False},
+        "b": {"type": "STRING", "optional": True},
+    }
+
+
+def test_nested_optional_is_relative_to_parent_documents():
+    docs = [
+        {"phone": {"home": "1", "work": "2"}},
+        {"phone": {"home": "3"}},
+        {},  # lacks phone: phone optional, says nothing about phone/home
+    ]
+    fields = infer(Summary.of(docs))["fields"]
+    assert fields["phone"]["optional"] is True
+    assert fields["phone"]["fields"] == {
+        "home": {"type": "STRING", "optional": False},
+        "work": {"type": "STRING", "optional": True},
+    }
+
+
+def test_deeply_nested_documents():
+    s = Summary.of([{"a": {"b": {"c": {"d": True}}}}, {"a": {"b": {"c": {}}}}])
+    d = infer(s)["fields"]["a"]["fields"]["b"]["fields"]["c"]["fields"]["d"]
+    assert d == {"type": "BOOLEAN", "optional": True}
+
+
+def test_declared_required_field_missing_becomes_optional_in_learned_only():
+    s = Summary.of([{"firstName": "A", "lastName": "B"}, {"firstName": "C"}])
+    learned = infer(s, CONTACTS)["fields"]
+    assert learned["lastName"] == {"type": "STRING", "optional": True}
+    assert CONTACTS["fields"]["lastName"]["optional"] is False  # declared untouched
+
+
+def test_declared_fields_kept_when_nothing_observed():
+    assert infer(Summary(), CONTACTS) == {
+        "fields": {
+            "firstName": {"type": "STRING", "optional": False},
+            "homePhone": {"type": "STRING", "optional": True},
+            "lastName": {"type": "STRING", "optional": False},
+        }
+    }
+    assert disagreements(Summary(), CONTACTS) == []
+
+
+# ---------------------------------------------------------------- types
+
+
+def test_integer_and_double_widen_to_double():
+    s = Summary.of([{"n": 1}, {"n": 2}, {"n": 2.5}])
+    assert infer(s)["fields"]["n"] == {"type": "DOUBLE", "optional": False}
+    assert disagreements(s, {"fields": {"n": {"type": "double", "optional": False}}}) == []
+
+
+def test_declared_integer_widened_by_double_but_reported():
+    declared = {"fields": {"n": {"type": "LONG", "optional": False}}}
+    s = Summary.of([{"n": 1}, {"n": 2.5}])
+    assert infer(s, declared)["fields"]["n"] == {"type": "DOUBLE", "optional": False}
+    assert kinds(disagreements(s, declared)) == [("n", "type_conflict")]
+
+
+def test_string_integer_conflict_most_frequent_wins_and_is_reported():
+    s = Summary.of([{"x": "a"}, {"x": 1}, {"x": 2}])
+    assert infer(s)["fields"]["x"]["type"] == "INTEGER"
+    found = disagreements(s, None)
+    assert kinds(found) == [("x", "undeclared")]
+    assert "conflicting" in found[0]["detail"]
+
+    declared = {"fields": {"x": {"type": "STRING", "optional": False}}}
+    found = disagreements(s, declared)
+    assert kinds(found) == [("x", "type_conflict")]
+    assert "INTEGER×2" in found[0]["detail"] and "STRING" in found[0]["detail"]
+    # the declaration is authoritative: a contradiction is reported, not learned
+    assert infer(s, declared)["fields"]["x"]["type"] == "STRING"
+
+
+def test_conflict_tie_broken_by_types_order():
+    s = Summary.of([{"x": True}, {"x": "a"}])
+    assert infer(s)["fields"]["x"]["type"] == "STRING"  # STRING precedes BOOLEAN in TYPES
+    s = Summary.of([{"x": [1]}, {"x": {"a": 1}}])
+    fields = infer(s)["fields"]
+    assert fields["x"]["type"] == "DOCUMENT"
+    assert fields["x"]["fields"] == {"a": {"type": "INTEGER", "optional": False}}
+
+
+def test_numbers_count_together_against_other_types():
+    s = Summary.of([{"x": 1}, {"x": 2.0}, {"x": "a"}])
+    assert infer(s)["fields"]["x"]["type"] == "DOUBLE"
+
+
+def test_null_handling():
+    s = Summary.of([{"x": None}, {"x": "a"}, {"y": None}])
+    fields = infer(s)["fields"]
+    assert fields["x"] == {"type": "STRING", "optional": True}  # NULL with T -> T, optional
+    assert fields["y"] == {"type": "NULL", "optional": True}  # only ever NULL
+
+    optional = {"fields": {"x": {"type": "STRING", "optional": True}, "y": {"type": "STRING", "optional": True}}}
+    assert disagreements(s, optional) == []
+    required = {"fields": {"x": {"type": "STRING", "optional": False}}}
+    found = disagreements(s, required)
+    assert kinds(found) == [("x", "required_missing"), ("x", "type_conflict"), ("y", "undeclared")]
+    assert "NULL×1" in found[1]["detail"]
+    assert infer(s, required)["fields"]["x"] == {"type": "STRING", "optional": True}
+
+
+def test_declared_synonyms_any_case():
+    declared = {"fields": {"n": {"type": "number", "optional": False}, "m": {"type": "Map", "optional": True}}}
+    s = Summary.of([{"n": 3, "m": {"k": "v"}}])
+    assert disagreements(s, declared) == []
+    assert infer(s, declared)["fields"] == {
+        "m": {"type": "DOCUMENT", "optional": True, "fields": {"k": {"type": "STRING", "optional": False}}},
+        "n": {"type": "DOUBLE", "optional": False},
+    }
+
+
+# ---------------------------------------------------------------- disagreements
+
+
+def test_required_missing_with_counts():
+    s = Summary.of([{"firstName": "A", "lastName": "B"}, {"firstName": "C"}, {"homePhone": "1"}])
+    found = disagreements(s, CONTACTS)
+    assert kinds(found) == [("firstName", "required_missing"), ("lastName", "required_missing")]
+    assert found[0]["detail"] == "missing in 1 of 3 documents"
+    assert found[1]["detail"] == "missing in 2 of 3 documents"
+
+
+def test_nested_declared_document():
+    declared = {
+        "fields": {
+            "address": {
+                "type": "DOCUMENT",
+                "optional": True,
+                "fields": {"street": {"type": "STRING", "optional": False}},
+            }
+        }
+    }
+    s = Summary.of([
+        {"address": {"street": "Main", "geo": {"lat": 1.0}}},
+        {"address": {"zip/code": 12345}},
+        {},
+    ])
+    found = disagreements(s, declared)
+    assert kinds(found) == [
+        ("address/geo", "undeclared"),  # top-most only: no address/geo/lat
+        ("address/street", "required_missing"),
+        ("address/zip~1code", "undeclared"),  # RFC 6901 escaped
+    ]
+    assert found[1]["detail"] == "missing in 1 of 2 documents"  # of the 2 address documents
+    assert parse_path(found[2]["path"]) == ("address", "zip/code")
+    learned = infer(s, declared)["fields"]["address"]
+    assert learned["optional"] is True
+    assert learned["fields"]["street"] == {"type": "STRING", "optional": True}
+    assert learned["fields"]["geo"]["fields"]["lat"] == {"type": "DOUBLE", "optional": False}
+
+
+def test_document_declared_without_fields_is_unconstrained_inside():
+    declared = {"fields": {"meta": {"type": "OBJECT", "optional": False}}}
+    s = Summary.of([{"meta": {"anything": 1}}])
+    assert disagreements(s, declared) == []
+    assert infer(s, declared)["fields"]["meta"]["fields"] == {"anything": {"type": "INTEGER", "optional": False}}
+
+
+# ---------------------------------------------------------------- merging and storage
+
+
+def random_doc(rng, depth=0):
+    doc = {}
+    for name in rng.sample(["a", "b", "c", "d"], rng.randint(0, 4)):
+        choice = rng.randrange(7 if depth < 3 else 6)
+        doc[name] = [None, True, 1, 1.5, "s", [1], None][choice] if choice < 6 else random_doc(rng, depth + 1)
+    return doc
+
+
+def test_merge_of_split_summaries_equals_summary_of_all():
+    rng = random.Random(4)
+    docs = [random_doc(rng) for _ in range(200)]
+    whole = Summary.of(docs)
+    parts = [Summary.of(docs[i:i + 37]) for i in range(0, len(docs), 37)]
+    # any grouping and any order
+    left = Summary()
+    for p in parts:
+        left.merge(Summary.from_json(p.to_json()))
+    right = Summary()
+    for p in reversed(parts):
+        right = Summary.from_json(p.to_json()).merge(right)
+    assert left == whole == right
+    assert left.to_json() == whole.to_json()
+    assert infer(left, CONTACTS) == infer(whole, CONTACTS)
+
+
+def test_merge_associative_and_commutative():
+    rng = random.Random(7)
+    a, b, c = (Summary.of(random_doc(rng) for _ in range(20)) for _ in range(3))
+
+    def copy(s):
+        return Summary.from_json(s.to_json())
+
+    ab_c = copy(a).merge(copy(b)).merge(copy(c))
+    a_bc = copy(a).merge(copy(b).merge(copy(c)))
+    for x, y, z in itertools.permutations((a, b, c)):
+        assert copy(x).merge(copy(y)).merge(copy(z)) == ab_c
+    assert ab_c == a_bc
+    assert ab_c.observed == 60
+
+
+def test_merge_returns_self_and_never_aliases_other():
+    a = Summary.of([{"p": {"q": 1}}])
+    b = Summary()
+    assert b.merge(a) is b
+    b.observe({"p": {"q": "x"}})
+    assert a.to_json() == Summary.of([{"p": {"q": 1}}]).to_json()
+    assert a.merge(a).observed == 2
+
+
+def test_json_round_trip():
+    s = Summary.of([SALLY, {"firstName": None, "tags": ["x"], "n": 1.5, "ok": False}])
+    text = s.to_json()
+    back = Summary.from_json(text)
+    assert back == s and back.to_json() == text
+    assert back.observed == 2
+    assert Summary.from_json(Summary().to_json()) == Summary()
+    assert pickle.loads(pickle.dumps(s)) == s  # ships to and from Spark tasks
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['[]', '{"observed": 1, "fields": {}}', '{"format": 1, "observed": -1, "fields": {}}',
+     '{"format": 1, "observed": 1, "fields": {"a": {"present": 1, "types": {"TEXT": 1}}}}'],
+)
+def test_from_json_rejects_malformed(text):
+    with pytest.raises(ValueError):
+        Summary.from_json(text)
+
+
+def test_observe_rejects_non_documents():
+    with pytest.raises(TypeError):
+        Summary().observe(None)
+
+
+def test_determinism():
+    docs = [SALLY, {"z": 1, "a": {"y": 2, "b": None}}, {"lastName": 3}]
+    rev = [dict(reversed(list(d.items()))) for d in reversed(docs)]
+    s1, s2 = Summary.of(docs), Summary.of(rev)
+    assert s1.to_json() == s2.to_json()
+    assert json.loads(s1.to_json()) == json.loads(s2.to_json())
+    assert json.dumps(infer(s1, CONTACTS)) == json.dumps(infer(s2, CONTACTS))
+    assert disagreements(s1, CONTACTS) == disagreements(s2, CONTACTS)
+    d = disagreements(s1, CONTACTS)
+    assert d == sorted(d, key=lambda x: (x["path"], x["kind"]))

@@ -1,0 +1,237 @@
+"""Subscriptions, fan-out and device inboxes against the seed's zone-changes, changes-by-device
+and device-notifications sections (seeds/004)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from entity_assets.messages import DeviceChange, DeviceNotification, NotificationAck, ZoneSubscription
+from entity_assets.notify import (
+    SUBSCRIPTIONS,
+    DeviceInbox,
+    SubscriptionIndex,
+    action_of,
+    fan_out,
+    notification_id,
+    parse_subscription,
+    subject_zone,
+)
+
+DB = "my-db"
+CLIENT = "c297cf20-18bd-40e2-827d-9b563ca28ccd"
+ENTITY = "101c3c90-e304-4279-b6a0-020363c925c6"
+
+
+def sub(zone: str, device: str, actions: list[str], user: str = "jsmith", collection: str | None = None):
+    doc = {"subjectZone": zone, "device": device, "user": user, "actions": actions}
+    if collection is not None:
+        doc["subjectCollection"] = collection
+    return doc
+
+
+def index_of(*docs: dict, dbid: str = DB) -> SubscriptionIndex:
+    return SubscriptionIndex((dbid, f"sub-{i}", ZoneSubscription.model_validate(d)) for i, d in enumerate(docs))
+
+
+def change(action: str, *, collection: str = "Contacts", zone: str = "A", request: int = 1, part: int = 1, **kw) -> dict:
+    row = {
+        "dbid": DB, "collection": collection, "zone": zone, "entity": ENTITY,
+        "clientid": CLIENT, "request": request, "part": part, "ended": 1415747086328, "action": action,
+    }
+    row.update(kw)
+    return row
+
+
+@pytest.fixture
+def seed_index() -> SubscriptionIndex:
+    """The seed's example: device1 and device2 watch creations and deletions in zone A, only device2 updates."""
+    return index_of(
+        sub("A", "device1", ["created", "deleted"]),
+        sub("A", "device2", ["created", "updated", "deleted"], user="jdoe"),
+    )
+
+
+# ---------------------------------------------------------------- actions and zones
+
+
+def test_action_of():
+    assert action_of(created=True, deleted=False) == "created"
+    assert action_of(created=False, deleted=False) == "updated"
+    assert action_of(created=False, deleted=True) == "deleted"
+    assert action_of(created=True, deleted=True) == "deleted"
+
+
+def test_subscription_change_is_partitioned_by_subject_zone():
+    doc = sub("A", "device1", ["created"])
+    assert subject_zone(SUBSCRIPTIONS, "subs-zone", doc) == "A"
+    assert subject_zone("Contacts", "B", doc) == "B"  # only $zoneSubscription entities are redirected
+    assert subject_zone(SUBSCRIPTIONS, "subs-zone", None) == "subs-zone"
+    assert subject_zone(SUBSCRIPTIONS, "subs-zone", {"device": "d"}) == "subs-zone"
+
+
+# ---------------------------------------------------------------- subscriptions
+
+
+def test_parse_subscription_defaults_and_invalid():
+    parsed = parse_subscription({"subjectZone": "A", "device": "d", "user": "u"})
+    assert parsed is not None
+    assert parsed.subjectCollection is None and parsed.actions == ["created", "updated", "deleted"]
+    for bad in (
+        None,
+        "not a dict",
+        [],
+        {},
+        {"subjectZone": "A", "device": "d"},  # no user
+        {"subjectZone": "", "device": "d", "user": "u"},
+        {"subjectZone": "A", "device": "d", "user": "u", "actions": ["touched"]},
+        {"subjectZone": "A", "device": "d", "user": "u", "actions": []},
+        {"subjectZone": 7, "device": "d", "user": "u"},
+    ):
+        assert parse_subscription(bad) is None, bad
+
+
+def test_devices_for_sorted_unique(seed_index):
+    assert seed_index.devices_for(DB, "Contacts", "A", "created") == [("device1", "jsmith"), ("device2", "jdoe")]
+    assert seed_index.devices_for(DB, "Contacts", "A", "updated") == [("device2", "jdoe")]
+    assert seed_index.devices_for(DB, "Contacts", "B", "created") == []
+    assert seed_index.devices_for("other-db", "Contacts", "A", "created") == []
+    dup = index_of(sub("A", "d", ["created"]), sub("A", "d", ["created", "updated"]))
+    assert dup.devices_for(DB, "X", "A", "created") == [("d", "jsmith")]
+
+
+def test_later_version_of_a_subscription_replaces_earlier():
+    first = ZoneSubscription.model_validate(sub("A", "d", ["created"]))
+    moved = ZoneSubscription.model_validate(sub("B", "d", ["created"]))
+    index = SubscriptionIndex([(DB, "s1", first), (DB, "s1", moved)])
+    assert len(index) == 1
+    assert index.devices_for(DB, "X", "A", "created") == []
+    assert index.devices_for(DB, "X", "B", "created") == [("d", "jsmith")]
+
+
+# ---------------------------------------------------------------- fan-out
+
+
+def test_seed_example_two_devices(seed_index):
+    created = fan_out(change("created"), seed_index)
+    assert [r["device"] for r in created] == ["device1", "device2"]
+    assert [r["user"] for r in created] == ["jsmith", "jdoe"]
+    updated = fan_out(change("updated", request=2), seed_index)
+    assert [r["device"] for r in updated] == ["device2"]
+    deleted = fan_out(change("deleted", request=3), seed_index)
+    assert [r["device"] for r in deleted] == ["device1", "device2"]
+    for row in created + updated + deleted:
+        assert set(row) == {"dbid", "collection", "zone", "entity", "notification", "action", "ended", "device", "user"}
+        # the wire message omits device/user (the device is the Kafka key)
+        msg = DeviceChange.model_validate({k: v for k, v in row.items() if k not in ("device", "user")})
+        assert msg.dbid == DB and msg.action == row["action"]
+
+
+def test_subject_collection_filter():
+    index = index_of(
+        sub("A", "contacts-only", ["created"], collection="Contacts"),
+        sub("A", "everything", ["created"]),
+    )
+    assert [r["device"] for r in fan_out(change("created"), index)] == ["contacts-only", "everything"]
+    assert [r["device"] for r in fan_out(change("created", collection="Orders"), index)] == ["everything"]
+
+
+def test_subscription_change_notifies_nobody():
+    index = index_of(sub("A", "d", ["created", "updated", "deleted"]))
+    row = change("created", collection=SUBSCRIPTIONS, zone="A")
+    assert fan_out(row, index) == []
+
+
+def test_failed_update_notifies_nobody(seed_index):
+    assert fan_out(change("created", status=3), seed_index) == []
+    assert len(fan_out(change("created", status=1), seed_index)) == 2
+
+
+def test_invalid_subscription_document_is_ignored():
+    docs = [sub("A", "good", ["created"]), {"subjectZone": "A", "device": "bad"}, None, {"actions": "created"}]
+    valid = [(DB, f"s{i}", s) for i, d in enumerate(docs) if (s := parse_subscription(d)) is not None]
+    index = SubscriptionIndex(valid)
+    assert [r["device"] for r in fan_out(change("created"), index)] == ["good"]
+
+
+def test_device_under_two_users_gets_one_row():
+    index = index_of(sub("A", "shared", ["created"], user="zoe"), sub("A", "shared", ["created"], user="amy"))
+    rows = fan_out(change("created"), index)
+    assert [(r["device"], r["user"]) for r in rows] == [("shared", "amy")]
+
+
+# ---------------------------------------------------------------- notification ids
+
+
+def test_notification_ids_deterministic_and_distinct(seed_index):
+    args = (DB, "Contacts", "A", ENTITY, CLIENT, 1, 1)
+    a = notification_id("device1", *args)
+    assert a == notification_id("device1", *args)
+    assert uuid.UUID(a).version == 5
+    assert a != notification_id("device2", *args)
+    assert a != notification_id("device1", DB, "Contacts", "A", ENTITY, CLIENT, 1, 2)
+    assert a != notification_id("device1", DB, "Contacts", "A", ENTITY, CLIENT, 2, 1)
+    # a re-run of the same slice mints the same ids
+    first = fan_out(change("created"), seed_index)
+    again = fan_out(change("created"), seed_index)
+    assert [r["notification"] for r in first] == [r["notification"] for r in again]
+    assert len({r["notification"] for r in first}) == 2
+
+
+# ---------------------------------------------------------------- device inbox
+
+
+def test_inbox_add_count_begun_ended():
+    inbox = DeviceInbox(DB, "jsmith", "device1")
+    assert inbox.count == 0 and inbox.begun is None and inbox.ended is None
+    inbox.add("n2", 200)
+    inbox.add("n1", 100)
+    inbox.add("n3", 300)
+    inbox.add("n1", 100)  # re-run: idempotent
+    assert (inbox.count, inbox.begun, inbox.ended) == (3, 100, 300)
+
+
+def test_inbox_ack_by_id_and_up_to():
+    inbox = DeviceInbox(DB, "jsmith", "device1", {"n1": 100, "n2": 200, "n3": 300, "n4": 400})
+    assert inbox.ack(["n2", "unknown"]) == 1
+    assert (inbox.count, inbox.begun, inbox.ended) == (3, 100, 400)
+    assert inbox.ack(["n2"]) == 0  # already acknowledged
+    assert inbox.ack(up_to=300) == 2  # n1, n3 (ended <= upTo)
+    assert (inbox.count, inbox.begun, inbox.ended) == (1, 400, 400)
+    assert inbox.ack(["n4"], up_to=50) == 1
+    assert inbox.count == 0 and inbox.begun is None
+
+
+def test_inbox_ack_from_notification_ack_message():
+    inbox = DeviceInbox(DB, "jsmith", "device1")
+    for n, t in (("n1", 10), ("n2", 20), ("n3", 30)):
+        inbox.add(n, t)  # this slice's notifications first ...
+    ack = NotificationAck.model_validate(
+        {"db": DB, "user": "jsmith", "device": "device1", "notifications": ["n3"], "upTo": 10, "begun": 1}
+    )
+    assert inbox.ack(ack.notifications, ack.upTo) == 2  # ... then its acks, which can cover them
+    assert list(inbox.pending) == ["n2"]
+
+
+def test_inbox_json_round_trip():
+    inbox = DeviceInbox(DB, "jsmith", "device1", {"n1": 100, "n2": 200})
+    inbox.ack(["n2"])
+    back = DeviceInbox.from_json(inbox.to_json())
+    assert (back.dbid, back.user, back.device, back.pending, back.last) == (DB, "jsmith", "device1", {"n1": 100}, 200)
+    assert back.to_json() == inbox.to_json()
+    assert back.message() == inbox.message()
+
+
+def test_inbox_message_validates():
+    inbox = DeviceInbox(DB, "jsmith", "7980f77c-2529-4978-9281-c44297c0f57e")
+    inbox.add("n1", 1415747103842)
+    inbox.add("n2", 1415747104012)
+    inbox.add("n3", 1415747103900)
+    msg = DeviceNotification.model_validate(inbox.message())
+    assert (msg.dbid, msg.db, msg.count, msg.begun, msg.ended) == (DB, DB, 3, 1415747103842, 1415747104012)
+    inbox.ack(up_to=1415747104012)
+    empty = DeviceNotification.model_validate(inbox.message())
+    assert (empty.count, empty.begun, empty.ended) == (0, 1415747104012, 1415747104012)
+    never = DeviceNotification.model_validate(DeviceInbox(DB, "u", "d").message())
+    assert (never.count, never.begun, never.ended) == (0, 0, 0)
