@@ -99,6 +99,8 @@ def cmd_produce(args) -> int:
     else:
         traffic = samples.BatchTraffic(patches=args.patches, entities=args.entities, ops=args.ops, seed=args.seed,
                                        learning=args.learning)
+        if args.devices:
+            traffic = samples.GraphTraffic(traffic, devices=args.devices)
         counts = produce_records(traffic.records())
         if args.bad:
             counts += produce_records(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))
@@ -191,7 +193,8 @@ def cmd_demo(args) -> int:
     cmd_broker(args)
     from entity_assets import samples
 
-    traffic = samples.BatchTraffic(patches=args.patches, entities=args.entities, learning=True)
+    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=args.patches, entities=args.entities, learning=True),
+                                   devices=args.devices)
     counts = produce_records([*samples.seed_records(), *traffic.records(),
                               *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))])
     print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     produce.add_argument("--ops", type=int, default=3)
     produce.add_argument("--seed", type=int, default=7)
     produce.add_argument("--learning", action="store_true")
+    produce.add_argument("--devices", type=int, default=0, help="whole-graph traffic: schemas, devices, subscriptions, acks")
     produce.add_argument("--bad", action="store_true", help="add one record per dead-letter path")
     run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
     run.add_argument("--max-messages", type=int, default=None, help="cap of messages per slice")
@@ -224,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
     demo.add_argument("--patches", type=int, default=10_000)
     demo.add_argument("--entities", type=int, default=1_000)
+    demo.add_argument("--devices", type=int, default=20)
     demo.add_argument("--partitions", type=int, default=4)
     args = parser.parse_args(argv)
     prepare_environment(args.port)

@@ -38,9 +38,26 @@ def encode(message: dict) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode()
 
 
+SEED_SCHEMA_PATCH = {
+    "db": "my-db", "clientid": SEED_CLIENT, "request": 2, "user": "jsmith", "begun": 1415747089227,
+    "part": 1, "parts": 1, "includeBefore": True, "includeAfter": True,
+    "ops": [{"op": "add", "path": "Contacts/fields/firstName", "value": {"type": "STRING", "optional": False}}],
+}
+
+SEED_CONNECTION = {
+    "db": "my-db", "clientid": SEED_CLIENT, "user": "jsmith", "device": "7980f77c-2529-4978-9281-c44297c0f57e",
+    "appVersion": "1.1", "begun": 1415747103842,
+}
+
+
 def seed_records() -> list[Record]:
-    b = SEED_ENTITY_BATCH
-    return [("entity-batches", request_key(b["clientid"], b["request"]), encode(b))]
+    """The seed's sample messages of the three input streams it defines."""
+    b, p, c = SEED_ENTITY_BATCH, SEED_SCHEMA_PATCH, SEED_CONNECTION
+    return [
+        ("entity-batches", request_key(b["clientid"], b["request"]), encode(b)),
+        ("schema-patches", p["db"], encode(p)),
+        ("connections", c["user"], encode(c)),
+    ]
 
 
 # A bad record for every dead-letter path of the validation, so the demo shows them.
@@ -108,3 +125,53 @@ class BatchTraffic:
         if not creating and self.ops > 1:
             ops[0] = {"op": "replace", "path": fields[0][0], "value": fields[0][1]}
         return ops
+
+
+SUBSCRIPTIONS = "$zoneSubscription"
+ACK_ALL = 2**62
+"""An `upTo` past any timestamp: acknowledges every notification of the device."""
+
+
+@dataclass(frozen=True)
+class GraphTraffic:
+    """Traffic for the whole graph: declared schemas, connections, subscriptions, patches, acks.
+
+    Device i belongs to user i % users and subscribes to zone i % zones; even devices to
+    every action, odd ones to creations and deletions only (the seed's two-device example).
+    Every third device acknowledges all its notifications.
+    """
+
+    batches: BatchTraffic = BatchTraffic(learning=True)
+    devices: int = 20
+    users: int = 5
+    app_versions: tuple[str, ...] = ("1.0", "1.1", "2.0")
+
+    def records(self) -> Iterator[Record]:
+        b = self.batches
+        client = str(uuid.UUID(int=b.seed, version=4))
+        fields = {"firstName": {"type": "STRING", "optional": False}, "lastName": {"type": "STRING", "optional": False}}
+        for part, collection in enumerate(b.collections, start=1):
+            patch = {"dbid": b.dbid, "clientid": client, "request": 1, "user": "admin", "begun": b.begun,
+                     "part": part, "parts": len(b.collections), "includeAfter": True,
+                     "ops": [{"op": "add", "path": f"{collection}/fields", "value": fields}]}
+            yield ("schema-patches", b.dbid, encode(patch))
+        subscriptions = []
+        for i in range(self.devices):
+            device, user = f"device-{i:05d}", f"user{i % self.users}"
+            yield ("connections", user, encode({"dbid": b.dbid, "clientid": client, "user": user, "device": device,
+                                                 "appVersion": self.app_versions[i % len(self.app_versions)],
+                                                 "begun": b.begun + i}))
+            actions = ["created", "updated", "deleted"] if i % 2 == 0 else ["created", "deleted"]
+            subscriptions.append({"collection": SUBSCRIPTIONS, "zone": "default", "entity": f"sub-{device}",
+                                  "ops": [{"op": "add", "path": "", "value": {
+                                      "subjectZone": b.zones[i % len(b.zones)], "device": device, "user": user,
+                                      "actions": actions}}]})
+        if subscriptions:
+            batch = {"dbid": b.dbid, "clientid": client, "request": 2, "user": "admin", "begun": b.begun,
+                     "patches": subscriptions}
+            yield ("entity-batches", request_key(client, 2), encode(batch))
+        yield from b.records()
+        for i in range(0, self.devices, 3):
+            device = f"device-{i:05d}"
+            yield ("notification-acks", device, encode({"dbid": b.dbid, "user": f"user{i % self.users}",
+                                                        "device": device, "upTo": ACK_ALL, "begun": b.begun}))
