@@ -83,24 +83,45 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
         consumer.close()
 
 
-def produce(config: dict, topic: str, records: Iterable[tuple[bytes | str | None, bytes | str]], *, partitioner: str | None = None) -> int:
-    """Produces (key, value) records; the default partitioner hashes the key like Kafka's Java client."""
-    producer = Producer({**config, **PRODUCER_DEFAULTS, "partitioner": partitioner or "murmur2_random"})
-    n = 0
-    for key, value in records:
+class BatchProducer:
+    """An idempotent producer that waits out full queues and fails loudly on undelivered records."""
+
+    def __init__(self, config: dict, topic: str):
+        self.topic = topic
+        self._producer = Producer({**config, **PRODUCER_DEFAULTS, "partitioner": "murmur2_random"})
+        self._errors: list = []
+        self.count = 0
+
+    def _on_delivery(self, err, _msg) -> None:
+        if err is not None:
+            self._errors.append(err)
+
+    def send(self, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
+        """Without `partition`, Kafka's murmur2 of the key picks it, like the Java client."""
+        kwargs = {} if partition is None else {"partition": partition}
         while True:
             try:
-                producer.produce(topic, value=value, key=key)
+                self._producer.produce(self.topic, value=value, key=key, on_delivery=self._on_delivery, **kwargs)
                 break
             except BufferError:
-                producer.poll(0.05)
-        n += 1
-        if n % 10000 == 0:
-            producer.poll(0)
-    remaining = producer.flush(60)
-    if remaining:
-        raise RuntimeError(f"{remaining} records to {topic} were not delivered")
-    return n
+                self._producer.poll(0.05)
+        self.count += 1
+        if self.count % 10000 == 0:
+            self._producer.poll(0)
+
+    def close(self, timeout: float = 120) -> int:
+        remaining = self._producer.flush(timeout)
+        if remaining or self._errors:
+            raise RuntimeError(f"producing to {self.topic} failed: {self._errors[:3] or f'{remaining} undelivered'}")
+        return self.count
+
+
+def produce(config: dict, topic: str, records: Iterable[tuple[bytes | str | None, bytes | str]]) -> int:
+    """Produces (key, value) records; returns how many."""
+    producer = BatchProducer(config, topic)
+    for key, value in records:
+        producer.send(key, value)
+    return producer.close()
 
 
 def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout: float = 30.0) -> list[str]:

@@ -8,14 +8,13 @@ and part for responses, entity and version-bearing fields for updates). See docs
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
 from entity_assets import core
-from entity_assets.kafka_io import PRODUCER_DEFAULTS
+from entity_assets.kafka_io import BatchProducer
 
 
 def murmur2(data: bytes) -> int:
@@ -86,31 +85,11 @@ STREAMS: dict[str, Stream] = {
 
 def publish_task(uris: Iterator[str], *, table: str, topic: str, partitions: int, kafka_config: dict) -> Iterator[int]:
     """mapPartitions body over data file URIs; yields the number of messages produced."""
-    from confluent_kafka import Producer
-
     stream = STREAMS[table]
-    producer = Producer({**kafka_config, **PRODUCER_DEFAULTS, "partitioner": "murmur2_random"})
-    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-    errors: list = []
-
-    def on_delivery(err, _msg):
-        if err is not None:
-            errors.append(err)
-
-    n = 0
+    producer = BatchProducer(kafka_config, topic)
     for uri in uris:
         for batch in pq.ParquetFile(uri).iter_batches(batch_size=20_000):
             for row in batch.to_pylist():
-                kwargs = {"partition": partition_for(row[stream.partition_by], partitions)} if stream.partition_by else {}
-                while True:
-                    try:
-                        producer.produce(topic, value=encode(stream.message(row)).encode(), key=stream.key(row).encode(),
-                                         on_delivery=on_delivery, **kwargs)
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
-                n += 1
-            producer.poll(0)
-    if producer.flush(120) or errors:
-        raise RuntimeError(f"publishing to {topic} failed: {errors[:3] or 'undelivered messages'}")
-    yield n
+                partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
+                producer.send(stream.key(row).encode(), core.dumps(stream.message(row)).encode(), partition)
+    yield producer.close()

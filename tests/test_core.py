@@ -1,0 +1,114 @@
+"""The entity core's pure functions against the seed's own samples (no Spark, no Kafka)."""
+
+import json
+
+from entity_assets import core
+from entity_assets.messages import CompleteResponse, EntityPatch, EntityUpdate, PartialResponse, parse_message
+from entity_assets.publish import STREAMS, murmur2, partition_for
+from entity_assets.samples import SEED_ENTITY_BATCH
+
+SALLY = "400cb092-00af-4e44-bdcb-1a0c536692bf"
+WILLIAM = "101c3c90-e304-4279-b6a0-020363c925c6"
+LINEAGE = {"slice": "0000000001", "kafka_topic": "entity-batches", "kafka_partition": 0, "kafka_offset": 7,
+           "kafka_timestamp": 1415747086327}
+
+
+def batch_row(batch: dict) -> dict:
+    return {**LINEAGE, "clientid": batch["clientid"], "request": batch["request"], "user": batch["user"],
+            "dbid": batch["db"], "begun": batch["begun"], "patches": json.dumps(batch["patches"]),
+            "learning": batch["learning"], "includeBefore": batch["includeBefore"],
+            "includeAfter": batch["includeAfter"]}
+
+
+def test_explode_yields_the_seed_entity_patch_sample():
+    (patch,) = core.explode_batch(batch_row(SEED_ENTITY_BATCH))
+    expected = {
+        "db": "my-db", "collection": "Contacts", "zone": "default", "entity": SALLY,
+        "clientid": "c297cf20-18bd-40e2-827d-9b563ca28ccd", "request": 2, "user": "jsmith", "begun": 1415747086227,
+        "part": 1, "parts": 1, "includeBefore": True, "includeAfter": True, "learning": True,
+        "ops": SEED_ENTITY_BATCH["patches"][0]["ops"],
+    }
+    message = core.patch_message(patch)
+    assert {k: v for k, v in message.items() if k != "dbid"} == expected
+    assert patch["bucket"] == core.bucket_of("my-db", "Contacts", "default", SALLY)
+    parse_message(EntityPatch, json.dumps(message).encode())
+
+
+def test_fold_yields_the_seed_entity_update_sample():
+    (patch,) = core.explode_batch(batch_row(SEED_ENTITY_BATCH))
+    state = core.DocState()
+    result = core.apply_one(state, patch)
+    message = core.result_message(result)
+    assert message.pop("ended") == LINEAGE["kafka_timestamp"]  # from the record, not the wall clock
+    assert message["before"] is None and "before" in message  # created: before is null, not absent
+    assert message["after"] == {"firstName": "Sally", "lastName": "Anderson", "phone": {"home": "1-222-555-1234"}}
+    assert message["status"] == 1 and result["action"] == "created"
+    assert state.version == 1 and state.changed
+    parse_message(EntityUpdate, json.dumps({**message, "ended": 1}).encode())
+
+
+def test_failed_patch_leaves_state_and_reports_status_3():
+    state = core.DocState({"document": json.dumps({"a": 1}), "version": 4, "deleted": False, "ended": 9})
+    patch = {**LINEAGE, "clientid": "c", "request": 1, "user": "u", "dbid": "d", "collection": "C", "zone": "z",
+             "entity": "e", "parts": 1, "part": 1, "begun": 1, "learning": False, "includeBefore": True,
+             "includeAfter": True, "ops": json.dumps([{"op": "replace", "path": "a", "value": 2},
+                                                      {"op": "remove", "path": "missing"}])}
+    result = core.apply_one(state, patch)
+    assert result["status"] == 3 and "op 1 (remove" in result["error"]
+    assert state.doc == {"a": 1} and state.version == 4 and not state.changed
+    message = core.result_message(result)
+    assert "before" not in message and "after" not in message and message["error"]
+
+
+def test_two_part_request_yields_the_seed_complete_response():
+    parts = []
+    for part, (entity, first, last, path, phone) in enumerate(
+        [(SALLY, "Sally", "Anderson", "phone/home", "1-222-555-1234"),
+         (WILLIAM, "William", "Johnson", "homePhone", "1-222-555-9876")], start=1):
+        ops = [{"op": "add", "path": "firstName", "value": first}, {"op": "add", "path": "lastName", "value": last},
+               {"op": "add", "path": path, "value": phone}]
+        patch = {**LINEAGE, "kafka_timestamp": 1415747086326 + part, "clientid": "c297cf20-18bd-40e2-827d-9b563ca28ccd",
+                 "request": 2, "user": "jsmith", "dbid": "my-db", "collection": "Contacts", "zone": "default",
+                 "entity": entity, "parts": 2, "part": part, "begun": 1415747086227, "learning": False,
+                 "includeBefore": True, "includeAfter": True, "ops": json.dumps(ops)}
+        parts.append(core.apply_one(core.DocState(), patch))
+    # parts arrive in any order and one twice: grouped by request, deduped, ordered by part
+    rows = sorted([parts[1], parts[0], parts[1]], key=lambda r: (r["clientid"], r["request"], r["part"]))
+    (kind, row), = core.split_complete(core.group_requests(rows), "0000000003")
+    assert kind == "complete" and row["slice"] == "0000000003"
+    message = core.complete_message(row)
+    CompleteResponse.model_validate(message)
+    assert [r["part"] for r in message["responses"]] == [1, 2]
+    assert message["ended"] == 1415747086328 and message["parts"] == 2
+    assert message["responses"][1]["after"] == {"firstName": "William", "lastName": "Johnson",
+                                                "homePhone": "1-222-555-9876"}
+    for response in message["responses"]:
+        PartialResponse.model_validate(response)
+
+
+def test_incomplete_request_stays_pending():
+    part = {"clientid": "c", "request": 1, "part": 1, "parts": 2}
+    assert list(core.split_complete(core.group_requests([part]), "0000000001")) == [("pending", part)]
+
+
+def test_entity_type_rows_one_per_type():
+    schema = {"Contacts": {"fields": {"a": {"type": "STRING"}}}, "Groups": {"fields": {}}}
+    rows = core.entity_type_rows({"clientid": "c", "request": 1, "parts": 1, "part": 1}, schema)
+    assert [(r["collection"], r["part"], r["parts"]) for r in rows] == [("Contacts", 1, 2), ("Groups", 2, 2)]
+    assert json.loads(rows[0]["after"]) == {"Contacts": schema["Contacts"]} and rows[0]["ops"] is None
+
+
+def test_murmur2_matches_kafkas_java_client():
+    # test vectors from Kafka's own UtilsTest (signed ints there)
+    vectors = {b"21": -973932308, b"foobar": -790332482, b"a-little-bit-long-string": -985981536,
+               b"a-little-bit-longer-string": -1486304829, b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8": -58897971,
+               b"abc": 479470107}
+    for data, signed in vectors.items():
+        assert murmur2(data) == signed & 0xFFFFFFFF
+    assert all(0 <= partition_for(f"client{i}", 4) < 4 for i in range(100))
+
+
+def test_every_derived_stream_has_a_publisher():
+    assert {s.name for s in STREAMS.values()} == {
+        "entity-patches", "entity-updates", "schema-updates", "schema-learning", "partial-responses",
+        "complete-responses", "zone-changes", "changes-by-device", "device-notifications"}
