@@ -58,8 +58,10 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
     try:
         consumer.assign([TopicPartition(r.topic, r.partition, r.start)])
         last_progress = time.monotonic()
+        next_offset = r.start
         while True:
-            messages = consumer.consume(batch, timeout=1.0)
+            # consume() waits for num_messages or the timeout: never ask for more than the range holds
+            messages = consumer.consume(max(1, min(batch, r.end - next_offset)), timeout=1.0)
             for m in messages:
                 err = m.error()
                 if err is not None:
@@ -69,6 +71,7 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
                 if m.offset() >= r.end:
                     return
                 yield m
+                next_offset = m.offset() + 1
                 if m.offset() >= r.end - 1:
                     return
             if messages:

@@ -143,7 +143,7 @@ def plan_slices(
         return []
     slices: list[Manifest] = []
     seq = next_seq
-    while pending > 0:
+    while pending >= policy.max_messages or (due and pending > 0):
         budget = policy.max_messages
         share = min(1.0, budget / pending)
         ranges = []

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole pipeline on the embedded default: starts the local broker, produces sample traffic
+# (the seed's batch, generated batches and one bad record per dead-letter path), materializes
+# every slice through the Dagster job and prints a summary of the lake.
+#
+#   bash scripts/demo.sh [--patches N] [--entities N] [--partitions N]
+#
+# State lives in $ENTITY_ASSETS_HOME (default ./.entity-assets): broker data, Delta lake, and the
+# Dagster instance that scripts/ui.sh shows. The broker keeps running afterwards.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+
+export ENTITY_ASSETS_HOME=${ENTITY_ASSETS_HOME:-$PWD/.entity-assets}
+# The same Dagster instance as scripts/ui.sh, so the demo's runs show in the UI.
+export DAGSTER_HOME=$ENTITY_ASSETS_HOME/dagster
+mkdir -p "$DAGSTER_HOME"
+cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+
+status=0
+.venv/bin/entity-assets demo "$@" || status=$?
+
+cat <<MSG
+
+The local broker is still running (state in $ENTITY_ASSETS_HOME). Stop it with:
+    ENTITY_ASSETS_HOME=$ENTITY_ASSETS_HOME .venv/bin/entity-assets broker stop
+MSG
+exit $status

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a clone: a Python 3.11 virtualenv in .venv with the project installed
+# (editable, with the dev extras). Re-installs only when pyproject.toml changed since the last
+# install (a hash stamp in .venv). Needs no network but the package registries.
+#
+#   bash scripts/setup.sh            other scripts call it first; safe to run any time
+#   PYTHON=/path/to/python3.11 bash scripts/setup.sh   choose the interpreter of a new venv
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+VENV=.venv
+STAMP=$VENV/.entity-assets-install.sha256
+
+supported() { "$1" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 13)))' 2>/dev/null; }
+
+find_python() {
+    local candidate
+    for candidate in ${PYTHON:-} python3.11 python3.12 python3; do
+        if command -v "$candidate" >/dev/null 2>&1 && supported "$candidate"; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    echo "setup: no Python 3.11 or 3.12 found (set PYTHON=/path/to/python3.11)" >&2
+    return 1
+}
+
+# One set-up at a time (two scripts started together must not pip-install into one venv at once).
+mkdir -p "$VENV"
+exec 9>"$VENV/.setup.lock"
+if command -v flock >/dev/null 2>&1; then
+    flock 9
+fi
+
+if ! { [ -x "$VENV/bin/python" ] && supported "$VENV/bin/python"; }; then
+    python=$(find_python)
+    echo "setup: creating $VENV with $python ($("$python" --version 2>&1))"
+    "$python" -m venv --clear "$VENV"
+    exec 9>"$VENV/.setup.lock"  # --clear removed the lock file; keep holding a lock on the new one
+    command -v flock >/dev/null 2>&1 && flock 9
+fi
+
+wanted=$(sha256sum < pyproject.toml | cut -d' ' -f1)
+installed=$(cat "$STAMP" 2>/dev/null || true)
+if [ "$wanted" != "$installed" ] || [ ! -x "$VENV/bin/entity-assets" ] \
+    || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("entity-assets")' 2>/dev/null; then
+    echo "setup: installing the project into $VENV (pyproject.toml changed or first install)"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet -e '.[dev]'
+    echo "$wanted" > "$STAMP"
+fi
+
+if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
+    echo "setup: warning: no java on PATH and no JAVA_HOME; Spark needs a JDK (17)" >&2
+fi

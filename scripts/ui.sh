@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The Dagster UI (webserver and daemon) on the code location, with the project's instance.
+#
+#   bash scripts/ui.sh            http://127.0.0.1:3000
+#   PORT=3100 bash scripts/ui.sh
+#
+# Uses the same $ENTITY_ASSETS_HOME (default ./.entity-assets) as scripts/demo.sh and the CLI.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+
+export ENTITY_ASSETS_HOME=${ENTITY_ASSETS_HOME:-$PWD/.entity-assets}
+export ENTITY_ASSETS_KAFKA_BOOTSTRAP=${ENTITY_ASSETS_KAFKA_BOOTSTRAP:-127.0.0.1:${ENTITY_ASSETS_BROKER_PORT:-39092}}
+export DAGSTER_HOME=$ENTITY_ASSETS_HOME/dagster
+mkdir -p "$DAGSTER_HOME"
+cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+
+# Stop with Ctrl-C, or `kill <pid of this script>` (SIGTERM) when it runs in the background.
+# A background job of a non-interactive shell starts with SIGINT ignored, and `dagster dev`
+# maps SIGTERM to the SIGINT handler, so it would ignore both: reset SIGINT before the exec.
+exec .venv/bin/python -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+    .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${PORT:-3000}"

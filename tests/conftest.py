@@ -1,0 +1,256 @@
+"""Shared fixtures: one real broker and one SparkSession per test session, one isolated pipeline per test.
+
+    broker      a local Kafka-protocol broker (noida-db) on a free port, stopped at the end
+    spark       a SparkResource on local[2]; its session (the JVM) starts once for the whole run
+    pipeline    a fresh, isolated pipeline for one test (see `Pipeline`)
+    make_pipeline   the same with other slicing settings: make_pipeline(max_messages=500)
+
+A `Pipeline` has its own topic prefix on the shared broker, its own lake under tmp_path and its
+own ephemeral Dagster instance, and drives the code location the way the daemon does: the
+sensor from `defs` ticks with the cursor it returned last time, its dynamic partitions are
+added to the instance, and runs execute the `slice_job` of `defs` (every asset registered
+there, present and future) with the test's resources.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from dagster import AssetKey, DagsterInstance, Definitions, SensorResult, SkipReason, build_sensor_context
+
+from entity_assets.broker import LocalBroker
+from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.kafka_io import ensure_topics, produce
+from entity_assets.manifests import ManifestStore
+from entity_assets.slices import Manifest
+from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
+
+JOB = "slice_job"
+SENSOR = "kafka_offsets_sensor"
+TOPIC_PARTITIONS = 4
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_home(tmp_path_factory):
+    """Nothing a test does may touch the project's .entity-assets or the user's Dagster home."""
+    home = tmp_path_factory.mktemp("entity-assets-home")
+    saved = {k: os.environ.get(k) for k in ("ENTITY_ASSETS_HOME", "ENTITY_ASSETS_LAKE")}
+    os.environ["ENTITY_ASSETS_HOME"] = str(home)
+    os.environ.pop("ENTITY_ASSETS_LAKE", None)
+    yield home
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory) -> Iterable[LocalBroker]:
+    """A real local broker for the whole session; stopped by its pid (LocalBroker.stop) at the end."""
+    local = LocalBroker(tmp_path_factory.mktemp("broker"), port=_free_port())
+    try:
+        local.start(timeout=60)
+    except Exception:
+        log = local.data_dir / "broker.log"
+        pytest.fail(f"local broker did not start: {log.read_text()[-2000:] if log.exists() else 'no log'}")
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterable[SparkResource]:
+    """One SparkResource (and one JVM) per session.
+
+    Dagster re-creates configured resources per run, but `SparkResource.session()` goes
+    through `getOrCreate`, so every run of the session gets this same SparkSession.
+    """
+    resource = SparkResource(master="local[2]", app_name="entity-assets-tests",
+                             conf={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"})
+    session = resource.session()
+    yield resource
+    session.stop()
+
+
+def _definitions():
+    from entity_assets.definitions import defs
+
+    return defs
+
+
+class Pipeline:
+    """An isolated copy of the pipeline on the shared broker and Spark (see the module docstring)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, broker: LocalBroker, spark: SparkResource, root: Path, *, partitions: int = TOPIC_PARTITIONS,
+                 max_messages: int = 5_000_000, max_messages_per_task: int = 1000, min_interval_seconds: float = 0,
+                 instance=None):
+        base = _definitions()
+        self.prefix = f"t{next(self._ids)}."
+        self.kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix=self.prefix)
+        self.lake = LakeResource(root=str(root / "lake"))
+        self.slicing = SlicingResource(min_interval_seconds=min_interval_seconds, max_messages=max_messages,
+                                       max_messages_per_task=max_messages_per_task)
+        self.spark = spark
+        # Resources bound in defs first (assets added later may need more), ours over them.
+        self.resources: dict[str, Any] = {
+            **(base.resources or {}),
+            "spark": spark, "kafka": self.kafka, "lake": self.lake, "slicing": self.slicing,
+        }
+        # The code location's own assets, checks, jobs and sensors, bound to this pipeline's resources.
+        self.defs = Definitions(
+            assets=base.assets, asset_checks=base.asset_checks, jobs=base.jobs, sensors=base.sensors,
+            schedules=base.schedules, executor=base.executor, loggers=base.loggers, resources=self.resources,
+        )
+        self.instance = instance or DagsterInstance.ephemeral()
+        self.cursor: str | None = None
+        self.last_result = None
+        ensure_topics(self.kafka.config(), [self.topic(s) for s in INPUT_STREAMS], partitions)
+
+    # -- Kafka
+    def topic(self, stream: str) -> str:
+        return self.kafka.topic(stream)
+
+    def produce(self, records: Iterable[tuple[str, str | bytes | None, bytes | str]]) -> Counter:
+        """Produces (stream, key, value) records (as entity_assets.samples makes them); counts per stream."""
+        by_stream: dict[str, list] = {}
+        for stream, key, value in records:
+            by_stream.setdefault(stream, []).append((key, value))
+        return Counter({s: produce(self.kafka.config(), self.topic(s), items) for s, items in by_stream.items()})
+
+    def end_offsets(self, stream: str = "entity-batches") -> dict[tuple[str, int], int]:
+        return self.kafka.end_offsets([self.topic(stream)])
+
+    def consume(self, stream: str, timeout: float = 30.0) -> list[dict]:
+        """Every record now on a stream's topic (inputs, or streams the assets publish), in offset order.
+
+        Each as {partition, offset, key, value, timestamp}.
+        """
+        import time
+
+        from confluent_kafka import Consumer, TopicPartition
+
+        ends = {p: e for (_, p), e in self.end_offsets(stream).items() if e > 0}
+        if not ends:
+            return []
+        consumer = Consumer({**self.kafka.config(), "group.id": f"tests-{self.prefix}", "enable.auto.commit": False})
+        out: list[dict] = []
+        try:
+            consumer.assign([TopicPartition(self.topic(stream), p, 0) for p in ends])
+            remaining = dict(ends)
+            deadline = time.monotonic() + timeout
+            while remaining and time.monotonic() < deadline:
+                for msg in consumer.consume(1000, timeout=0.2):
+                    if msg.error() is not None or msg.partition() not in remaining:
+                        continue
+                    out.append({"partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
+                                "value": msg.value(), "timestamp": msg.timestamp()[1]})
+                    if msg.offset() >= remaining[msg.partition()] - 1:
+                        del remaining[msg.partition()]
+            if remaining:
+                raise TimeoutError(f"{self.topic(stream)}: partitions {sorted(remaining)} not read to the end")
+        finally:
+            consumer.close()
+        return sorted(out, key=lambda r: (r["partition"], r["offset"]))
+
+    # -- Dagster
+    def tick(self) -> list:
+        """One sensor evaluation, as the daemon does it; returns the run requests.
+
+        Keeps the cursor the sensor returned for the next tick and applies the sensor's dynamic
+        partition requests to the instance. `last_result` holds the whole SensorResult.
+        """
+        sensor = self.defs.resolve_sensor_def(SENSOR)
+        with build_sensor_context(instance=self.instance, cursor=self.cursor, resources=self.resources,
+                                  sensor_name=SENSOR) as context:
+            result = sensor(context)
+            if not isinstance(result, SensorResult):  # SkipReason, None, or RunRequests
+                requests = [] if result is None or isinstance(result, SkipReason) else list(result)
+                result = SensorResult(run_requests=requests, skip_reason=result if isinstance(result, SkipReason)
+                                      else None, cursor=context.cursor)
+        self.last_result = result
+        if result.cursor is not None:
+            self.cursor = result.cursor
+        for request in result.dynamic_partitions_requests or []:
+            self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        return list(result.run_requests or [])
+
+    def run(self, partition_key: str, *, assets: Iterable[str | AssetKey] | None = None,
+            raise_on_error: bool = True, tags: dict | None = None):
+        """Materializes one slice through `slice_job` of defs, as the daemon's run would.
+
+        Every asset of the job by default; `assets` selects a subset of the job (a multi-asset
+        that cannot subset needs all its keys, see `asset_keys_of`).
+        """
+        selection = None if assets is None else [AssetKey.from_coercible(a) for a in assets]
+        job = self.defs.resolve_job_def(JOB)
+        return job.execute_in_process(partition_key=partition_key, instance=self.instance,
+                                      asset_selection=selection, raise_on_error=raise_on_error, tags=tags)
+
+    def asset_keys_of(self, asset: str | AssetKey) -> list[AssetKey]:
+        """Every key of the assets definition that materializes `asset` (all outputs of a multi-asset)."""
+        return sorted(self.defs.resolve_assets_def(AssetKey.from_coercible(asset)).keys)
+
+    def run_request(self, request, **kwargs):
+        """Runs a sensor's RunRequest the way the daemon would (its partition, tags and run key)."""
+        tags = {**(request.tags or {}), **({"dagster/run_key": request.run_key} if request.run_key else {})}
+        return self.run(request.partition_key, tags=tags, **kwargs)
+
+    def tick_and_run(self) -> list:
+        """A tick, then every requested slice in order; returns the run results."""
+        return [self.run_request(r) for r in self.tick()]
+
+    # -- lake
+    @property
+    def engine(self):
+        return self.lake.open()
+
+    def read(self, table: str, version: int | None = None) -> pa.Table:
+        """The current (or `version`) snapshot of a lake table."""
+        return self.engine.read(table, version=version)
+
+    def manifest(self, key: str | int) -> Manifest:
+        return ManifestStore(self.engine).get(key)
+
+    @staticmethod
+    def materializations(result) -> dict[str, dict[str, Any]]:
+        """Asset key -> {metadata name: plain value} of the materializations of one in-process run."""
+        out = {}
+        for event in result.get_asset_materialization_events():
+            mat = event.event_specific_data.materialization
+            out[mat.asset_key.to_user_string()] = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+        return out
+
+
+@pytest.fixture
+def make_pipeline(broker, spark, tmp_path):
+    made = []
+
+    def make(**kwargs) -> Pipeline:
+        p = Pipeline(broker, spark, tmp_path / f"p{len(made)}", **kwargs)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.instance.dispose()
+
+
+@pytest.fixture
+def pipeline(make_pipeline) -> Pipeline:
+    return make_pipeline()

@@ -1,0 +1,305 @@
+"""Ingest end to end: a real broker, real Spark, real Delta tables, Dagster through its public API.
+
+Kafka records -> sensor tick (slice manifest, dynamic partition, run request) -> slice_job run
+-> entity_batches and dead_letters rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pyarrow.compute as pc
+from dagster import AssetKey, DagsterRunStatus, Definitions
+
+from entity_assets import samples
+from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.slices import slice_key
+
+STREAM = "entity-batches"
+K1, K2 = slice_key(1), slice_key(2)
+
+
+def traffic(patches: int, seed: int = 7, **kwargs) -> list[tuple[str, str, bytes]]:
+    return list(samples.BatchTraffic(patches=patches, entities=max(1, patches // 4), seed=seed, **kwargs).records())
+
+
+def by_request(records) -> dict[tuple[str, int], dict]:
+    out = {}
+    for _, _, value in records:
+        message = json.loads(value)
+        out[(message["clientid"], message["request"])] = message
+    return out
+
+
+def coordinates(table) -> list[tuple[str, int, int]]:
+    return list(zip(*(table.column(c).to_pylist() for c in ("kafka_topic", "kafka_partition", "kafka_offset"))))
+
+
+def assert_unique_coordinates(table) -> None:
+    coords = coordinates(table)
+    assert all(None not in c for c in coords)
+    duplicates = [c for c, n in Counter(coords).items() if n > 1]
+    assert not duplicates, f"{len(duplicates)} duplicated Kafka coordinates, e.g. {duplicates[:3]}"
+
+
+def rows_of_slice(table, key: str):
+    return table.filter(pc.equal(table["slice"], key))
+
+
+def ingest_only(pipeline) -> list:
+    """The ingest multi-asset's keys: these tests check ingest; the full job runs in the end-to-end test."""
+    return pipeline.asset_keys_of("entity_batches")
+
+
+def error_text(error) -> str:
+    """A step failure's message with all its causes."""
+    parts = []
+    while error is not None:
+        parts.append(error.message)
+        error = error.cause
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- definitions
+
+def test_definitions_load():
+    from entity_assets.definitions import defs
+    from entity_assets.partitions import slices_partitions
+
+    Definitions.validate_loadable(defs)
+    graph = defs.resolve_asset_graph()
+    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+    assert {"entity_batches", "schema_patches", "connections", "notification_acks", "dead_letters"} <= keys
+    for key in graph.get_all_asset_keys():
+        assert defs.resolve_assets_def(key) is not None
+    job = defs.resolve_job_def("slice_job")
+    assert job.partitions_def == slices_partitions
+    # the job the sensor requests materializes every asset of the code location
+    assert set(job.asset_layer.executable_asset_keys) == set(graph.materializable_asset_keys)
+    sensor = defs.resolve_sensor_def("kafka_offsets_sensor")
+    assert sensor.job_name == "slice_job"
+    assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
+
+
+# --------------------------------------------------------------------------- one slice
+
+def test_slice_rows_equal_what_was_produced(make_pipeline):
+    pipeline = make_pipeline(max_messages_per_task=100)  # several Spark tasks per partition
+    records = traffic(600, patches_per_batch=2, include_before=True)
+    produced = by_request(records)
+    assert pipeline.produce(records) == {STREAM: 300}
+
+    [request] = pipeline.tick()
+    assert request.partition_key == K1
+    result = pipeline.run_request(request, assets=ingest_only(pipeline))
+    assert result.success
+
+    rows = pipeline.read("entity_batches")
+    assert rows.num_rows == len(produced) == 300
+    topic = pipeline.topic(STREAM)
+    for row in rows.to_pylist():
+        sent = produced[(row["clientid"], row["request"])]
+        assert json.loads(row["patches"]) == sent["patches"]
+        assert row["parts"] == len(sent["patches"]) == 2
+        for field in ("user", "dbid", "begun", "learning", "includeBefore", "includeAfter"):
+            assert row[field] == sent[field], field
+        assert row["slice"] == K1 and row["kafka_topic"] == topic
+        assert row["kafka_timestamp"] and row["kafka_timestamp"] > 0
+    assert_unique_coordinates(rows)
+
+    # The Kafka coordinates are the record's own: every offset of every partition, each row
+    # equal to the record stored at its (partition, offset).
+    on_kafka = {(r["partition"], r["offset"]): json.loads(r["value"]) for r in pipeline.consume(STREAM)}
+    assert {(row["kafka_partition"], row["kafka_offset"]) for row in rows.to_pylist()} == set(on_kafka)
+    for row in rows.to_pylist():
+        assert on_kafka[(row["kafka_partition"], row["kafka_offset"])] == produced[(row["clientid"], row["request"])]
+    assert pipeline.read("dead_letters").num_rows == 0
+
+    meta = pipeline.materializations(result)
+    ends = pipeline.end_offsets(STREAM)
+    assert meta["entity_batches"]["rows"] == 300
+    assert meta["entity_batches"]["dead_letters"] == 0
+    assert meta["entity_batches"]["offsets"] == {f"{t}[{p}]": f"[0, {e})" for (t, p), e in ends.items() if e > 0}
+    assert meta["entity_batches"]["delta_version"] == pipeline.engine.version("entity_batches")
+    assert meta["dead_letters"]["rows"] == 0
+
+
+# --------------------------------------------------------------------------- sensor ticks
+
+def test_ticks_close_contiguous_slices(pipeline):
+    assert pipeline.tick() == []  # empty topics
+    assert pipeline.last_result.skip_reason is not None
+
+    pipeline.produce(traffic(120, seed=1))
+    [first] = pipeline.tick()
+    assert first.partition_key == first.run_key == K1
+    assert pipeline.tick() == []  # nothing new
+    assert pipeline.tick() == []
+
+    pipeline.produce(traffic(50, seed=2))
+    [second] = pipeline.tick()
+    assert second.partition_key == K2
+    assert pipeline.tick() == []
+
+    m1, m2 = pipeline.manifest(K1), pipeline.manifest(K2)
+    assert m1.messages == 120 and m2.messages == 50
+    assert {(r.topic, r.partition): r.start for r in m2.ranges} == m1.positions()
+    ends = pipeline.kafka.end_offsets([pipeline.topic(s) for s in ("entity-batches", "schema-patches",
+                                                                   "connections", "notification-acks")])
+    assert m2.positions() == ends
+    assert pipeline.instance.get_dynamic_partitions("slices") == [K1, K2]
+
+    # A lost cursor (a new sensor on the same lake) resumes from the manifests: the same
+    # slices are requested again under the same run keys, and no new slice is closed.
+    pipeline.cursor = None
+    assert [r.run_key for r in pipeline.tick()] == [K1, K2]
+    assert pipeline.tick() == []
+    assert pipeline.manifest(K2) == m2
+
+
+def test_slices_respect_max_messages(make_pipeline):
+    pipeline = make_pipeline(max_messages=100)
+    pipeline.produce(traffic(250, seed=3))
+    requests = pipeline.tick()
+    assert [r.partition_key for r in requests] == [slice_key(n) for n in (1, 2, 3)]
+    manifests = [pipeline.manifest(r.partition_key) for r in requests]
+    assert [m.messages for m in manifests] == [100, 100, 50]
+    for a, b in zip(manifests, manifests[1:]):
+        assert {(r.topic, r.partition): r.start for r in b.ranges} == a.positions()
+
+
+# --------------------------------------------------------------------------- re-runs
+
+def test_rematerializing_a_slice_reads_its_manifest_and_never_duplicates(pipeline):
+    pipeline.produce(traffic(200, seed=4))
+    [r1] = pipeline.tick()
+    ingest = ingest_only(pipeline)
+    pipeline.run_request(r1, assets=ingest)
+    first = pipeline.read("entity_batches")
+    v1 = pipeline.engine.version("entity_batches")
+    assert first.num_rows == 200
+
+    # More messages after the slice closed: a re-run still reads only the slice's ranges.
+    pipeline.produce(traffic(80, seed=5))
+    again = pipeline.run(K1, assets=ingest)
+    assert pipeline.materializations(again)["entity_batches"]["rows"] == 200
+    rows = pipeline.read("entity_batches")
+    assert rows.num_rows == 200
+    assert sorted(coordinates(rows)) == sorted(coordinates(first))
+    assert pipeline.engine.version("entity_batches") > v1  # rewritten in place, not skipped
+    assert_unique_coordinates(rows)
+
+    [r2] = pipeline.tick()
+    assert r2.partition_key == K2
+    pipeline.run_request(r2, assets=ingest)
+    pipeline.run(K2, assets=ingest)  # the newest slice, twice
+    rows = pipeline.read("entity_batches")
+    assert rows.num_rows == 280
+    assert_unique_coordinates(rows)
+    assert rows_of_slice(rows, K1).num_rows == 200 and rows_of_slice(rows, K2).num_rows == 80
+    for key in (K1, K2):
+        ranges = {(r.topic, r.partition): r for r in pipeline.manifest(key).ranges}
+        for topic, partition, offset in coordinates(rows_of_slice(rows, key)):
+            r = ranges[(topic, partition)]
+            assert r.start <= offset < r.end
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _batch(**changes) -> dict:
+    return {**samples.SEED_ENTITY_BATCH, **changes}
+
+
+OVERSIZE = samples.encode(_batch(patches=[{**samples.SEED_ENTITY_BATCH["patches"][0],
+                                           "ops": [{"op": "add", "path": "blob", "value": "x" * 1_100_000}]}]))
+BAD = {
+    # key: (value, code, words the reason must contain)
+    "bad/json": (b'{"clientid": "c297cf20-18bd-40e2-827d-9b563ca28ccd", "request": ', "GENERR007", ["JSON"]),
+    "bad/missing": (samples.encode({k: v for k, v in samples.SEED_ENTITY_BATCH.items() if k != "user"}),
+                    "GENERR001", ["user"]),
+    "bad/type": (samples.encode(_batch(request="two")), "GENERR001", ["request"]),
+    "bad/uuid": (samples.encode(_batch(clientid="not-a-uuid")), "GENERR010", ["clientid"]),
+    "bad/oversize": (OVERSIZE, "EA-OVERSIZE", ["1000000"]),
+}
+
+
+def test_bad_records_go_to_dead_letters_and_the_rest_is_written(pipeline):
+    assert len(OVERSIZE) > 1_000_000
+    seed = samples.seed_records()  # the seed's samples spell "db"
+    good = traffic(150, seed=6) + [r for r in seed if r[0] == STREAM]
+    other = [r for r in seed if r[0] != STREAM]  # valid records of the other input streams
+    bad = [(STREAM, key, value) for key, (value, _, _) in BAD.items()]
+    pipeline.produce(good[:70] + bad[:3] + good[70:] + bad[3:] + other)
+
+    [request] = pipeline.tick()
+    assert pipeline.manifest(request.partition_key).messages == len(good) + len(BAD) + len(other)
+    result = pipeline.run_request(request, assets=ingest_only(pipeline))
+
+    dead = pipeline.read("dead_letters")
+    assert dead.num_rows == len(BAD)
+    assert_unique_coordinates(dead)
+    for row in dead.to_pylist():
+        value, code, words = BAD[row["kafka_key"].decode()]
+        assert row["code"] == code, row["reason"]
+        assert row["value"] == value  # the original bytes
+        assert row["stream"] == STREAM and row["slice"] == request.partition_key
+        assert row["kafka_topic"] == pipeline.topic(STREAM) and row["kafka_partition"] is not None
+        assert row["kafka_offset"] is not None and row["kafka_timestamp"]
+        assert row["reason"] and all(w in row["reason"] for w in words), row["reason"]
+
+    batches = pipeline.read("entity_batches")
+    assert sorted((r["clientid"], r["request"]) for r in batches.to_pylist()) == sorted(by_request(good))
+    seeded = [r for r in batches.to_pylist() if r["clientid"] == samples.SEED_CLIENT]
+    assert [r["dbid"] for r in seeded] == ["my-db"]
+    for stream, n in Counter(r[0] for r in other).items():
+        rows = pipeline.read(INPUT_STREAMS[stream].table)
+        assert rows.num_rows == n and set(rows.column("dbid").to_pylist()) == {"my-db"}, stream
+    # good and bad records of the slice, each exactly once, none lost
+    assert sorted(coordinates(batches) + coordinates(dead)) == sorted(
+        (pipeline.topic(STREAM), r["partition"], r["offset"]) for r in pipeline.consume(STREAM))
+
+    meta = pipeline.materializations(result)
+    assert meta["entity_batches"]["rows"] == len(good)
+    assert meta["entity_batches"]["dead_letters"] == len(BAD)
+    assert meta["dead_letters"]["rows"] == len(BAD)
+
+    pipeline.run(request.partition_key, assets=ingest_only(pipeline))  # a re-run rewrites the dead letters too
+    assert pipeline.read("dead_letters").num_rows == len(BAD)
+    assert pipeline.read("entity_batches").num_rows == len(good)
+
+
+# --------------------------------------------------------------------------- sensor -> run -> materialization
+
+def test_sensor_run_request_materializes_its_partition(pipeline):
+    pipeline.produce(traffic(40, seed=8))
+    [request] = pipeline.tick()
+    key = request.partition_key
+    assert pipeline.instance.has_dynamic_partition("slices", key)
+
+    result = pipeline.run_request(request)
+    run = pipeline.instance.get_run_by_id(result.run_id)
+    assert run.status == DagsterRunStatus.SUCCESS
+    assert run.job_name == "slice_job"
+    assert run.tags["dagster/partition"] == key and run.tags["dagster/run_key"] == request.run_key
+
+    asset = AssetKey("entity_batches")
+    records = pipeline.instance.fetch_materializations(asset, limit=10).records
+    assert [r.asset_materialization.partition for r in records] == [key]
+    assert records[0].run_id == result.run_id
+    latest = pipeline.instance.get_latest_materialization_event(asset)
+    assert latest.asset_materialization.partition == key
+    assert latest.asset_materialization.metadata["rows"].value == 40
+    assert pipeline.instance.get_materialized_partitions(asset) == {key}
+    # every asset of the job materialized this partition
+    job = pipeline.defs.resolve_job_def("slice_job")
+    for asset_key in job.asset_layer.executable_asset_keys:
+        assert pipeline.instance.get_materialized_partitions(asset_key) == {key}, asset_key
+
+
+def test_a_run_without_a_manifest_fails_clearly(pipeline):
+    pipeline.instance.add_dynamic_partitions("slices", [slice_key(9)])
+    result = pipeline.run(slice_key(9), assets=ingest_only(pipeline), raise_on_error=False)
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert "slice 0000000009 has no manifest" in error_text(failure.event_specific_data.error)

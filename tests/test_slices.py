@@ -1,0 +1,167 @@
+"""Slice planning (entity_assets.slices) and the sensor cursor: pure functions, no broker, no Spark."""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+import pytest
+
+from entity_assets.sensors import dump_cursor, load_cursor
+from entity_assets.slices import (
+    MANIFEST_SCHEMA,
+    Manifest,
+    OffsetRange,
+    SlicePolicy,
+    manifest_to_arrow,
+    manifests_from_arrow,
+    plan_slices,
+    slice_key,
+    slice_seq,
+    split_ranges,
+)
+
+NOW = 1_700_000_000_000
+A0, A1, B0 = ("acme.prod.entity-batches", 0), ("acme.prod.entity-batches", 1), ("acme.prod.connections", 0)
+
+
+def plan(positions, ends, *, interval=900.0, max_messages=1_000, next_seq=1, last_closed_at=None, now=NOW):
+    return plan_slices(positions, ends, policy=SlicePolicy(interval, max_messages), next_seq=next_seq,
+                       last_closed_at=last_closed_at, now=now)
+
+
+def assert_covers(slices: list[Manifest], positions, ends, max_messages: int, first_seq: int) -> None:
+    """Each slice <= max, every topic-partition in every manifest, contiguous, exactly the backlog."""
+    assert [s.seq for s in slices] == list(range(first_seq, first_seq + len(slices)))
+    at = {tp: positions.get(tp, 0) for tp in ends}
+    for s in slices:
+        assert 0 < s.messages <= max_messages
+        assert {(r.topic, r.partition) for r in s.ranges} == set(ends)
+        for r in s.ranges:
+            tp = (r.topic, r.partition)
+            assert r.start == at[tp] and r.start <= r.end, (s.key, r)
+            at[tp] = r.end
+    assert at == {tp: max(ends[tp], positions.get(tp, 0)) for tp in ends}
+    assert sum(s.messages for s in slices) == sum(max(0, e - positions.get(tp, 0)) for tp, e in ends.items())
+
+
+def test_nothing_pending_closes_nothing():
+    assert plan({}, {}) == []
+    assert plan({A0: 5, A1: 7}, {A0: 5, A1: 7}) == []
+    assert plan({A0: 5}, {A0: 5}, last_closed_at=None, interval=0) == []
+
+
+def test_interval_not_due_waits():
+    recent = NOW - 10_000  # 10 s ago, interval 900 s
+    assert plan({A0: 0}, {A0: 10}, last_closed_at=recent) == []
+
+
+def test_due_closes_one_slice_of_everything():
+    for last in (None, NOW - 900_000, NOW - 10_000_000):
+        [s] = plan({A0: 3, A1: 0}, {A0: 10, A1: 4, B0: 2}, last_closed_at=last, next_seq=8)
+        assert s.seq == 8 and s.key == "0000000008" and s.closed_at == NOW
+        assert sorted(s.ranges) == [OffsetRange(*B0, 0, 2), OffsetRange(*A0, 3, 10), OffsetRange(*A1, 0, 4)]
+        assert s.messages == 13
+        assert s.positions() == {A0: 10, A1: 4, B0: 2}
+        assert s.ranges_of(B0[0]) == [OffsetRange(*B0, 0, 2)]
+
+
+def test_empty_partitions_stay_in_the_manifest():
+    [s] = plan({A0: 4, A1: 9}, {A0: 6, A1: 9})
+    assert OffsetRange(*A1, 9, 9) in s.ranges
+    topic = A0[0]  # A0 and A1 are two partitions of one topic
+    assert s.ranges_of(topic) == [OffsetRange(*A0, 4, 6)]  # empty ranges are not read
+
+
+def test_full_slice_closes_before_the_interval():
+    slices = plan({A0: 0}, {A0: 2_500}, last_closed_at=NOW - 1, max_messages=1_000)
+    assert slices and all(s.messages <= 1_000 for s in slices)
+    assert slices[0].messages == 1_000
+
+
+def test_backlog_over_max_splits_into_contiguous_slices():
+    positions = {A0: 100, A1: 0, B0: 7}
+    ends = {A0: 2_100, A1: 13, B0: 1_007}
+    slices = plan(positions, ends, max_messages=500, next_seq=42)
+    assert len(slices) == 7  # ceil(3013 / 500)
+    assert_covers(slices, positions, ends, 500, 42)
+    assert all(s.closed_at == NOW for s in slices)
+    # each slice takes a share of every partition with a backlog, not one partition after another
+    assert all(r.count > 0 for r in slices[0].ranges)
+
+
+def test_backlog_random_shapes_are_covered_exactly():
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randint(1, 6)
+        tps = [(f"t{rng.randint(0, 2)}", p) for p in range(n)]
+        positions = {tp: rng.randint(0, 50) for tp in tps if rng.random() < 0.8}
+        max_messages = rng.choice([1, 3, 100, 999, 10_000])
+        big = 20 if max_messages < 10 else 5_000  # at most a few hundred slices per case
+        ends = {tp: positions.get(tp, 0) + rng.choice([0, 1, 2, rng.randint(0, big)]) for tp in tps}
+        slices = plan(positions, ends, interval=0, max_messages=max_messages, next_seq=5)
+        assert_covers(slices, positions, ends, max_messages, 5)
+
+
+def test_positions_of_unknown_partitions_start_at_zero():
+    [s] = plan({}, {A0: 3})
+    assert s.ranges == (OffsetRange(*A0, 0, 3),)
+
+
+def test_slice_keys_sort_in_slice_order():
+    keys = [slice_key(n) for n in (1, 2, 9, 10, 11, 99, 100, 12345, 9_999_999_999)]
+    assert sorted(keys) == keys
+    assert all(len(k) == 10 for k in keys)
+    assert [slice_seq(k) for k in keys] == [1, 2, 9, 10, 11, 99, 100, 12345, 9_999_999_999]
+    for bad in ("", "abc", "-1", "1.0", " 1"):
+        with pytest.raises(ValueError):
+            slice_seq(bad)
+
+
+def test_split_ranges_cuts_task_sized_contiguous_pieces():
+    ranges = [OffsetRange("a", 0, 10, 2_510), OffsetRange("a", 1, 5, 5), OffsetRange("b", 0, 0, 1_000)]
+    pieces = split_ranges(ranges, 1_000)
+    assert [(p.topic, p.partition, p.start, p.end) for p in pieces] == [
+        ("a", 0, 10, 1_010), ("a", 0, 1_010, 2_010), ("a", 0, 2_010, 2_510), ("b", 0, 0, 1_000),
+    ]
+    assert split_ranges([], 10) == []
+    assert split_ranges([OffsetRange("a", 0, 3, 4)], 1) == [OffsetRange("a", 0, 3, 4)]
+    rng = random.Random(3)
+    for _ in range(100):
+        r = OffsetRange("x", 0, rng.randint(0, 100), 0)
+        r = OffsetRange("x", 0, r.start, r.start + rng.randint(0, 5_000))
+        size = rng.randint(1, 700)
+        parts = split_ranges([r], size)
+        assert all(0 < p.count <= size for p in parts)
+        assert sum(p.count for p in parts) == r.count
+        assert all(a.end == b.start for a, b in zip(parts, parts[1:]))
+
+
+def test_manifest_arrow_round_trip():
+    slices = plan({A0: 1}, {A0: 40, A1: 0, B0: 9}, max_messages=20, next_seq=3)
+    assert len(slices) > 1
+    table = pa.concat_tables([manifest_to_arrow(s) for s in slices])
+    assert table.schema == MANIFEST_SCHEMA
+    assert manifests_from_arrow(table) == {s.seq: s for s in slices}
+
+
+@pytest.mark.parametrize("positions", [{}, {A0: 0}, {A0: 17, A1: 3, B0: 0, ("we|ird.topic", 12): 5}])
+@pytest.mark.parametrize("closed_at", [None, NOW])
+def test_cursor_round_trip(positions, closed_at):
+    raw = dump_cursor(7, positions, closed_at)
+    assert isinstance(raw, str)
+    assert load_cursor(raw) == (7, positions, closed_at)
+    assert dump_cursor(*load_cursor(raw)) == raw
+
+
+def test_cursor_of_a_new_sensor_is_empty():
+    assert load_cursor(None) == (0, {}, None)
+    assert load_cursor("") == (0, {}, None)
+
+
+def test_cursor_and_manifest_agree_on_the_next_start():
+    [s] = plan({A0: 2}, {A0: 9, A1: 4})
+    seq, positions, closed_at = load_cursor(dump_cursor(s.seq, s.positions(), s.closed_at))
+    [nxt] = plan(positions, {A0: 12, A1: 4}, next_seq=seq + 1, last_closed_at=closed_at, interval=0)
+    assert nxt.seq == 2
+    assert {(r.topic, r.partition): r.start for r in nxt.ranges} == s.positions()
