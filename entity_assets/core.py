@@ -110,7 +110,8 @@ def entity_type_rows(result: dict, schema: dict) -> list[dict]:
     types = sorted(name for name, value in schema.items() if isinstance(value, dict))
     return [
         {**result, "collection": name, "zone": None, "entity": None, "ops": None, "before": None,
-         "after": dumps({name: schema[name]}), "parts": len(types), "part": part, "kind": "entity-type"}
+         "includeBefore": False, "after": dumps({name: schema[name]}), "parts": len(types), "part": part,
+         "kind": "entity-type"}
         for part, name in enumerate(types, start=1)
     ]
 
@@ -145,7 +146,7 @@ def result_message(row: dict) -> dict:
     if row["status"] != STATUS_OK:
         msg["error"] = row["error"]
     else:
-        if row.get("includeBefore") and "before" in row:  # schema-learning rows keep no before
+        if row.get("includeBefore"):
             msg["before"] = None if row["before"] is None else json.loads(row["before"])
         if row.get("includeAfter") or row.get("kind"):  # schema-learning rows always carry after
             msg["after"] = None if row["after"] is None else json.loads(row["after"])
@@ -183,11 +184,17 @@ def complete_message(row: dict) -> dict:
     }
 
 
+REQUEST_ORDER = ("clientid", "request", "stream", "part")
+
+
 def group_requests(rows: Iterable[dict]) -> Iterator[tuple[tuple, list[dict]]]:
-    """Groups result rows sorted by (clientid, request, part), dropping repeated parts."""
+    """Groups result rows sorted by REQUEST_ORDER, dropping repeated parts.
+
+    An entity request and a schema request that reuse a client's request number stay apart.
+    """
     key, parts, seen = None, [], set()
     for row in rows:
-        k = (row["clientid"], row["request"])
+        k = (row["clientid"], row["request"], row.get("stream"))
         if k != key:
             if parts:
                 yield key, parts

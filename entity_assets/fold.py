@@ -145,7 +145,7 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
 
 def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str],
                   storage_options, write_state: bool) -> Iterator[pa.RecordBatch]:
-    """Input: this slice's partial responses plus pending parts, sorted by (clientid, request, part)."""
+    """Input: this slice's partial responses plus pending parts, sorted by (clientid, request, stream, part)."""
     out = Writers(slice_key, uris, storage_options)
     for kind, row in core.split_complete(core.group_requests(_rows(batches)), slice_key):
         if kind == "complete":
@@ -214,9 +214,9 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                                   "ended": inbox.ended, "bucket": store.bucket})
 
     for row in _rows(batches):
-        store.switch(row["bucket"])
         if row["device"] != device:
-            flush()
+            flush()  # into the previous device's bucket, so switch buckets only after it is stored
+            store.switch(row["bucket"])
             device, dirty = row["device"], False
             stored = store.get((device,))
             inbox = (notify.DeviceInbox.from_json(stored["document"]) if stored

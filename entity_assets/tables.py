@@ -65,7 +65,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     # entity-type rows (kind "entity-type": collection is the type, `after` that type only)
     "schema_learning": _schema(
         LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS,
-        [("ended", I64), ("status", I32), ("after", STR), ("kind", STR)],
+        [("ended", I64), ("status", I32), ("before", STR), ("after", STR), ("kind", STR)],
     ),
     "learned_schemas": _schema(
         [("slice", STR), ("dbid", STR), ("collection", STR), ("observed", I64), ("declared", STR),

@@ -28,7 +28,7 @@ from entity_assets.assets.common import (
     state_version,
     table_metadata,
 )
-from entity_assets.core import ENTITY_KEY, ORDER, STATE_BUCKETS
+from entity_assets.core import ENTITY_KEY, ORDER, REQUEST_ORDER, STATE_BUCKETS
 from entity_assets.partitions import slices_partitions
 from entity_assets.slices import slice_key, slice_seq
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
@@ -148,8 +148,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     pending = engine.files("pending_responses", pending_version)
     parts = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses").unionByName(
         read_df(session, pending, "pending_responses"))
-    grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions(
-        "clientid", "request", "part")
+    grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions(*REQUEST_ORDER)
     fn = partial(fold.complete_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
                  write_state=pending_apply)
     files = collect_files(grouped.mapInArrow(fn, fold.FILES_DDL))

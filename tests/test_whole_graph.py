@@ -1,0 +1,454 @@
+"""The whole graph end to end: a real broker, real Spark, real Delta tables, Dagster through its public API.
+
+Kafka input records -> sensor tick -> `slice_job` run (every asset of the code location) -> the
+derived tables and the messages published on their topics: schema updates and schema learning,
+learned schemas and their check, devices, zone changes, changes by device and device
+notifications, dead letters. Slice runs are expensive (whole graph, seconds each), so each
+test drives a few slices and checks everything those slices should have produced.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+
+from entity_assets import messages, notify, samples
+from entity_assets.publish import partition_for
+from entity_assets.slices import slice_key
+
+K1, K2, K3 = slice_key(1), slice_key(2), slice_key(3)
+CLIENT = samples.SEED_CLIENT
+DB = "my-db"
+
+
+# --------------------------------------------------------------------------- helpers
+
+def rows(pipeline, table: str, key: str | None = None) -> list[dict]:
+    """A lake table's current rows, those of one slice when `key` is given."""
+    t = pipeline.read(table)
+    if key is not None:
+        t = t.filter(pc.equal(t["slice"], key))
+    return t.to_pylist()
+
+
+def messages_on(pipeline, stream: str) -> list[dict]:
+    """Every message of a derived stream: {partition, key (str), value (JSON), timestamp}."""
+    return [{**r, "key": r["key"].decode() if r["key"] is not None else None, "value": json.loads(r["value"])}
+            for r in pipeline.consume(stream)]
+
+
+def partitions_of(pipeline, stream: str) -> int:
+    return len(pipeline.end_offsets(stream))
+
+
+def run_slice(pipeline, records, expected_key: str):
+    """Produces `records`, ticks once (one slice closes) and runs it through the whole graph."""
+    pipeline.produce(records)
+    [request] = pipeline.tick()
+    assert request.partition_key == request.run_key == expected_key
+    result = pipeline.run_request(request)
+    assert result.success
+    return result
+
+
+def check_evaluations(result) -> dict[str, object]:
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+
+# --------------------------------------------------------------------------- the seed's schema samples
+
+def field(type_: str, optional: bool) -> dict:
+    return {"type": type_, "optional": optional}
+
+
+# The seed's schema-updates sample: before and after, as the seed writes them.
+SEED_SCHEMA_BEFORE = {
+    "Contacts": {"fields": {"firstName": field("STRING", False), "lastName": field("STRING", False)}},
+    "Groups": {"fields": {"groupName": field("STRING", False)}},
+}
+SEED_SCHEMA_AFTER = {
+    "Contacts": {"fields": {"firstName": field("STRING", False), "lastName": field("STRING", False),
+                            "homePhone": field("STRING", True)}},
+    "Groups": {"fields": {"groupName": field("STRING", False)}},
+}
+# The seed's schema-learning sample's after: the Contacts entity type only, with homePhone.
+SEED_LEARNING_AFTER = {"Contacts": SEED_SCHEMA_AFTER["Contacts"]}
+
+DECLARE = {  # declares the schema the seed's sample starts from
+    "db": DB, "clientid": CLIENT, "request": 1, "user": "jsmith", "begun": 1415747080000, "part": 1, "parts": 1,
+    "includeAfter": True,
+    "ops": [{"op": "add", "path": "Contacts", "value": SEED_SCHEMA_BEFORE["Contacts"]},
+            {"op": "add", "path": "Groups", "value": SEED_SCHEMA_BEFORE["Groups"]}],
+}
+HOME_PHONE = {  # the seed's schema-updates sample's request, as the seed writes it
+    "db": DB, "clientid": CLIENT, "request": 2, "user": "jsmith", "begun": 1415747089227, "part": 1, "parts": 1,
+    "includeBefore": True, "includeAfter": True,
+    "ops": [{"op": "add", "path": "Contacts/fields/homePhone", "value": field("STRING", True)}],
+}
+
+SALLY, WILLIAM = "400cb092-00af-4e44-bdcb-1a0c536692bf", "101c3c90-e304-4279-b6a0-020363c925c6"
+GROUP = "6f1f1a52-3f0b-4c1e-9d6b-3d5a0c1f2e77"
+SALLY_DOC = {"firstName": "Sally", "lastName": "Anderson", "phone": {"home": "1-222-555-1234"}}
+WILLIAM_DOC = {"firstName": "William", "lastName": "Johnson", "homePhone": "1-222-555-9876"}
+LEARNING_BATCH = {  # the seed's two Contacts of its complete-responses sample, plus a group; request 3
+    "db": DB, "clientid": CLIENT, "request": 3, "user": "jsmith", "begun": 1415747090000,
+    "includeBefore": True, "includeAfter": True, "learning": True,
+    "patches": [
+        samples.SEED_ENTITY_BATCH["patches"][0],
+        {"collection": "Contacts", "zone": "default", "entity": WILLIAM,
+         "ops": [{"op": "add", "path": k, "value": v} for k, v in WILLIAM_DOC.items()]},
+        {"collection": "Groups", "zone": "default", "entity": GROUP,
+         "ops": [{"op": "add", "path": "groupName", "value": "Friends"}]},
+    ],
+}
+LEARNED_CONTACTS = {"fields": {
+    "firstName": field("STRING", False),
+    "homePhone": field("STRING", True),
+    "lastName": field("STRING", False),
+    # only Sally has a phone document: learned, optional, with its nested field
+    "phone": {"type": "DOCUMENT", "optional": True, "fields": {"home": field("STRING", False)}},
+}}
+
+DEVICE = samples.SEED_CONNECTION["device"]
+DEVICE2, DEVICE3 = "5d2c1b0a-1111-4222-8333-944455556666", "0e9d8c7b-aaaa-4bbb-8ccc-dddd0000eeee"
+
+
+def connection(user: str, device: str, app_version: str, begun: int) -> tuple[str, str, bytes]:
+    return ("connections", user, samples.encode({"db": DB, "clientid": CLIENT, "user": user, "device": device,
+                                                 "appVersion": app_version, "begun": begun}))
+
+
+# Bad records of three input streams: (stream, key, value, code, a word the reason names)
+BAD = [
+    ("schema-patches", DB, b'{"db": "my-db", "clientid": "c297cf20-18bd-40e2-827d-9b563ca28ccd", "ops": [',
+     "GENERR007", "JSON"),
+    ("connections", "jsmith", samples.encode({k: v for k, v in samples.SEED_CONNECTION.items() if k != "device"}),
+     "GENERR001", "device"),
+    ("notification-acks", DEVICE, samples.encode({"db": DB, "user": "jsmith", "device": DEVICE, "begun": 1415747100000}),
+     "GENERR001", "notifications"),
+]
+
+
+def test_schema_updates_learning_devices_and_dead_letters(pipeline):
+    # ---- slice 1: the declared schema, a first connection, a valid ack, and bad records in between
+    good_ack = ("notification-acks", DEVICE, samples.encode({"db": DB, "user": "jsmith", "device": DEVICE,
+                                                             "upTo": 1415747100000, "begun": 1415747100000}))
+    bad = [(s, k, v) for s, k, v, _, _ in BAD]
+    r1 = run_slice(pipeline, [bad[0], ("schema-patches", DB, samples.encode(DECLARE)), bad[1],
+                              connection("jsmith", DEVICE, "1.0", 1415747000000), bad[2], good_ack], K1)
+
+    # 9. bad records become dead letters with their codes and streams; the rest of the slice goes on
+    dead = rows(pipeline, "dead_letters")
+    assert sorted((d["stream"], d["code"]) for d in dead) == sorted((s, c) for s, _, _, c, _ in BAD)
+    expected = {s: (k, v, word) for s, k, v, _, word in BAD}
+    for d in dead:
+        key, value, word = expected[d["stream"]]
+        assert d["kafka_key"] == key.encode() and d["value"] == value
+        assert d["kafka_topic"] == pipeline.topic(d["stream"]) and d["slice"] == K1
+        assert word in d["reason"], d["reason"]
+    assert [r["request"] for r in rows(pipeline, "schema_updates", K1)] == [1]
+    assert json.loads(rows(pipeline, "schemas")[0]["document"]) == SEED_SCHEMA_BEFORE
+    assert [(r["device"], r["upTo"]) for r in rows(pipeline, "notification_acks")] == [(DEVICE, 1415747100000)]
+    meta1 = pipeline.materializations(r1)
+    assert meta1["dead_letters"]["rows"] == 3
+    assert meta1["schema_patches"]["dead_letters"] == 3  # the slice's count
+    assert meta1["devices"]["app_versions"] == {"1.0": 1}
+
+    # ---- slice 2: the seed's homePhone patch, learning entities, more connections
+    r2 = run_slice(pipeline, [
+        ("schema-patches", DB, samples.encode(HOME_PHONE)),
+        ("entity-batches", samples.request_key(CLIENT, 3), samples.encode(LEARNING_BATCH)),
+        ("connections", "jsmith", samples.encode(samples.SEED_CONNECTION)),  # appVersion 1.1, 1415747103842
+        connection("jsmith", DEVICE, "0.9", 1415746000000),  # arrives later, happened earlier
+        connection("jsmith", DEVICE2, "1.1", 1415747104000),
+        connection("alee", DEVICE3, "2.0", 1415747105000),
+    ], K2)
+
+    # 1. the seed's schema-updates sample, exactly
+    [update] = rows(pipeline, "schema_updates", K2)
+    assert (update["request"], update["status"]) == (2, 1)
+    assert json.loads(update["before"]) == SEED_SCHEMA_BEFORE
+    assert json.loads(update["after"]) == SEED_SCHEMA_AFTER
+    [schema] = rows(pipeline, "schemas")
+    assert (schema["dbid"], schema["version"], schema["deleted"]) == (DB, 2, False)
+    assert json.loads(schema["document"]) == SEED_SCHEMA_AFTER
+    by_request = {m["value"]["request"]: m for m in messages_on(pipeline, "schema-updates")}
+    assert sorted(by_request) == [1, 2]
+    message = by_request[2]
+    assert message["key"] == DB
+    assert message["partition"] == partition_for(DB, partitions_of(pipeline, "schema-updates"))
+    value = message["value"]
+    assert value["before"] == SEED_SCHEMA_BEFORE and value["after"] == SEED_SCHEMA_AFTER
+    assert {k: value[k] for k in HOME_PHONE} == HOME_PHONE  # every field of the request, as sent
+    assert value["status"] == 1 and value["dbid"] == DB and "error" not in value
+    assert value["ended"] == update["ended"] == max(update["kafka_timestamp"], HOME_PHONE["begun"])
+
+    # 2. schema_learning: one entity-type row per type of the updated schema, and the learning entities
+    learning = rows(pipeline, "schema_learning", K2)
+    types = sorted((r for r in learning if r["kind"] == "entity-type"), key=lambda r: r["part"])
+    assert [(r["collection"], r["part"], r["parts"]) for r in types] == [("Contacts", 1, 2), ("Groups", 2, 2)]
+    assert all(r["request"] == 2 and r["status"] == 1 and r["ops"] is None and r["entity"] is None for r in types)
+    assert json.loads(types[0]["after"]) == SEED_LEARNING_AFTER
+    assert json.loads(types[1]["after"]) == {"Groups": SEED_SCHEMA_AFTER["Groups"]}
+    entities = {r["entity"]: r for r in learning if r["kind"] == "entity"}
+    assert {e: (r["collection"], r["request"], r["part"], r["parts"]) for e, r in entities.items()} == {
+        SALLY: ("Contacts", 3, 1, 3), WILLIAM: ("Contacts", 3, 2, 3), GROUP: ("Groups", 3, 3, 3)}
+    assert json.loads(entities[SALLY]["after"]) == SALLY_DOC
+    assert json.loads(entities[WILLIAM]["after"]) == WILLIAM_DOC
+    assert json.loads(entities[GROUP]["after"]) == {"groupName": "Friends"}
+    assert [r["kind"] for r in rows(pipeline, "schema_learning", K1)] == ["entity-type"] * 2  # the declaration's
+
+    published = messages_on(pipeline, "schema-learning")
+    n = partitions_of(pipeline, "schema-learning")
+    assert len(published) == 2 + 2 + 3  # slice 1's types, slice 2's types and entities
+    for m in published:  # partitioned by collection, whatever the key
+        assert m["partition"] == partition_for(m["value"]["collection"], n), m
+    type_messages = {(m["value"]["request"], m["value"]["collection"]): m for m in published if m["key"] == DB}
+    assert sorted(type_messages) == [(1, "Contacts"), (1, "Groups"), (2, "Contacts"), (2, "Groups")]
+    contacts = type_messages[(2, "Contacts")]["value"]
+    assert contacts["after"] == SEED_LEARNING_AFTER
+    assert {k: contacts[k] for k in ("db", "clientid", "request", "user", "part", "status")} == {
+        "db": DB, "clientid": CLIENT, "request": 2, "user": "jsmith", "part": 1, "status": 1}
+    assert contacts["parts"] == 2 and contacts["begun"] == HOME_PHONE["begun"] and "ops" not in contacts
+    updates = {m["key"]: m["value"] for m in messages_on(pipeline, "entity-updates")}
+    entity_messages = {m["key"]: m["value"] for m in published if m["key"] != DB}
+    assert set(entity_messages) == {SALLY, WILLIAM, GROUP}
+    for entity, value in entity_messages.items():
+        # the entity-updates message of that entity, with its document
+        assert value["after"] == json.loads(entities[entity]["after"])
+        assert {k: v for k, v in value.items() if k != "before"} == {
+            k: v for k, v in updates[entity].items() if k != "before"}
+
+    # 3. learned_schemas: the undeclared phone document is learned and reported
+    learned = {(r["dbid"], r["collection"]): r for r in rows(pipeline, "learned_schemas")}
+    assert set(learned) == {(DB, "Contacts"), (DB, "Groups")}
+    row = learned[(DB, "Contacts")]
+    assert row["observed"] == 2
+    assert json.loads(row["declared"]) == SEED_SCHEMA_AFTER["Contacts"]
+    assert json.loads(row["learned"]) == LEARNED_CONTACTS
+    assert [(d["path"], d["kind"]) for d in json.loads(row["disagreements"])] == [("phone", "undeclared")]
+    groups = learned[(DB, "Groups")]
+    assert groups["observed"] == 1 and json.loads(groups["disagreements"]) == []
+    assert json.loads(groups["learned"]) == SEED_SCHEMA_AFTER["Groups"]
+    checks2 = check_evaluations(r2)
+    check = checks2["entities_match_declared_schema"]
+    assert check.passed is False
+    report = check.metadata["disagreements"].value
+    assert set(report) == {f"{DB}/Contacts"}  # Groups' entities match its declaration
+    assert [(d["path"], d["kind"]) for d in report[f"{DB}/Contacts"]] == [("phone", "undeclared")]
+    assert check_evaluations(r1)["entities_match_declared_schema"].passed is True  # nothing learned yet
+    assert all(e.passed for name, e in checks2.items() if name != "entities_match_declared_schema")
+
+    # 4. devices: per user the devices seen, first and last seen, the latest app version
+    devices = {(r["dbid"], r["user"], r["device"]): r for r in rows(pipeline, "devices")}
+    assert {k: (r["firstSeen"], r["lastSeen"], r["appVersion"], r["connections"], r["clientid"], r["slice"])
+            for k, r in devices.items()} == {
+        (DB, "jsmith", DEVICE): (1415746000000, 1415747103842, "1.1", 3, CLIENT, K2),
+        (DB, "jsmith", DEVICE2): (1415747104000, 1415747104000, "1.1", 1, CLIENT, K2),
+        (DB, "alee", DEVICE3): (1415747105000, 1415747105000, "2.0", 1, CLIENT, K2),
+    }
+    meta2 = pipeline.materializations(r2)
+    assert meta2["devices"]["app_versions"] == {"1.1": 2, "2.0": 1}
+    assert meta2["devices"]["connections_this_slice"] == 4
+    assert meta2["dead_letters"]["rows"] == 0 and rows(pipeline, "dead_letters", K2) == []
+
+
+# --------------------------------------------------------------------------- zones, devices, notifications
+
+FUTURE = 4_000_000_000_000
+"""`begun` past any Kafka timestamp, so `ended` (max of the two) is exactly `begun`."""
+
+ADMIN = "0f3e2d1c-0b0a-4999-8888-777766665555"
+ZONE_SUBSCRIBERS = {  # device -> (user, subjectZone, actions)
+    "device1": ("alice", "A", ["created", "deleted"]),
+    "device2": ("bob", "A", ["created", "updated", "deleted"]),
+    "device3": ("carol", "B", ["created", "updated", "deleted"]),
+}
+ENTITY_A, ENTITY_B = "a-contact-1", "b-contact-1"
+
+
+def batch(request: int, begun: int, patches: list[dict], **flags) -> tuple[str, str, bytes]:
+    body = {"dbid": DB, "clientid": ADMIN, "request": request, "user": "admin", "begun": begun, "patches": patches,
+            **flags}
+    return ("entity-batches", samples.request_key(ADMIN, request), samples.encode(body))
+
+
+def subscribe(device: str) -> dict:
+    """A $zoneSubscription entity created by an ordinary patch (its own zone is "default")."""
+    user, zone, actions = ZONE_SUBSCRIBERS[device]
+    return {"collection": samples.SUBSCRIPTIONS, "zone": "default", "entity": f"sub-{device}",
+            "ops": [{"op": "add", "path": "", "value": {"subjectZone": zone, "device": device, "user": user,
+                                                        "actions": actions}}]}
+
+
+def contact(entity: str, zone: str, ops: list[dict]) -> dict:
+    return {"collection": "Contacts", "zone": zone, "entity": entity, "ops": ops}
+
+
+def ack(device: str, **what) -> tuple[str, str, bytes]:
+    user = ZONE_SUBSCRIBERS.get(device, ("dave",))[0]
+    return ("notification-acks", device, samples.encode({"dbid": DB, "user": user, "device": device,
+                                                         "begun": FUTURE + 100, **what}))
+
+
+def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline):
+    created = [{"op": "add", "path": "firstName", "value": "Ann"}]
+    # ---- slice 1: device1 and device2 subscribe to zone A; an entity is created in zone B
+    r1 = run_slice(pipeline, [
+        batch(1, 1415747086000, [subscribe("device1"), subscribe("device2")]),
+        batch(2, 1415747086100, [contact(ENTITY_B, "B", created)]),
+    ], K1)
+    # ---- slice 2: an entity of zone A is created, updated and deleted; device3 subscribes to zone B
+    r2 = run_slice(pipeline, [
+        batch(3, 1415747087000, [subscribe("device3")]),
+        batch(4, FUTURE + 1, [contact(ENTITY_A, "A", created)]),
+        batch(5, FUTURE + 2, [contact(ENTITY_A, "A", [{"op": "replace", "path": "firstName", "value": "Bea"}])]),
+        batch(6, FUTURE + 3, [contact(ENTITY_A, "A", [{"op": "remove", "path": ""}])]),
+    ], K2)
+
+    # 7. zone_changes: every update by zone; subscriptions under the zone they subscribe to
+    def zone_rows(key):
+        return sorted((r["entity"], r["zone"], r["subjectZone"], r["action"]) for r in rows(pipeline, "zone_changes", key))
+
+    assert zone_rows(K1) == [(ENTITY_B, "B", "B", "created"), ("sub-device1", "default", "A", "created"),
+                             ("sub-device2", "default", "A", "created")]
+    assert zone_rows(K2) == [(ENTITY_A, "A", "A", "created"), (ENTITY_A, "A", "A", "deleted"),
+                             (ENTITY_A, "A", "A", "updated"), ("sub-device3", "default", "B", "created")]
+    assert pipeline.materializations(r1)["zone_changes"]["zones"] == {"A": 2, "B": 1}
+    assert pipeline.materializations(r2)["zone_changes"]["zones"] == {"A": 3, "B": 1}
+    subject = {ENTITY_A: "A", ENTITY_B: "B", **{f"sub-{d}": z for d, (_, z, _) in ZONE_SUBSCRIBERS.items()}}
+    n = partitions_of(pipeline, "zone-changes")
+    assert partition_for("A", n) != partition_for("default", n)  # so the subscriptions' partition is telling
+    zone_messages = messages_on(pipeline, "zone-changes")
+    assert Counter(m["key"] for m in zone_messages) == {ENTITY_A: 3, ENTITY_B: 1, "sub-device1": 1,
+                                                        "sub-device2": 1, "sub-device3": 1}
+    for m in zone_messages:  # keyed by entity, partitioned by (subject) zone, the entity-updates structure
+        assert m["partition"] == partition_for(subject[m["key"]], n), m
+        assert m["value"]["entity"] == m["key"] and m["value"]["status"] == 1
+        messages.parse_message(messages.EntityUpdate, json.dumps(m["value"]))
+
+    # 5. the seed's two-device example: subscriptions of slice 1 are in effect in slice 2
+    assert rows(pipeline, "changes_by_device", K1) == []  # device3 did not exist: never told of ENTITY_B's creation
+    changes = rows(pipeline, "changes_by_device", K2)
+    assert sorted((r["device"], r["action"]) for r in changes) == [
+        ("device1", "created"), ("device1", "deleted"),
+        ("device2", "created"), ("device2", "deleted"), ("device2", "updated")]
+    request_of = {"created": 4, "updated": 5, "deleted": 6}
+    for r in changes:
+        assert (r["dbid"], r["collection"], r["zone"], r["entity"]) == (DB, "Contacts", "A", ENTITY_A)
+        assert r["ended"] == FUTURE + request_of[r["action"]] - 3
+        assert r["user"] == ZONE_SUBSCRIBERS[r["device"]][0]
+        # deterministic: uuid5 of the device and the change's identity (the patch)
+        assert r["notification"] == notify.notification_id(r["device"], DB, "Contacts", "A", ENTITY_A, ADMIN,
+                                                            request_of[r["action"]], 1)
+    assert len({r["notification"] for r in changes}) == 5
+    ids = {(r["device"], r["action"]): r["notification"] for r in changes}
+
+    by_device = messages_on(pipeline, "changes-by-device")
+    n = partitions_of(pipeline, "changes-by-device")
+    assert sorted((m["key"], m["value"]["action"]) for m in by_device) == sorted(ids)
+    seed_fields = {"dbid", "db", "collection", "zone", "entity", "notification", "action", "ended"}
+    for m in by_device:
+        value = m["value"]
+        assert set(value) == seed_fields  # the device is the key, not part of the message
+        assert m["partition"] == partition_for(m["key"], n)
+        assert value["notification"] == ids[(m["key"], value["action"])]
+        assert (value["db"], value["dbid"], value["collection"], value["zone"], value["entity"]) == (
+            DB, DB, "Contacts", "A", ENTITY_A)
+        assert value["ended"] == FUTURE + request_of[value["action"]] - 3
+        messages.parse_message(messages.DeviceChange, json.dumps(value))
+
+    # 8. device_notifications after slice 2: every notification unacknowledged
+    def notifications(key):
+        return {r["device"]: (r["user"], r["count"], r["begun"], r["ended"])
+                for r in rows(pipeline, "device_notifications", key)}
+
+    assert notifications(K2) == {"device1": ("alice", 2, FUTURE + 1, FUTURE + 3),
+                                 "device2": ("bob", 3, FUTURE + 1, FUTURE + 3)}
+
+    # ---- slice 3: ENTITY_B is updated (device3, subscribed in slice 2, hears of it); acks by id and upTo
+    r3 = run_slice(pipeline, [
+        batch(7, FUTURE + 10, [contact(ENTITY_B, "B", [{"op": "replace", "path": "firstName", "value": "Cy"}])]),
+        ack("device2", notifications=[ids[("device2", "created")]]),
+        ack("device1", upTo=FUTURE + 1),  # covers its created notification only
+        ack("device4", upTo=samples.ACK_ALL),  # a device with no notifications: nothing changes
+    ], K3)
+
+    # 6. a subscription of slice 2 receives slice 3's changes (and, above, none of slice 1's)
+    [late] = rows(pipeline, "changes_by_device", K3)
+    assert (late["device"], late["user"], late["entity"], late["zone"], late["action"], late["ended"]) == (
+        "device3", "carol", ENTITY_B, "B", "updated", FUTURE + 10)
+    assert {(r["device"], r["entity"]) for r in rows(pipeline, "changes_by_device")} == {
+        ("device1", ENTITY_A), ("device2", ENTITY_A), ("device3", ENTITY_B)}
+
+    # 8. acks of a later slice lower the counts; one message per device whose count changed
+    assert notifications(K3) == {"device1": ("alice", 1, FUTURE + 3, FUTURE + 3),
+                                 "device2": ("bob", 2, FUTURE + 2, FUTURE + 3),
+                                 "device3": ("carol", 1, FUTURE + 10, FUTURE + 10)}
+    assert pipeline.materializations(r3)["device_notifications"]["acks"] == 3
+    published = messages_on(pipeline, "device-notifications")
+    n = partitions_of(pipeline, "device-notifications")
+    assert sorted((m["key"], m["value"]["count"]) for m in published) == [
+        ("device1", 1), ("device1", 2), ("device2", 2), ("device2", 3), ("device3", 1)]
+    latest = {}
+    for m in sorted(published, key=lambda m: m["timestamp"]):
+        value = m["value"]
+        assert m["key"] == value["device"] and m["partition"] == partition_for(m["key"], n)
+        messages.parse_message(messages.DeviceNotification, json.dumps(value))
+        latest[m["key"]] = (value["user"], value["count"], value["begun"], value["ended"])
+    assert latest == notifications(K3)
+
+    # 5. a re-run of slice 2 (replayed against the state of slice 1) yields the same notification ids
+    again = pipeline.run(K2)
+    assert again.success
+    rerun = rows(pipeline, "changes_by_device", K2)
+    assert {(r["device"], r["action"]): r["notification"] for r in rerun} == ids
+    assert len(rerun) == 5
+    assert notifications(K2) == {"device1": ("alice", 2, FUTURE + 1, FUTURE + 3),
+                                 "device2": ("bob", 3, FUTURE + 1, FUTURE + 3)}
+    # The device_inboxes state itself is checked by test_an_inbox_is_stored_in_its_own_bucket.
+
+
+def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
+    """A regression: device_inboxes once held device1 twice (pending 2 and 1) after slice 3.
+
+    Pure Python (no broker, no Spark): one Spark task of device_notifications that owns two
+    buckets, device1's (6) and then device4's (9), as Spark's hash partitioning gave it there.
+    The driver replaces a bucket's files by the `bucket` statistics of the files a task wrote.
+    """
+    import zlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from entity_assets import fold
+
+    uris = {t: str(tmp_path / t) for t in ("device_notifications", "device_inboxes")}
+    for uri in uris.values():
+        Path(uri).mkdir()
+    columns = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device", pa.string()),
+                         ("kind", pa.string()), ("notification", pa.string()), ("ended", pa.int64()),
+                         ("notifications", pa.string()), ("upTo", pa.int64()), ("bucket", pa.int32())])
+
+    def event(device, kind, notification=None, ended=0, up_to=None):
+        return {"dbid": DB, "user": "alice", "device": device, "kind": kind, "notification": notification,
+                "ended": ended, "notifications": None, "upTo": up_to, "bucket": zlib.crc32(device.encode()) % 32}
+
+    def task(events, key, state_files):
+        batches = fold.inbox_task(iter([pa.RecordBatch.from_pylist(events, schema=columns)]), slice_key=key,
+                                  uris=uris, storage_options=None, state_files=state_files, write_state=True)
+        return [f for b in batches for f in b.to_pylist() if f["table"] == "device_inboxes"]
+
+    assert [event(d, "")["bucket"] for d in ("device1", "device4")] == [6, 9]
+    [first] = task([event("device1", "a-notify", "n1", 1), event("device1", "a-notify", "n2", 2)], K1, {})
+    written = task([event("device1", "b-ack", up_to=1), event("device4", "b-ack", up_to=samples.ACK_ALL)], K2,
+                   {6: [f"{uris['device_inboxes']}/{first['path']}"]})
+    # device1's bucket is rewritten (so its old file is replaced), with device1's new inbox in it
+    assert [json.loads(f["stats"])["minValues"]["bucket"] for f in written] == [6]
+    stored = pq.read_table(f"{uris['device_inboxes']}/{written[0]['path']}").to_pylist()
+    assert [(r["device"], r["bucket"], list(json.loads(r["document"])["pending"])) for r in stored] == [
+        ("device1", 6, ["n2"])]
