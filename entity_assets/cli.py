@@ -108,10 +108,11 @@ def cmd_produce(args) -> int:
     return 0
 
 
-def run_pending(*, max_messages: int | None = None, log=print) -> list[dict]:
+def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] | None = None) -> list[dict]:
     """One sensor evaluation, then every slice without a successful run, in slice order.
 
     Runs go through the same job the daemon launches, recorded in the Dagster instance.
+    `steps` limits the runs to those steps (ops) of the job, e.g. the entity core only.
     """
     from dagster import DagsterInstance, DagsterRunStatus, RunsFilter, build_sensor_context
 
@@ -138,18 +139,24 @@ def run_pending(*, max_messages: int | None = None, log=print) -> list[dict]:
     pending = [slice_key(s) for s in range(1, store.latest_seq() + 1) if slice_key(s) not in done]
     instance.add_dynamic_partitions("slices", pending)
     job = defs.resolve_job_def("slice_job")
+    selection = None
+    if steps:
+        selection = [k for a in defs.resolve_all_asset_specs() for k in [a.key]
+                     if defs.resolve_assets_def(a.key).op.name in steps]
     summaries = []
     for key in pending:
         started = time.monotonic()
         outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
-                                         tags={"dagster/run_key": key})
+                                         tags={"dagster/run_key": key}, asset_selection=selection)
         materialized = Counter()
         for event in outcome.get_asset_materialization_events():
             mat = event.event_specific_data.materialization
             rows = mat.metadata.get("rows")
             materialized[mat.asset_key.to_user_string()] = rows.value if rows else 0
+        step_seconds = {e.step_key: round(e.event_specific_data.duration_ms / 1000, 2)
+                        for e in outcome.all_events if e.event_type_value == "STEP_SUCCESS"}
         summary = {"slice": key, "run_id": outcome.run_id, "success": outcome.success,
-                   "seconds": round(time.monotonic() - started, 1), "rows": dict(materialized)}
+                   "seconds": round(time.monotonic() - started, 1), "rows": dict(materialized), "steps": step_seconds}
         log(f"slice {key}: {'ok' if outcome.success else 'FAILED'} in {summary['seconds']}s run {outcome.run_id[:8]} "
             + " ".join(f"{k}={v}" for k, v in materialized.items()))
         summaries.append(summary)

@@ -110,7 +110,7 @@ class FileWriter:
         name = f"part-{self.slice_key}-{uuid.uuid4().hex}.parquet"
         path = f"{self._root}/{name}"
         with self._fs.open_output_stream(path) as sink:
-            pq.write_table(data, sink, compression="zstd")
+            pq.write_table(data, sink, compression="snappy")
         size = self._fs.get_file_info(path).size
         self.files.append(DataFile(self.table, name, size, data.num_rows, _stats(data, self.stats_columns)))
 

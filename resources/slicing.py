@@ -14,7 +14,8 @@ class SlicingResource(ConfigurableResource):
     min_interval_seconds: float = Field(default=900.0, description="minimum time between two slices")
     max_messages: int = Field(default=5_000_000, description="upper bound of messages in one slice")
     max_messages_per_task: int = Field(default=200_000, description="Kafka records one Spark task reads")
-    dedupe_window_slices: int = Field(default=96, description="earlier slices searched for redelivered requests")
+    dedupe_window_slices: int = Field(
+        default=4, description="earlier slices searched for redelivered requests (an hour at the default interval)")
 
     def policy(self) -> SlicePolicy:
         return SlicePolicy(self.min_interval_seconds, self.max_messages)

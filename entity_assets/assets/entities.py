@@ -167,8 +167,10 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     completes = read_df(session, engine.slice_files("complete_responses", [key]), "complete_responses")
     bad_updates = updates.filter("status != 1").count()
     incomplete = completes.filter(F.size(F.from_json("responses", "array<string>")) != F.col("parts")).count()
-    current = read_df(session, engine.files("entities"), "entities")
-    repeated_keys = current.groupBy(*ENTITY_KEY).count().filter("count > 1").count()
+    # only buckets this slice rewrote can have gained a repeated key
+    applied = engine.files("entities", engine.version_after("entities", key, "apply"))
+    rewritten = read_df(session, [f for f in applied if f.max.get("slice") == key], "entities")
+    repeated_keys = rewritten.groupBy(*ENTITY_KEY).count().filter("count > 1").count()
 
     for table in ("entity_updates", "entities", "schema_updates", "schemas", "schema_learning",
                   "partial_responses", "complete_responses"):
