@@ -61,6 +61,33 @@ def read_df(spark, files, table: str):
     return spark.read.schema(schema).parquet(*[f.uri for f in files])
 
 
+def first_deliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
+                     window: int) -> tuple[int, object]:
+    """The slice's rows of an input table minus redeliveries; returns (rows in, DataFrame).
+
+    A row is a redelivery when a row with the same `identity` came earlier in this slice (by
+    Kafka coordinates) or in the `window` slices before it. Those slices must be ingested,
+    so a slice refuses to go before them.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    from entity_assets.slices import slice_key as key_of, slice_seq
+
+    seq = slice_seq(slice_key)
+    if seq > 1 and engine.version_after(table, key_of(seq - 1), "replace_slice") is None:
+        raise OutOfOrder(f"slice {slice_key}: {table} holds no slice {key_of(seq - 1)}, so redeliveries cannot "
+                         f"be found; slice {key_of(seq - 1)} is missing: materialize the slices in order")
+    files = engine.slice_files(table, [slice_key])
+    first = Window.partitionBy(*identity).orderBy("kafka_topic", "kafka_partition", "kafka_offset")
+    rows = read_df(spark, files, table)
+    unique = rows.withColumn("_n", F.row_number().over(first)).filter("_n = 1").drop("_n")
+    prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
+    if prior:
+        unique = unique.join(read_df(spark, prior, table).select(*identity), list(identity), "left_anti")
+    return sum(f.rows for f in files), unique
+
+
 def collect_files(df) -> dict[str, list[DataFile]]:
     """Collects the file records a mapInArrow task body yielded (see fold.FILES_SCHEMA)."""
     by_table: dict[str, list[DataFile]] = defaultdict(list)

@@ -21,6 +21,7 @@ from entity_assets.assets.common import (
     commit_slice,
     commit_state,
     ensure_tables,
+    first_deliveries,
     fold_buckets,
     merge_files,
     publish,
@@ -51,30 +52,20 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     `dedupe_window_slices` slices is a duplicate: it stays in entity_batches, the durable
     log, and is counted here.
     """
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["entity_patches"])
     session = spark.session()
-    seq = slice_seq(key)
-    batch_files = engine.slice_files("entity_batches", [key])
-    prior_files = engine.slice_files(
-        "entity_batches", [slice_key(s) for s in range(max(1, seq - slicing.dedupe_window_slices), seq)]
-    )
-    batches = read_df(session, batch_files, "entity_batches")
-    first = Window.partitionBy("clientid", "request").orderBy("kafka_topic", "kafka_partition", "kafka_offset")
-    unique = batches.withColumn("_n", F.row_number().over(first)).filter("_n = 1").drop("_n")
-    if prior_files:
-        seen = read_df(session, prior_files, "entity_batches").select("clientid", "request")
-        unique = unique.join(seen, ["clientid", "request"], "left_anti")
+    try:
+        batches_in, unique = first_deliveries(session, engine, "entity_batches", key, ("clientid", "request"),
+                                              slicing.dedupe_window_slices)
+    except OutOfOrder as exc:
+        raise Failure(str(exc)) from exc
     fn = partial(fold.explode_task, slice_key=key, uris={"entity_patches": engine.uri("entity_patches")},
                  storage_options=engine.storage_options)
     files = collect_files(unique.mapInArrow(fn, fold.FILES_DDL))
     exploded = files.pop(fold.COUNT_BATCHES, [])
     summary = commit_slice(engine, ["entity_patches"], files, key)["entity_patches"]
     published = publish(session, kafka, engine, "entity_patches", key)
-    batches_in = sum(f.rows for f in batch_files)
     meta = table_metadata(engine, "entity_patches", summary)
     meta.update(batches=batches_in, duplicates=batches_in - sum(f.rows for f in exploded), published=published)
     return MaterializeResult(metadata=meta)
@@ -116,7 +107,8 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
     partitions_def=slices_partitions,
     can_subset=False,
 )
-def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, kafka: KafkaResource):
+def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, kafka: KafkaResource,
+                  slicing: SlicingResource):
     """Folds the slice's entity and schema patches over their state, bucket by bucket, in slice order.
 
     Entity and schema results share one step because both feed partial and complete
@@ -132,8 +124,9 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
         patches = read_df(session, engine.slice_files("entity_patches", [key]), "entity_patches")
         entity_files, entities = fold_buckets(spark, patches, ENTITY_KEY + ORDER, fold.fold_task, engine=engine,
                                               state_table="entities", slice_key=key, uris=uris)
-        schema_patches = read_df(session, engine.slice_files("schema_patches", [key]), "schema_patches").withColumn(
-            "bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
+        schema_in, schema_patches = first_deliveries(session, engine, "schema_patches", key,
+                                                     ("clientid", "request", "part"), slicing.dedupe_window_slices)
+        schema_patches = schema_patches.withColumn("bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
         schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
                                              engine=engine, state_table="schemas", slice_key=key, uris=uris)
         pending_apply, pending_version = state_version(engine, "pending_responses", key)
@@ -184,6 +177,8 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
             meta["preview"] = MetadataValue.md(_preview(updates))
         if table in ("entities", "schemas"):
             meta["replayed"] = MetadataValue.bool(summary[table]["replayed"])
+        if table == "schema_updates":
+            meta["duplicates"] = MetadataValue.int(schema_in - schema_patches.count())
         yield MaterializeResult(asset_key=table, metadata=meta)
     yield AssetCheckResult(asset_key="entity_updates", check_name="updates_are_successes", passed=bad_updates == 0,
                            metadata={"non_success_rows": bad_updates})
