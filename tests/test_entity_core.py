@@ -1,0 +1,453 @@
+"""The entity core end to end: a real broker, real Spark, real Delta tables, Dagster through its public API.
+
+entity-batches records -> slice -> entity_patches -> apply_patches (entity_updates, entities,
+partial_responses, complete_responses, pending_responses) -> the derived topics, checked
+against the seed's samples (docs/entity-core.md, docs/slices.md, docs/streams.md).
+
+Runs are the expensive part, so each test closes as few slices as it can and checks
+everything those slices show.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pyarrow.compute as pc
+from confluent_kafka import Producer
+
+from entity_assets import samples
+from entity_assets.publish import partition_for
+from entity_assets.slices import slice_key
+from entity_assets.tables import SCHEMAS
+
+K1, K2 = slice_key(1), slice_key(2)
+CLIENT = samples.SEED_CLIENT
+SALLY = "400cb092-00af-4e44-bdcb-1a0c536692bf"
+WILLIAM = "101c3c90-e304-4279-b6a0-020363c925c6"
+BEGUN = samples.SEED_ENTITY_BATCH["begun"]
+
+# --------------------------------------------------------------------------- the seed's samples
+
+SALLY_OPS = [
+    {"op": "add", "path": "firstName", "value": "Sally"},
+    {"op": "add", "path": "lastName", "value": "Anderson"},
+    {"op": "add", "path": "phone/home", "value": "1-222-555-1234"},
+]
+SALLY_AFTER = {"firstName": "Sally", "lastName": "Anderson", "phone": {"home": "1-222-555-1234"}}
+WILLIAM_OPS = [
+    {"op": "add", "path": "firstName", "value": "William"},
+    {"op": "add", "path": "lastName", "value": "Johnson"},
+    {"op": "add", "path": "homePhone", "value": "1-222-555-9876"},
+]
+WILLIAM_AFTER = {"firstName": "William", "lastName": "Johnson", "homePhone": "1-222-555-9876"}
+
+# entity-patches sample
+SEED_PATCH = {
+    "db": "my-db", "collection": "Contacts", "zone": "default", "entity": SALLY, "clientid": CLIENT,
+    "request": 2, "user": "jsmith", "begun": BEGUN, "part": 1, "parts": 1,
+    "includeBefore": True, "includeAfter": True, "learning": True, "ops": SALLY_OPS,
+}
+# entity-updates sample, without `ended` (the record's Kafka timestamp here, not the sample's)
+SEED_UPDATE = {
+    "db": "my-db", "collection": "Contacts", "zone": "default", "entity": SALLY, "clientid": CLIENT,
+    "request": 2, "user": "jsmith", "begun": BEGUN, "part": 1, "parts": 1, "ops": SALLY_OPS,
+    "status": 1, "before": None, "after": SALLY_AFTER,
+}
+# complete-responses sample: its two partial responses, without `ended`
+SEED_RESPONSES = [
+    {"db": "my-db", "collection": "Contacts", "zone": "default", "entity": SALLY, "clientid": CLIENT, "request": 2,
+     "user": "jsmith", "begun": BEGUN, "part": 1, "parts": 2, "ops": SALLY_OPS, "status": 1, "before": None,
+     "after": SALLY_AFTER},
+    {"db": "my-db", "collection": "Contacts", "zone": "default", "entity": WILLIAM, "clientid": CLIENT, "request": 2,
+     "user": "jsmith", "begun": BEGUN, "part": 2, "parts": 2, "ops": WILLIAM_OPS, "status": 1, "before": None,
+     "after": WILLIAM_AFTER},
+]
+# Fields the project adds to every output message (docs/streams.md: `dbid` beside the seed's `db`)
+# and the seed's optional request flags, carried over when the request set them.
+FLAGS = {"includeBefore": True, "includeAfter": True}
+
+STATE_TABLES = ("entities", "schemas", "pending_responses", "learned_schemas", "devices", "device_inboxes")
+STREAM_TABLES = tuple(sorted(t for t in SCHEMAS if t not in STATE_TABLES))
+
+
+# --------------------------------------------------------------------------- helpers
+
+def batch(request: int, patches: list[dict], *, begun: int, clientid: str = CLIENT, **flags) -> dict:
+    return {"dbid": "my-db", "clientid": clientid, "request": request, "user": "jsmith", "begun": begun,
+            "includeBefore": True, "includeAfter": True, **flags, "patches": patches}
+
+
+def patch(entity: str, ops: list[dict], *, collection: str = "Contacts", zone: str = "default") -> dict:
+    return {"collection": collection, "zone": zone, "entity": entity, "ops": ops}
+
+
+def record(message: dict) -> tuple[str, str, bytes]:
+    return ("entity-batches", samples.request_key(message["clientid"], message["request"]), samples.encode(message))
+
+
+def rows(pipeline, table: str, **where) -> list[dict]:
+    return [r for r in pipeline.read(table).to_pylist() if all(r[k] == v for k, v in where.items())]
+
+
+def one(items: list):
+    assert len(items) == 1, items
+    return items[0]
+
+
+def messages(pipeline, stream: str, **where) -> list[dict]:
+    """The records on a derived topic, value decoded, filtered on message fields."""
+    out = []
+    for r in pipeline.consume(stream):
+        value = json.loads(r["value"])
+        if all(value.get(k) == v for k, v in where.items()):
+            out.append({**r, "value": value})
+    return out
+
+
+def partitions_of(pipeline, stream: str) -> int:
+    return len(pipeline.end_offsets(stream))
+
+
+def ended_of(batch_row: dict) -> int:
+    """The seed's `ended`, as docs/slices.md defines it: the source record's timestamp, or begun if later."""
+    return max(batch_row["kafka_timestamp"], batch_row["begun"])
+
+
+def check_evaluations(result) -> dict[str, bool]:
+    return {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+
+
+def error_text(error) -> str:
+    parts = []
+    while error is not None:
+        parts.append(error.message)
+        error = error.cause
+    return "\n".join(parts)
+
+
+def canonical(table_rows: list[dict]) -> list[str]:
+    """Rows as sortable text (None, bytes and nested values included), sorted."""
+    return sorted(json.dumps(r, sort_keys=True, default=repr) for r in table_rows)
+
+
+def slice_rows(pipeline, table: str, key: str) -> list[str]:
+    data = pipeline.read(table)
+    return canonical(data.filter(pc.equal(data["slice"], key)).to_pylist())
+
+
+# --------------------------------------------------------------------------- 1 + 3: the seed's sample, statuses 2 and 3
+
+def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipeline):
+    missing = "5c2a7d6e-0000-4000-8000-00000000beef"
+    # begun in 2100, later than its record's timestamp: its `ended` is begun
+    not_found = batch(21, [patch(missing, [{"op": "replace", "path": "firstName", "value": "Nobody"}])],
+                      begun=4_102_444_800_000)
+    # a valid op, then a failing one: all or nothing
+    failing = batch(22, [patch(SALLY, [{"op": "replace", "path": "firstName", "value": "Sue"},
+                                       {"op": "remove", "path": "nickname"}])], begun=BEGUN + 20)
+    pipeline.produce([record(samples.SEED_ENTITY_BATCH), record(not_found), record(failing)])
+    [request] = pipeline.tick()
+    result = pipeline.run_request(request)
+    assert result.success
+
+    source = one(rows(pipeline, "entity_batches", request=2))
+    [on_kafka] = [r for r in pipeline.consume("entity-batches")
+                  if r["key"] == samples.request_key(CLIENT, 2).encode()]
+    assert source["kafka_timestamp"] == on_kafka["timestamp"] > 0
+    ended = ended_of(source)
+
+    # entity-patches: the seed's sample, field for field (plus the project's `dbid`)
+    msg = one(messages(pipeline, "entity-patches", request=2))
+    assert msg["key"] == SALLY.encode()
+    assert msg["partition"] == partition_for(SALLY, partitions_of(pipeline, "entity-patches"))
+    assert msg["value"] == {**SEED_PATCH, "dbid": "my-db"}
+
+    # entity-updates: only the success, the seed's sample field for field; ended from the record
+    update = one(messages(pipeline, "entity-updates"))
+    assert update["key"] == SALLY.encode()
+    assert update["partition"] == partition_for(SALLY, partitions_of(pipeline, "entity-updates"))
+    value = update["value"]
+    assert "ended" in value and value["ended"] == ended
+    assert "before" in value and value["before"] is None  # created: null, present
+    assert value == {**SEED_UPDATE, "dbid": "my-db", "learning": True, **FLAGS, "ended": ended}
+
+    row = one(rows(pipeline, "entity_updates"))
+    assert (row["clientid"], row["request"], row["user"], row["dbid"]) == (CLIENT, 2, "jsmith", "my-db")
+    assert (row["collection"], row["zone"], row["entity"], row["part"], row["parts"]) == (
+        "Contacts", "default", SALLY, 1, 1)
+    assert row["begun"] == BEGUN and row["ended"] == ended and row["status"] == 1 and row["error"] is None
+    assert json.loads(row["ops"]) == SALLY_OPS
+    assert row["before"] is None and json.loads(row["after"]) == SALLY_AFTER
+    assert row["learning"] and row["includeBefore"] and row["includeAfter"] and row["action"] == "created"
+    assert row["slice"] == request.partition_key
+    assert (row["kafka_topic"], row["kafka_partition"], row["kafka_offset"], row["kafka_timestamp"]) == (
+        source["kafka_topic"], source["kafka_partition"], source["kafka_offset"], source["kafka_timestamp"])
+
+    # statuses 2 and 3: partial responses with an error, never entity updates
+    partials = {r["request"]: r for r in rows(pipeline, "partial_responses")}
+    assert sorted(partials) == [2, 21, 22]
+    assert partials[2]["status"] == 1 and partials[2]["error"] is None
+    assert partials[21]["status"] == 2 and partials[21]["error"]
+    assert partials[22]["status"] == 3 and "op 1 (remove" in partials[22]["error"]
+    for r in (partials[21], partials[22]):
+        assert r["before"] is None and r["after"] is None and r["stream"] == "entity-updates"
+        assert r["ended"] == ended_of(one(rows(pipeline, "entity_batches", request=r["request"])))
+    assert partials[21]["ended"] == not_found["begun"] > partials[22]["ended"]
+    on_topic = {m["value"]["request"]: m["value"] for m in messages(pipeline, "partial-responses")}
+    assert on_topic[2] == value
+    for n, status in ((21, 2), (22, 3)):
+        assert on_topic[n]["status"] == status and on_topic[n]["error"] == partials[n]["error"]
+        assert "before" not in on_topic[n] and "after" not in on_topic[n]
+    assert [r["request"] for r in rows(pipeline, "entity_updates")] == [2]
+
+    # all or nothing: Sally is as the seed's patch left her; the missing entity stays missing
+    sally = one(rows(pipeline, "entities"))
+    assert sally["entity"] == SALLY and sally["version"] == 1 and not sally["deleted"]
+    assert json.loads(sally["document"]) == SALLY_AFTER and sally["ended"] == ended
+
+    # every single-part request completes, whatever its status
+    completes = {r["request"]: r for r in rows(pipeline, "complete_responses")}
+    assert sorted(completes) == [2, 21, 22]
+    assert [r["status"] for r in json.loads(completes[22]["responses"])] == [3]
+
+    meta = pipeline.materializations(result)
+    assert meta["partial_responses"]["entity-updates status 1"] == 1
+    assert meta["partial_responses"]["entity-updates status 2"] == 1
+    assert meta["partial_responses"]["entity-updates status 3"] == 1
+    assert meta["partial_responses"]["rows"] == 3 and meta["partial_responses"]["pending_parts"] == 0
+    assert meta["entity_updates"]["rows"] == 1 and meta["entity_patches"]["duplicates"] == 0
+    checks = check_evaluations(result)
+    for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
+        assert checks.get(name) is True, (name, checks)
+
+
+# --------------------------------------------------------------------------- 2: the seed's two-part complete response
+
+def test_two_part_batch_yields_the_seed_complete_response(pipeline):
+    two_part = {**samples.SEED_ENTITY_BATCH, "learning": False,
+                "patches": [patch(SALLY, SALLY_OPS), patch(WILLIAM, WILLIAM_OPS)]}
+    pipeline.produce([record(two_part)])
+    [request] = pipeline.tick()
+    result = pipeline.run_request(request)
+    assert result.success
+    ended = ended_of(one(rows(pipeline, "entity_batches")))
+
+    expected = [{**r, "dbid": "my-db", **FLAGS, "ended": ended} for r in SEED_RESPONSES]
+    request_id = samples.request_key(CLIENT, 2).encode()
+
+    partials = messages(pipeline, "partial-responses")
+    n_partial = partitions_of(pipeline, "partial-responses")
+    assert sorted((m["value"] for m in partials), key=lambda v: v["part"]) == expected
+    for m in partials:
+        assert m["key"] == request_id and m["partition"] == partition_for(CLIENT, n_partial)
+
+    row = one(rows(pipeline, "complete_responses"))
+    assert (row["clientid"], row["request"], row["user"], row["dbid"]) == (CLIENT, 2, "jsmith", "my-db")
+    assert row["parts"] == 2 and row["begun"] == BEGUN and row["ended"] == ended
+    assert json.loads(row["responses"]) == expected  # the partial responses, ordered by part
+
+    complete = one(messages(pipeline, "complete-responses"))
+    assert complete["key"] == request_id
+    assert complete["partition"] == partition_for(CLIENT, partitions_of(pipeline, "complete-responses"))
+    assert complete["value"] == {"clientid": CLIENT, "request": 2, "user": "jsmith", "begun": BEGUN, "parts": 2,
+                                 "ended": ended, "responses": expected}
+
+    assert {r["entity"]: r["version"] for r in rows(pipeline, "entities")} == {SALLY: 1, WILLIAM: 1}
+    assert sorted((r["part"], r["entity"]) for r in rows(pipeline, "entity_patches")) == [(1, SALLY), (2, WILLIAM)]
+    assert all(r["parts"] == 2 for r in rows(pipeline, "entity_patches"))
+    checks = check_evaluations(result)
+    assert checks.get("responses_have_every_part") is True, checks
+
+
+# --------------------------------------------------------------------------- 9: order within a slice
+
+def test_an_entitys_patches_apply_in_begun_order_not_offset_order(pipeline):
+    entity = "0d7e3f4a-1111-4000-8000-000000000009"
+    low, high = "00000000-0000-4000-8000-00000000000a", "ffffffff-0000-4000-8000-00000000000f"
+
+    def step(clientid, request, begun, expect, ops):
+        test = [] if expect is None else [{"op": "test", "path": "name", "value": expect}]
+        return batch(request, [patch(entity, test + ops)], begun=begun, clientid=clientid, includeBefore=False)
+
+    # (begun, clientid, request) order: create, second, third, last; each `test`s its predecessor's
+    # result, so any other order fails with status 2 or 3.
+    create = step(high, 1, 1000, None, [{"op": "add", "path": "name", "value": "first"}])
+    second = step(low, 1, 2000, "first", [{"op": "replace", "path": "name", "value": "second"}])
+    third = step(low, 2, 2000, "second", [{"op": "replace", "path": "name", "value": "third"}])
+    last = step(high, 2, 2000, "third", [{"op": "add", "path": "done", "value": True}])
+    # Produced in the reverse order, with explicit partitions: `last` and `create` share partition 0
+    # with `last` at the lower offset; `third` and `second` on partitions 1 and 2.
+    placed = ((last, 0), (third, 1), (second, 2), (create, 0))
+    producer = Producer(pipeline.kafka.config())
+    topic = pipeline.topic("entity-batches")
+    for message, partition in placed:
+        key = samples.request_key(message["clientid"], message["request"])
+        producer.produce(topic, key=key, value=samples.encode(message), partition=partition)
+        assert producer.flush(30) == 0
+        time.sleep(0.005)  # Kafka timestamps increase too: the reverse of begun order
+
+    [request] = pipeline.tick()
+    result = pipeline.run_request(request)
+    assert result.success
+
+    coords = {(r["clientid"], r["request"]): (r["kafka_partition"], r["kafka_offset"], r["kafka_timestamp"])
+              for r in rows(pipeline, "entity_batches")}
+    assert {k: c[:2] for k, c in coords.items()} == {(high, 2): (0, 0), (low, 2): (1, 0), (low, 1): (2, 0),
+                                                      (high, 1): (0, 1)}
+    assert coords[(high, 2)][2] <= coords[(low, 2)][2] <= coords[(low, 1)][2] <= coords[(high, 1)][2]
+
+    state = one(rows(pipeline, "entities"))
+    assert json.loads(state["document"]) == {"name": "third", "done": True}
+    assert state["version"] == 4
+    assert [r["status"] for r in rows(pipeline, "partial_responses")] == [1, 1, 1, 1]
+    updates = sorted(rows(pipeline, "entity_updates"), key=lambda r: (r["begun"], r["clientid"], r["request"]))
+    assert [(r["clientid"], r["request"]) for r in updates] == [(high, 1), (low, 1), (low, 2), (high, 2)]
+    assert [json.loads(r["after"]) for r in updates] == [
+        {"name": "first"}, {"name": "second"}, {"name": "third"}, {"name": "third", "done": True}]
+    assert [r["action"] for r in updates] == ["created", "updated", "updated", "updated"]
+    # the entity's last change is the last patch in (begun, ...) order, not the last record produced
+    assert state["ended"] == one([r for r in updates if r["clientid"] == high and r["request"] == 2])["ended"]
+
+
+# --------------------------------------------------------------------------- 4-8: across slices
+
+LIFE = "7e1f0c2b-4444-4000-8000-000000000004"  # created, deleted, re-created
+DUP = "9a3b5c7d-5555-4000-8000-000000000005"  # its request is delivered three times
+DEVICE = "device-00001"
+SCHEMA_REQUEST = 14
+
+
+def slice_records() -> tuple[list, list]:
+    """Two slices of traffic touching every stream of the graph."""
+    sub = batch(10, [patch("sub-" + DEVICE, [{"op": "add", "path": "", "value": {
+        "subjectZone": "default", "device": DEVICE, "user": "jsmith"}}], collection=samples.SUBSCRIPTIONS)],
+        begun=BEGUN)
+    create = batch(11, [patch(LIFE, [{"op": "add", "path": "name", "value": "v1"}])], begun=BEGUN + 1, learning=True)
+    delete = batch(12, [patch(LIFE, [{"op": "remove", "path": ""}])], begun=BEGUN + 2)
+    dup = batch(13, [patch(DUP, [{"op": "add", "path": "count", "value": 1}])], begun=BEGUN + 3)
+    recreate = batch(15, [patch(LIFE, [{"op": "add", "path": "name", "value": "v2"}])], begun=BEGUN + 5,
+                     learning=True)
+    schema = {**samples.SEED_SCHEMA_PATCH, "request": SCHEMA_REQUEST, "parts": 2}
+    part1 = {**schema, "part": 1}
+    part2 = {**schema, "part": 2, "begun": schema["begun"],
+             "ops": [{"op": "add", "path": "Contacts/fields/name", "value": {"type": "STRING", "optional": True}}]}
+    connection = samples.SEED_CONNECTION
+    first = [record(sub), record(create), record(delete), record(dup), record(dup),
+             ("schema-patches", "my-db", samples.encode(part1)),
+             ("connections", "jsmith", samples.encode({**connection, "device": DEVICE}))]
+    second = [record(dup), record(recreate),
+              ("schema-patches", "my-db", samples.encode(part2)),
+              ("connections", "jsmith", samples.encode({**connection, "device": DEVICE, "appVersion": "1.2",
+                                                         "begun": connection["begun"] + 1})),
+              ("notification-acks", DEVICE, samples.encode({"dbid": "my-db", "user": "jsmith", "device": DEVICE,
+                                                             "upTo": samples.ACK_ALL, "begun": BEGUN + 6}))]
+    return first, second
+
+
+def snapshot(pipeline) -> dict:
+    out = {("stream", t, k): slice_rows(pipeline, t, k) for t in STREAM_TABLES for k in (K1, K2)}
+    out.update({("state", t): canonical(pipeline.read(t).to_pylist()) for t in STATE_TABLES})
+    out.update({("version", t): pipeline.engine.version(t) for t in STATE_TABLES})
+    return out
+
+
+def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline):
+    first, second = slice_records()
+    pipeline.produce(first)
+    [r1] = pipeline.tick()
+    pipeline.produce(second)
+    [r2] = pipeline.tick()
+    assert (r1.partition_key, r2.partition_key) == (K1, K2)
+
+    # 7. out of order: slice 2 before slice 1 is refused, naming the missing slice
+    refused = pipeline.run_request(r2, raise_on_error=False)
+    assert not refused.success
+    failures = [e for e in refused.all_events if e.is_step_failure]
+    assert failures
+    assert {e.step_key for e in failures} >= {"apply_patches"}
+    for event in failures:
+        assert "slice 0000000001 is missing" in error_text(event.event_specific_data.error), event.step_key
+    assert pipeline.engine.applied("entities", "entity-assets") is None  # nothing applied
+
+    one_ = pipeline.run_request(r1)
+    assert one_.success
+    meta1 = pipeline.materializations(one_)
+
+    # 4. deletion: a tombstone with the version counting the deletion
+    life = one(rows(pipeline, "entities", entity=LIFE))
+    assert life["deleted"] is True and life["document"] is None and life["version"] == 2
+    updates = sorted(rows(pipeline, "entity_updates", entity=LIFE), key=lambda r: r["begun"])
+    assert [r["action"] for r in updates] == ["created", "deleted"]
+    assert json.loads(updates[1]["before"]) == {"name": "v1"} and updates[1]["after"] is None
+
+    # 5. the duplicate in one slice: exploded once, counted
+    # (slice 2 is already ingested: the refused run got that far)
+    assert len(rows(pipeline, "entity_batches", request=13, slice=K1)) == 2  # the durable log keeps both
+    assert len(rows(pipeline, "entity_patches", request=13, slice=K1)) == 1
+    assert meta1["entity_patches"]["duplicates"] == 1 and meta1["entity_patches"]["batches"] == 5
+
+    # 6. part 1 of 2 of a schema request: pending, not complete
+    assert not rows(pipeline, "complete_responses", request=SCHEMA_REQUEST)
+    pending = one(rows(pipeline, "pending_responses"))
+    assert (pending["clientid"], pending["request"], pending["part"], pending["parts"]) == (
+        CLIENT, SCHEMA_REQUEST, 1, 2)
+    assert pending["stream"] == "schema-updates" and pending["status"] == 1
+    assert meta1["partial_responses"]["pending_parts"] == 1
+
+    two = pipeline.run_request(r2)
+    assert two.success
+    meta2 = pipeline.materializations(two)
+
+    # 4. re-created: the version continues past the tombstone
+    life = one(rows(pipeline, "entities", entity=LIFE))
+    assert life["deleted"] is False and life["version"] == 3 and json.loads(life["document"]) == {"name": "v2"}
+    recreated = one(rows(pipeline, "entity_updates", entity=LIFE, slice=K2))
+    assert recreated["action"] == "created" and recreated["before"] is None
+    assert json.loads(recreated["after"]) == {"name": "v2"}
+
+    # 5. redelivered in the next slice: still applied once
+    assert len(rows(pipeline, "entity_batches", request=13)) == 3
+    assert len(rows(pipeline, "entity_patches", request=13)) == 1
+    assert len(rows(pipeline, "partial_responses", request=13)) == 1
+    assert len(rows(pipeline, "complete_responses", request=13)) == 1
+    assert one(rows(pipeline, "entities", entity=DUP))["version"] == 1
+    assert meta2["entity_patches"]["duplicates"] == 1 and meta2["entity_patches"]["batches"] == 2
+
+    # 6. part 2 completes the request in slice 2, both parts ordered
+    complete = one(rows(pipeline, "complete_responses", request=SCHEMA_REQUEST))
+    assert complete["slice"] == K2 and complete["parts"] == 2
+    responses = json.loads(complete["responses"])
+    assert [(r["part"], r["parts"], r["status"]) for r in responses] == [(1, 2, 1), (2, 2, 1)]
+    assert complete["ended"] == responses[1]["ended"]
+    assert not rows(pipeline, "pending_responses")
+    assert meta2["partial_responses"]["pending_parts"] == 0
+    on_topic = one(messages(pipeline, "complete-responses", request=SCHEMA_REQUEST))
+    assert on_topic["value"]["responses"] == responses
+    assert on_topic["partition"] == partition_for(CLIENT, partitions_of(pipeline, "complete-responses"))
+    for result in (one_, two):
+        checks = check_evaluations(result)
+        for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
+            assert checks.get(name) is True, (name, checks)
+
+    # 8. re-running slices 1 and 2 (replays) rewrites exactly the same rows and leaves the state
+    before = snapshot(pipeline)
+    assert before[("stream", "changes_by_device", K1)] and before[("stream", "device_notifications", K1)]
+    assert before[("stream", "changes_by_device", K2)] and before[("stream", "schema_learning", K2)]
+    again1 = pipeline.run(K1)
+    again2 = pipeline.run(K2)
+    assert again1.success and again2.success
+    for result in (again1, again2):
+        meta = pipeline.materializations(result)
+        assert meta["entities"]["replayed"] is True and meta["schemas"]["replayed"] is True
+    after = snapshot(pipeline)
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, changed
+    for table in STREAM_TABLES:
+        repeated = [r for r, n in Counter(canonical(pipeline.read(table).to_pylist())).items() if n > 1]
+        assert not repeated, (table, repeated[:2])
+    keys = Counter((r["dbid"], r["collection"], r["zone"], r["entity"]) for r in rows(pipeline, "entities"))
+    assert keys and max(keys.values()) == 1
+    parts = Counter((r["clientid"], r["request"], r["part"], r["stream"]) for r in rows(pipeline, "partial_responses"))
+    assert max(parts.values()) == 1
