@@ -97,8 +97,9 @@ def cmd_produce(args) -> int:
     elif args.source == "seed":
         counts = produce_records(samples.seed_records())
     else:
+        zones = tuple(f"zone-{i}" for i in range(args.zones)) if args.zones else samples.BatchTraffic.zones
         traffic = samples.BatchTraffic(patches=args.patches, entities=args.entities, ops=args.ops, seed=args.seed,
-                                       learning=args.learning)
+                                       learning=args.learning, zones=zones)
         if args.devices:
             traffic = samples.GraphTraffic(traffic, devices=args.devices)
         counts = produce_records(traffic.records())
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     produce.add_argument("--seed", type=int, default=7)
     produce.add_argument("--learning", action="store_true")
     produce.add_argument("--devices", type=int, default=0, help="whole-graph traffic: schemas, devices, subscriptions, acks")
+    produce.add_argument("--zones", type=int, default=0, help="spread entities and subscriptions over this many zones")
     produce.add_argument("--bad", action="store_true", help="add one record per dead-letter path")
     run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
     run.add_argument("--max-messages", type=int, default=None, help="cap of messages per slice")
