@@ -1,0 +1,152 @@
+"""Bench: patches through the entity core (issue: entity core) or the whole graph.
+
+    python bench/bench_pipeline.py --n 1000000                  # entity_batches -> complete_responses
+    python bench/bench_pipeline.py --n 1000000 --graph          # the whole graph, 10,000 devices, learning on
+    python bench/bench_pipeline.py --n 20000                    # a quick run
+
+In the same run, a single-process reference fold of the same input (parse, apply, serialize
+each update; no storage) runs in a child process, and a 100-message slice measures the fixed
+cost of one slice through the same path. Rates exclude Spark start. The last line is
+machine-readable key=value pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from common import REPO, BenchEnv, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log
+
+CORE_STEPS = ["ingest", "entity_patches", "apply_patches"]
+
+
+def traffic(n: int, entities: int, devices: int, learning: bool, seed: int):
+    from entity_assets.samples import BatchTraffic, GraphTraffic
+
+    zones = tuple(f"zone-{i}" for i in range(devices)) if devices else BatchTraffic.zones
+    batches = BatchTraffic(patches=n, entities=entities, ops=3, seed=seed, learning=learning, zones=zones)
+    return GraphTraffic(batches, devices=devices) if devices else batches
+
+
+def reference_fold(n: int, entities: int, devices: int, learning: bool, seed: int) -> dict:
+    """The single-process baseline: parse each batch, apply each patch, serialize each update."""
+    from entity_assets.patch import apply_patch
+
+    values = [v for stream, _, v in traffic(n, entities, devices, learning, seed).records() if stream == "entity-batches"]
+    state: dict[tuple, dict] = {}
+    patches = 0
+    started = time.perf_counter()
+    for value in values:
+        batch = json.loads(value)
+        for patch in batch["patches"]:
+            key = (batch["dbid"], patch["collection"], patch["zone"], patch["entity"])
+            outcome = apply_patch(state.get(key), patch["ops"])
+            if outcome.status == 1:
+                state[key] = outcome.doc
+            json.dumps({"clientid": batch["clientid"], "request": batch["request"], "user": batch["user"],
+                        "dbid": batch["dbid"], "begun": batch["begun"], **patch, "status": outcome.status,
+                        "error": outcome.error, "after": outcome.doc})
+            patches += 1
+    seconds = time.perf_counter() - started
+    return {"patches": patches, "seconds": seconds, "per_s": patches / seconds}
+
+
+def produce(env: BenchEnv, n: int, entities: int, devices: int, learning: bool, seed: int) -> None:
+    """Produces in a child process so that generating the input does not count as driver memory."""
+    # one zone per device: each change notifies the few devices watching its zone, not thousands
+    cmd = [sys.executable, "-m", "entity_assets.cli", "--port", str(env.port), "produce", "sample",
+           "--patches", str(n), "--entities", str(entities), "--devices", str(devices), "--seed", str(seed),
+           "--zones", str(devices)]
+    if learning:
+        cmd.append("--learning")
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def child_reference(args) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--reference-only", "--n", str(args.n), "--entities",
+                          str(args.entities), "--devices", str(args.devices), "--seed", str(args.seed)]
+                         + (["--graph"] if args.graph else []), check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=1_000_000, help="patches")
+    parser.add_argument("--entities", type=int, default=None, help="default n / 10")
+    parser.add_argument("--graph", action="store_true", help="the whole graph: subscriptions, learning, devices")
+    parser.add_argument("--devices", type=int, default=None, help="default 10,000 with --graph, else 0")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--no-publish", action="store_true", help="do not publish derived streams to Kafka")
+    parser.add_argument("--reference-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.entities = args.entities or max(1, args.n // 10)
+    args.devices = (10_000 if args.graph else 0) if args.devices is None else args.devices
+    learning = args.graph
+    if args.reference_only:
+        print(json.dumps(reference_fold(args.n, args.entities, args.devices, learning, args.seed)))
+        return 0
+
+    import os
+
+    if args.no_publish:
+        os.environ["ENTITY_ASSETS_PUBLISH"] = "false"
+    with BenchEnv() as env:
+        with Timer() as t:
+            produce(env, args.n, args.entities, args.devices, learning, args.seed)
+        log(f"produced {args.n:,} patches ({args.devices:,} devices, learning {learning}) in {t.s:.1f}s")
+        reference = child_reference(args)
+        log(f"reference fold: {reference['per_s']:,.0f} patches/s ({reference['patches']:,} in {reference['seconds']:.1f}s)")
+
+        from entity_assets.cli import run_pending
+        from entity_assets.definitions import build_resources
+
+        spark = build_resources()["spark"]
+        with Timer() as start:
+            session = spark.session()
+        log(f"Spark started in {start.s:.1f}s (excluded)")
+        session.range(1).count()  # the first job pays the worker start, like every later run would not
+        steps = None if args.graph else CORE_STEPS
+        with ResourceSampler(jvm=jvm_pid(spark), broker=env.broker_pid) as sampler, Timer() as run:
+            summaries = run_pending(steps=steps, log=log)
+        if not all(s["success"] for s in summaries):
+            log("a slice run FAILED")
+            return 1
+        per_s = args.n / run.s
+        step_s: dict[str, float] = {}
+        for s in summaries:
+            for step, sec in s["steps"].items():
+                step_s[step] = step_s.get(step, 0) + sec
+
+        # fixed cost: one 100-message slice through the same path
+        produce(env, 100, 10, 0, learning, args.seed + 1)
+        with Timer() as small:
+            small_runs = run_pending(steps=steps, log=log)
+        fixed = small.s if all(s["success"] for s in small_runs) else float("nan")
+
+    ratio = per_s / reference["per_s"]
+    target = 0.5 if args.graph else 1.0
+    print()
+    print(f"patches            {args.n:,} over {args.entities:,} entities, 3 ops each"
+          + (f"; {args.devices:,} devices subscribed, learning on" if args.graph else ""))
+    print(f"pipeline           {per_s:,.0f} patches/s ({run.s:.1f}s for {len(summaries)} slice run(s), Spark start "
+          f"{start.s:.1f}s excluded)")
+    print(f"reference fold     {reference['per_s']:,.0f} patches/s (one process, no storage)")
+    print(f"ratio              {ratio:.2f} (target >= {target})")
+    for step, sec in step_s.items():
+        print(f"  step {step:<22} {sec:6.1f}s  {args.n / sec if sec else 0:>12,.0f} patches/s")
+    print(f"100-message slice  {fixed:.1f}s (fixed cost of one slice run)")
+    cpu = sampler.cpu()
+    print(f"CPU seconds        " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
+    print(f"peak driver RSS    {driver_peak_mb():.0f} MB (this process; Spark's JVM and workers are children)")
+    print(kv_line(n=args.n, per_s=round(per_s), reference_per_s=round(reference["per_s"]), ratio=round(ratio, 3),
+                  graph=int(args.graph), devices=args.devices, spark_start_s=round(start.s, 1),
+                  fixed_100_s=round(fixed, 1), peak_driver_mb=round(driver_peak_mb()),
+                  **{f"{k}_s": round(v, 1) for k, v in step_s.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
