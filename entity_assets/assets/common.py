@@ -6,7 +6,7 @@ import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
-from dagster import MetadataValue
+from dagster import Failure, MetadataValue
 
 from entity_assets.storage import DataFile, DeltaRsEngine
 from entity_assets.tables import SCHEMAS
@@ -102,8 +102,11 @@ STATE_APP = "entity-assets"
 """App id of the Delta app transactions that record the last slice applied to a state table."""
 
 
-class OutOfOrder(Exception):
-    pass
+class OutOfOrder(Failure):
+    """A slice asked to go before its predecessor; the run fails with a message naming it."""
+
+    def __init__(self, message: str):
+        super().__init__(description=message)
 
 
 def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bool, int | None]:

@@ -2,11 +2,10 @@
 
 from functools import partial
 
-from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    OutOfOrder,
     collect_files,
     commit_state,
     ensure_tables,
@@ -33,10 +32,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
 
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["devices"])
-    try:
-        apply, version = state_version(engine, "devices", key)
-    except OutOfOrder as exc:
-        raise Failure(str(exc)) from exc
+    apply, version = state_version(engine, "devices", key)
     session = spark.session()
     prior = read_df(session, engine.files("devices", version), "devices")
     seen = read_df(session, engine.slice_files("connections", [key]), "connections").select(

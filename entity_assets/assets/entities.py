@@ -7,7 +7,6 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetSpec,
-    Failure,
     MaterializeResult,
     MetadataValue,
     asset,
@@ -16,7 +15,6 @@ from dagster import (
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    OutOfOrder,
     collect_files,
     commit_slice,
     commit_state,
@@ -55,11 +53,8 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["entity_patches"])
     session = spark.session()
-    try:
-        batches_in, unique = first_deliveries(session, engine, "entity_batches", key, ("clientid", "request"),
-                                              slicing.dedupe_window_slices)
-    except OutOfOrder as exc:
-        raise Failure(str(exc)) from exc
+    batches_in, unique = first_deliveries(session, engine, "entity_batches", key, ("clientid", "request"),
+                                          slicing.dedupe_window_slices)
     fn = partial(fold.explode_task, slice_key=key, uris={"entity_patches": engine.uri("entity_patches")},
                  storage_options=engine.storage_options)
     files = collect_files(unique.mapInArrow(fn, fold.FILES_DDL))
@@ -120,18 +115,15 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     ensure_tables(engine, APPLY_TABLES)
     session = spark.session()
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
-    try:
-        patches = read_df(session, engine.slice_files("entity_patches", [key]), "entity_patches")
-        entity_files, entities = fold_buckets(spark, patches, ENTITY_KEY + ORDER, fold.fold_task, engine=engine,
-                                              state_table="entities", slice_key=key, uris=uris)
-        schema_in, schema_patches = first_deliveries(session, engine, "schema_patches", key,
-                                                     ("clientid", "request", "part"), slicing.dedupe_window_slices)
-        schema_patches = schema_patches.withColumn("bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
-        schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
-                                             engine=engine, state_table="schemas", slice_key=key, uris=uris)
-        pending_apply, pending_version = state_version(engine, "pending_responses", key)
-    except OutOfOrder as exc:
-        raise Failure(str(exc)) from exc
+    patches = read_df(session, engine.slice_files("entity_patches", [key]), "entity_patches")
+    entity_files, entities = fold_buckets(spark, patches, ENTITY_KEY + ORDER, fold.fold_task, engine=engine,
+                                          state_table="entities", slice_key=key, uris=uris)
+    schema_in, schema_patches = first_deliveries(session, engine, "schema_patches", key,
+                                                 ("clientid", "request", "part"), slicing.dedupe_window_slices)
+    schema_patches = schema_patches.withColumn("bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
+    schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
+                                         engine=engine, state_table="schemas", slice_key=key, uris=uris)
+    pending_apply, pending_version = state_version(engine, "pending_responses", key)
     if entities["replayed"]:
         context.log.info(f"slice {key} is already applied: replayed against the state of the slice before it")
     summary = commit_slice(engine, STREAM_TABLES, merge_files(entity_files, schema_files), key)

@@ -6,7 +6,6 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    OutOfOrder,
     collect_files,
     commit_slice,
     ensure_tables,
@@ -100,11 +99,8 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     events = notes.unionByName(acks).select(*columns).withColumn(
         "bucket", (F.crc32(F.col("device")) % STATE_BUCKETS).cast("int"))
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
-    try:
-        files, inboxes = fold_buckets(spark, events, ("device", "kind", "ended", "notification"), fold.inbox_task,
-                                      engine=engine, state_table="device_inboxes", slice_key=key, uris=uris)
-    except OutOfOrder as exc:
-        raise Failure(str(exc)) from exc
+    files, inboxes = fold_buckets(spark, events, ("device", "kind", "ended", "notification"), fold.inbox_task,
+                                  engine=engine, state_table="device_inboxes", slice_key=key, uris=uris)
     summary = commit_slice(engine, ["device_notifications"], files, key)["device_notifications"]
     summary["published"] = publish(session, kafka, engine, "device_notifications", key)
     return MaterializeResult(metadata=_metadata(

@@ -7,14 +7,13 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetSpec,
-    Failure,
     MaterializeResult,
     MetadataValue,
     multi_asset,
 )
 
 from entity_assets import fold
-from entity_assets.assets.common import OutOfOrder, commit_state, ensure_tables, read_df, state_version, table_metadata
+from entity_assets.assets.common import commit_state, ensure_tables, read_df, state_version, table_metadata
 from entity_assets.learning import Summary, disagreements, entity_types, infer
 from entity_assets.partitions import slices_partitions
 from entity_assets.storage import FileWriter
@@ -38,10 +37,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["learned_schemas"])
-    try:
-        apply, version = state_version(engine, "learned_schemas", key)
-    except OutOfOrder as exc:
-        raise Failure(str(exc)) from exc
+    apply, version = state_version(engine, "learned_schemas", key)
     session = spark.session()
     learning = read_df(session, engine.slice_files("schema_learning", [key]), "schema_learning").filter("kind = 'entity'")
     partials = learning.repartition(spark.parallelism() * 2, "dbid", "collection").mapInArrow(fold.learn_task, SUMMARY_DDL)
