@@ -166,10 +166,11 @@ class GraphTraffic:
                                   "ops": [{"op": "add", "path": "", "value": {
                                       "subjectZone": b.zones[i % len(b.zones)], "device": device, "user": user,
                                       "actions": actions}}]})
-        if subscriptions:
-            batch = {"dbid": b.dbid, "clientid": client, "request": 2, "user": "admin", "begun": b.begun,
-                     "patches": subscriptions}
-            yield ("entity-batches", request_key(client, 2), encode(batch))
+        # batches of 1,000 subscriptions stay under the seed's 1000 KB message limit
+        for n, start in enumerate(range(0, len(subscriptions), 1000), start=2):
+            batch = {"dbid": b.dbid, "clientid": client, "request": n, "user": "admin", "begun": b.begun,
+                     "patches": subscriptions[start:start + 1000]}
+            yield ("entity-batches", request_key(client, n), encode(batch))
         yield from b.records()
         for i in range(0, self.devices, 3):
             device = f"device-{i:05d}"
