@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         log(f"Spark started in {start.s:.1f}s (excluded)")
         session.range(1).count()  # the first job pays the worker start, like every later run would not
         steps = None if args.graph else CORE_STEPS
-        with ResourceSampler(jvm=jvm_pid(spark), broker=env.broker_pid) as sampler, Timer() as run:
+        with ResourceSampler(jvm=jvm_pid(session), broker=env.broker_pid) as sampler, Timer() as run:
             summaries = run_pending(steps=steps, log=log)
         if not all(s["success"] for s in summaries):
             log("a slice run FAILED")

@@ -1,4 +1,4 @@
-"""Helpers shared by the benches: a private home and broker, fast producing, timing, memory.
+"""Helpers shared by the benches: a private home and broker, producing, timing, CPU and memory.
 
 Every bench runs against its own temporary ENTITY_ASSETS_HOME and its own broker port, so it
 never touches a developer's `.entity-assets` nor a broker another bench or test is using.
@@ -405,6 +405,8 @@ class Profiler:
     def __init__(self, py_spy: str, out_dir: Path, rate: int = 50):
         self.py_spy, self.out_dir, self.rate = py_spy, Path(out_dir), rate
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("driver.txt", "workers.txt"):  # never report a previous run's profile
+            (self.out_dir / stale).unlink(missing_ok=True)
         self.procs: list[subprocess.Popen] = []
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None

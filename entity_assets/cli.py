@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from itertools import groupby
 from pathlib import Path
 
 from entity_assets.broker import DEFAULT_PORT, LocalBroker
@@ -74,11 +75,9 @@ def produce_records(records, kafka=None) -> Counter:
 
     kafka = kafka or _kafka()
     counts: Counter = Counter()
-    by_stream: dict[str, list] = {}
-    for stream, key, value in records:
-        by_stream.setdefault(stream, []).append((key, value))
-    for stream, items in by_stream.items():
-        counts[stream] += produce(kafka.config(), kafka.topic(stream), items)
+    # streamed, one producer per run of records of one stream: memory stays flat in N
+    for stream, run in groupby(records, key=lambda r: r[0]):
+        counts[stream] += produce(kafka.config(), kafka.topic(stream), ((k, v) for _, k, v in run))
     return counts
 
 

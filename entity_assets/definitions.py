@@ -43,6 +43,7 @@ def build_resources() -> dict:
         "slicing": SlicingResource(
             min_interval_seconds=float(_env("ENTITY_ASSETS_SLICE_INTERVAL_SECONDS", "900")),
             max_messages=int(_env("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "5000000")),
+            max_messages_per_task=int(_env("ENTITY_ASSETS_SLICE_MAX_PER_TASK", "200000")),
         ),
     }
 

@@ -23,7 +23,7 @@ _OPS = TypeAdapter(list[m.PatchOp])
 
 
 def _json_text(adapter: TypeAdapter, value) -> str:
-    return adapter.dump_json(value, by_alias=True, exclude_unset=True).decode()
+    return adapter.serializer.to_json(value, by_alias=True, exclude_unset=True).decode()
 
 
 def _batch_row(b: m.EntityBatch) -> dict:
