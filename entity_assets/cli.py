@@ -196,7 +196,7 @@ def cmd_summary(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    args.action, args.partitions = "start", args.partitions
+    args.action = "start"
     cmd_broker(args)
     from entity_assets import samples
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -116,8 +117,6 @@ class FileWriter:
 
 
 def _stats(data: pa.Table, columns: Iterable[str]) -> str:
-    import pyarrow.compute as pc
-
     mins, maxs, nulls = {}, {}, {}
     for name in columns:
         col = data.column(name)
@@ -233,8 +232,6 @@ class DeltaRsEngine:
         parts = [pq.read_table(f.uri, columns=columns) for f in files]
         data = pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
         for k, v in where.items():
-            import pyarrow.compute as pc
-
             data = data.filter(pc.equal(data[k], v))
         return data
 

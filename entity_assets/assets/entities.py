@@ -146,8 +146,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                  for t in ("entity_updates", "schema_updates", "schema_learning", "partial_responses", "complete_responses")}
 
     partials = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses")
-    by_status = {f"{r['stream']} status {r['status']}": r["count"]
-                 for r in partials.groupBy("stream", "status").count().collect()}
+    by_status = {(r["stream"], r["status"]): r["count"] for r in partials.groupBy("stream", "status").count().collect()}
     updates = read_df(session, engine.slice_files("entity_updates", [key]), "entity_updates")
     completes = read_df(session, engine.slice_files("complete_responses", [key]), "complete_responses")
     bad_updates = updates.filter("status != 1").count()
@@ -163,14 +162,16 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
         if table in published:
             meta["published"] = MetadataValue.int(published[table])
         if table == "partial_responses":
-            meta.update({k: MetadataValue.int(v) for k, v in sorted(by_status.items())})
+            meta.update({f"{stream} status {status}": MetadataValue.int(n)
+                         for (stream, status), n in sorted(by_status.items())})
             meta["pending_parts"] = MetadataValue.int(sum(f.rows for f in new_pending) if pending_apply else 0)
         if table == "entity_updates":
             meta["preview"] = MetadataValue.md(_preview(updates))
         if table in ("entities", "schemas"):
             meta["replayed"] = MetadataValue.bool(summary[table]["replayed"])
         if table == "schema_updates":
-            meta["duplicates"] = MetadataValue.int(schema_in - schema_patches.count())
+            processed = sum(n for (stream, _), n in by_status.items() if stream == "schema-updates")
+            meta["duplicates"] = MetadataValue.int(schema_in - processed)
         yield MaterializeResult(asset_key=table, metadata=meta)
     yield AssetCheckResult(asset_key="entity_updates", check_name="updates_are_successes", passed=bad_updates == 0,
                            metadata={"non_success_rows": bad_updates})
