@@ -225,8 +225,8 @@ class EntityPatch(_DbModel):
     includeAfter: bool = False
 
 
-class EntityUpdate(EntityPatch):
-    """entity-updates (and zone-changes): the applied patch and its outcome.
+class _Outcome(_Model):
+    """The outcome fields shared by entity-updates and schema-updates.
 
     ``before``/``after`` are tri-state: unset = not requested (omitted on output), None = the
     entity did not exist (before) or was deleted (after), written as null.
@@ -237,6 +237,10 @@ class EntityUpdate(EntityPatch):
     error: str | None = None
     before: Document | None = None
     after: Document | None = None
+
+
+class EntityUpdate(EntityPatch, _Outcome):
+    """entity-updates (and zone-changes): the applied patch and its outcome."""
 
 
 class SchemaPatch(_DbModel):
@@ -254,14 +258,8 @@ class SchemaPatch(_DbModel):
     includeAfter: bool = False
 
 
-class SchemaUpdate(SchemaPatch):
-    """schema-updates: the applied schema patch; before/after tri-state as in EntityUpdate."""
-
-    ended: int
-    status: Status
-    error: str | None = None
-    before: Document | None = None
-    after: Document | None = None
+class SchemaUpdate(SchemaPatch, _Outcome):
+    """schema-updates: the applied schema patch and its outcome."""
 
 
 class SchemaLearningEntityType(_DbModel):
