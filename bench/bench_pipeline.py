@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     print(kv_line(n=args.n, per_s=round(per_s), reference_per_s=round(reference["per_s"]), ratio=round(ratio, 3),
                   graph=int(args.graph), devices=args.devices, spark_start_s=round(start.s, 1),
                   fixed_100_s=round(fixed, 1), peak_driver_mb=round(driver_peak_mb()),
-                  **{f"{k}_s": round(v, 1) for k, v in step_s.items()}))
+                  **{f"{k}_s": round(v, 1) for k, v in step_s.items()},
+                  **{f"cpu_{k}_s": round(v, 1) for k, v in cpu.items()}))
     return 0
 
 

@@ -117,12 +117,23 @@ def entity_type_rows(result: dict, schema: dict) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- messages
+# Message texts are spliced from the header fields and the documents already held as JSON
+# text (ops, before, after, responses), so a document is serialized once, not per stream.
 
 _REQUEST_FIELDS = ("clientid", "request", "user")
 _UPDATE_FIELDS = ("collection", "zone", "entity", "parts", "part", "begun")
 
 
-def result_message(row: dict) -> dict:
+def _object(fields: dict, documents: dict[str, str | None]) -> str:
+    """JSON text of `fields` followed by `documents`, values that are JSON text already."""
+    text = _dumps(fields)
+    if not documents:
+        return text
+    tail = ",".join(f'"{name}":{"null" if doc is None else doc}' for name, doc in documents.items())
+    return f"{text[:-1]},{tail}}}" if fields else f"{{{tail}}}"
+
+
+def result_json(row: dict) -> str:
     """The entity-updates / schema-updates / partial-responses message of a result row.
 
     `before` and `after` appear only when the request asked for them; a requested `before`
@@ -134,8 +145,6 @@ def result_message(row: dict) -> dict:
     for name in _UPDATE_FIELDS:
         if row.get(name) is not None:
             msg[name] = row[name]
-    if row.get("ops") is not None:
-        msg["ops"] = json.loads(row["ops"])
     msg["status"] = row["status"]
     msg["ended"] = row["ended"]
     if row.get("learning"):
@@ -143,45 +152,48 @@ def result_message(row: dict) -> dict:
     for flag in ("includeBefore", "includeAfter"):
         if row.get(flag):
             msg[flag] = True
+    documents = {}
+    if row.get("ops") is not None:
+        documents["ops"] = row["ops"]
     if row["status"] != STATUS_OK:
         msg["error"] = row["error"]
     else:
         if row.get("includeBefore"):
-            msg["before"] = None if row["before"] is None else json.loads(row["before"])
+            documents["before"] = row["before"]
         if row.get("includeAfter") or row.get("kind"):  # schema-learning rows always carry after
-            msg["after"] = None if row["after"] is None else json.loads(row["after"])
-    return msg
+            documents["after"] = row["after"]
+    return _object(msg, documents)
 
 
-def complete_row(parts: list[dict], slice_key: str) -> dict:
-    """The complete-responses row of a request whose parts are all processed (sorted by part)."""
+def complete_row(parts: list[dict], slice_key: str, texts: list[str] | None = None) -> dict:
+    """The complete-responses row of a request whose parts are all processed (sorted by part).
+
+    `texts`: the parts' result_json texts when the caller already has them.
+    """
     first, last = parts[0], max(parts, key=lambda r: r["ended"])
     return {
         "slice": slice_key, "kafka_topic": last["kafka_topic"], "kafka_partition": last["kafka_partition"],
         "kafka_offset": last["kafka_offset"], "kafka_timestamp": last["kafka_timestamp"],
         "clientid": first["clientid"], "request": first["request"], "user": first["user"], "dbid": first["dbid"],
         "parts": first["parts"], "begun": first["begun"], "ended": last["ended"],
-        "responses": dumps([result_message(p) for p in parts]),
+        "responses": "[" + ",".join(texts or [result_json(p) for p in parts]) + "]",
     }
 
 
-def patch_message(row: dict) -> dict:
+def patch_json(row: dict) -> str:
     """The entity-patches message of a patch row."""
     msg = {"dbid": row["dbid"], "db": row["dbid"]}
     for name in _REQUEST_FIELDS + _UPDATE_FIELDS:
         msg[name] = row[name]
-    msg["ops"] = json.loads(row["ops"])
     for flag in ("learning", "includeBefore", "includeAfter"):
         if row.get(flag):
             msg[flag] = True
-    return msg
+    return _object(msg, {"ops": row["ops"]})
 
 
-def complete_message(row: dict) -> dict:
-    return {
-        "clientid": row["clientid"], "request": row["request"], "user": row["user"], "parts": row["parts"],
-        "begun": row["begun"], "ended": row["ended"], "responses": json.loads(row["responses"]),
-    }
+def complete_json(row: dict) -> str:
+    return _object({k: row[k] for k in ("clientid", "request", "user", "parts", "begun", "ended")},
+                   {"responses": row["responses"]})
 
 
 REQUEST_ORDER = ("clientid", "request", "stream", "part")

@@ -1,6 +1,8 @@
-"""Spark task bodies (mapInArrow functions; no Dagster imported).
+"""Spark task bodies (no Dagster imported).
 
-Each yields Arrow batches of `FILES_SCHEMA`: the data files it wrote. State tables (entities,
+Each reports the data files it wrote and its counters as `FILES_SCHEMA` records: Arrow
+batches from mapInArrow bodies, dicts from the bodies run over task lists (`run_tasks`),
+which read their inputs from parquet directly and so skip Spark's row shuffle. State tables (entities,
 schemas, device inboxes) are hash-bucketed: a task owns whole buckets, reads their state
 files, folds the slice's rows in order and writes each touched bucket back: a MERGE done as
 copy-on-write of the touched buckets, committed by the driver in one Delta transaction.
@@ -9,13 +11,13 @@ copy-on-write of the touched buckets, committed by the driver in one Delta trans
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from entity_assets import core, notify
-from entity_assets.storage import FileWriter
+from entity_assets.publish import Publisher, Publishing
+from entity_assets.storage import FileWriter, read_batches, read_row_groups, read_table
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -23,13 +25,55 @@ FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size"
 FILES_DDL = "table string, path string, size long, rows long, stats string"
 """The same schema for Spark's mapInArrow."""
 
-COUNT_BATCHES = "count:batches"
-"""A pseudo-table in the task report: how many batches a task exploded."""
+COUNTER = "count:"
+"""Report rows whose table starts with this are counters (rows = the count), not files."""
 
 
-def _report(writers: Iterable[FileWriter]) -> pa.RecordBatch:
-    files = [f for w in writers for f in w.close()]
-    return pa.RecordBatch.from_pylist([f.to_dict() for f in files], schema=FILES_SCHEMA)
+class Outputs:
+    """What a task writes: one FileWriter per table, the messages it publishes, and counters.
+
+    Every row goes through `emit`, which writes it and, for a published table, sends its
+    message in the same pass.
+    """
+
+    def __init__(self, slice_key: str, uris: dict[str, str], storage_options, publishing: Publishing | None = None,
+                 row_groups_by: dict[str, str] | None = None):
+        self.slice_key, self.uris, self.storage_options = slice_key, uris, storage_options
+        self.row_groups_by = row_groups_by or {}
+        self.writers: dict[str, FileWriter] = {}
+        self.publisher = Publisher(publishing) if publishing and publishing.topics else None
+        self.counts: dict[str, int] = {}
+
+    def writer(self, table: str) -> FileWriter:
+        w = self.writers.get(table)
+        if w is None:
+            stats = ("slice", "bucket") if "bucket" in SCHEMAS[table].names else ("slice",)
+            w = self.writers[table] = FileWriter(table, self.uris[table], SCHEMAS[table], self.slice_key,
+                                                 stats_columns=stats, storage_options=self.storage_options,
+                                                 row_groups_by=self.row_groups_by.get(table))
+        return w
+
+    def emit(self, table: str, row: dict, text: str | None = None) -> None:
+        """`text`: the message when the caller already encoded it."""
+        self.writer(table).append(row)
+        if self.publisher is not None:
+            self.publisher.send(table, row, text)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def report(self) -> list[dict]:
+        """The files written and the counters (published messages included), once every message is acked."""
+        files = [f.to_dict() for w in self.writers.values() for f in w.close()]
+        if self.publisher is not None:
+            for table, n in self.publisher.close().items():
+                self.count(f"published:{table}", n)
+        return files + [{"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""}
+                        for name, n in self.counts.items()]
+
+
+def _arrow(report: list[dict]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist(report, schema=FILES_SCHEMA)
 
 
 def _rows(batches: Iterator[pa.RecordBatch]) -> Iterator[dict]:
@@ -37,33 +81,23 @@ def _rows(batches: Iterator[pa.RecordBatch]) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-class Writers(dict):
-    """One FileWriter per table, created on first use."""
-
-    def __init__(self, slice_key: str, uris: dict[str, str], storage_options):
-        super().__init__()
-        self.slice_key, self.uris, self.storage_options = slice_key, uris, storage_options
-
-    def __missing__(self, table: str) -> FileWriter:
-        stats = ("slice", "bucket") if "bucket" in SCHEMAS[table].names else ("slice",)
-        w = self[table] = FileWriter(table, self.uris[table], SCHEMAS[table], self.slice_key,
-                                     stats_columns=stats, storage_options=self.storage_options)
-        return w
-
-
 class BucketStore:
     """The rows of one bucketed state table that a task owns, one bucket at a time."""
 
-    def __init__(self, writer: FileWriter, key_columns: tuple[str, ...], state_files: dict[int, list[str]], enabled: bool):
+    def __init__(self, writer: FileWriter, key_columns: tuple[str, ...], state_files: dict[int, list[str]], enabled: bool,
+                 storage_options=None):
         self.writer, self.key_columns, self.state_files, self.enabled = writer, key_columns, state_files, enabled
+        self.storage_options = storage_options
         self.bucket, self.stored, self.changed = None, {}, {}
+        self.repeated_keys = 0
+        """Rows written whose key another written row of the bucket has (must stay 0)."""
 
     def switch(self, bucket: int) -> None:
         if bucket != self.bucket:
             self.close()
             self.bucket, self.changed, self.stored = bucket, {}, {}
             for uri in self.state_files.get(bucket, []):
-                for row in pq.read_table(uri).to_pylist():
+                for row in read_table(uri, self.storage_options).to_pylist():
                     self.stored[tuple(row[c] for c in self.key_columns)] = row
 
     def get(self, key: tuple) -> dict | None:
@@ -76,83 +110,117 @@ class BucketStore:
         """Writes the bucket back (one file per bucket, so the driver replaces buckets file by file)."""
         if self.bucket is None or not self.enabled or not self.changed:
             return
-        for key, row in self.stored.items():
-            if key not in self.changed:
-                self.writer.append(row)
-        for row in self.changed.values():
+        rows = [row for key, row in self.stored.items() if key not in self.changed] + list(self.changed.values())
+        for row in rows:
             self.writer.append(row)
         self.writer.flush()
+        self.repeated_keys += len(rows) - len({tuple(row[c] for c in self.key_columns) for row in rows})
 
 
 # --------------------------------------------------------------------------- entity core
 
-def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options) -> Iterator[pa.RecordBatch]:
-    out = Writers(slice_key, uris, storage_options)
-    n = 0
-    for row in _rows(batches):
-        n += 1
-        for patch in core.explode_batch(row):
-            out["entity_patches"].append(patch)
-    yield _report(out.values())
-    yield pa.RecordBatch.from_pylist([{"table": COUNT_BATCHES, "path": "", "size": 0, "rows": n, "stats": ""}],
-                                     schema=FILES_SCHEMA)
+def explode_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options,
+                 redelivered: frozenset, publishing: Publishing | None = None) -> Iterator[dict]:
+    """Tasks: {"uris"} of entity_batches files of the slice. Skips redelivered batches (by Kafka coordinates).
+
+    entity_patches files get one row group per state bucket, so each fold task reads only its buckets.
+    """
+    for task in tasks:
+        out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"entity_patches": "bucket"})
+        for batch in (b for uri in task["uris"] for b in read_batches(uri, storage_options)):
+            for row in batch.to_pylist():
+                if (row["kafka_topic"], row["kafka_partition"], row["kafka_offset"]) in redelivered:
+                    out.count("redelivered")
+                    continue
+                out.count("batches")
+                for patch in core.explode_batch(row):
+                    out.emit("entity_patches", patch)
+        yield from out.report()
 
 
-def fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-              state_files: dict[int, list[str]], write_state: bool) -> Iterator[pa.RecordBatch]:
-    """Input: the slice's patches of some buckets, sorted by (bucket, entity key, core.ORDER)."""
-    out = Writers(slice_key, uris, storage_options)
-    store = BucketStore(out["entities"], core.ENTITY_KEY, state_files, write_state)
-    key, state = None, None
-    for patch in _rows(batches):
-        store.switch(patch["bucket"])
-        k = (patch["dbid"], patch["collection"], patch["zone"], patch["entity"])
-        if k != key:
-            key, state = k, core.DocState(store.get(k))
-        before = state.doc
-        result = core.apply_one(state, patch)
-        if result["status"] == core.STATUS_OK:
-            result["subjectZone"] = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
-            out["entity_updates"].append(result)
-            if patch["learning"] and state.doc is not None:
-                out["schema_learning"].append(core.learning_row(result, state.doc))
-            store.put(k, state.row(dict(zip(core.ENTITY_KEY, k)), slice_key, patch["bucket"]))
-        out["partial_responses"].append({**result, "stream": "entity-updates"})
-    store.close()
-    yield _report(out.values())
+def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options, patch_files: list[str],
+              state_files: dict[int, list[str]], write_state: bool, publishing: Publishing | None = None) -> Iterator[dict]:
+    """Tasks: {"buckets"}: the state buckets a task owns; it folds the slice's patches of each, in order."""
+    order = [(c, "ascending") for c in core.ENTITY_KEY + core.ORDER]
+    for task in tasks:
+        out = Outputs(slice_key, uris, storage_options, publishing)
+        store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options)
+        for bucket in task["buckets"]:
+            patches = read_row_groups(patch_files, "bucket", bucket, storage_options)
+            if not patches.num_rows:
+                continue
+            store.switch(bucket)
+            key, state = None, None
+            for batch in patches.sort_by(order).to_batches(max_chunksize=20_000):
+                for patch in batch.to_pylist():
+                    k = (patch["dbid"], patch["collection"], patch["zone"], patch["entity"])
+                    if k != key:
+                        if key is not None and state.changed:
+                            store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
+                        key, state = k, core.DocState(store.get(k))
+                    before = state.doc
+                    result = core.apply_one(state, patch)
+                    result["stream"] = "entity-updates"
+                    text = core.result_json(result)
+                    if result["status"] == core.STATUS_OK:
+                        result["subjectZone"] = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
+                        out.emit("entity_updates", result, text)
+                        if patch["learning"] and state.doc is not None:
+                            out.emit("schema_learning", core.learning_row(result, state.doc))
+                    respond(out, result, text, slice_key)
+            if key is not None and state.changed:
+                store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
+        store.close()
+        out.count("check:repeated_keys", store.repeated_keys)
+        yield from out.report()
+
+
+def respond(out: Outputs, result: dict, text: str, slice_key: str) -> None:
+    """The partial response of a processed part; a single-part request is complete at once.
+
+    Requests of several parts are completed by `complete_task`, which groups their parts.
+    """
+    out.emit("partial_responses", result, text)
+    out.count(f"status:{result['stream']}:{result['status']}")
+    if result["parts"] == 1:
+        out.emit("complete_responses", core.complete_row([result], slice_key, [text]))
 
 
 def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                     state_files: dict[int, list[str]], write_state: bool) -> Iterator[pa.RecordBatch]:
+                     state_files: dict[int, list[str]], write_state: bool,
+                     publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: the slice's schema patches, sorted by (bucket, dbid, core.ORDER)."""
-    out = Writers(slice_key, uris, storage_options)
-    store = BucketStore(out["schemas"], ("dbid",), state_files, write_state)
+    out = Outputs(slice_key, uris, storage_options, publishing)
+    store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options)
     dbid, state = None, None
     for patch in _rows(batches):
         store.switch(patch["bucket"])
         if patch["dbid"] != dbid:
             dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
         result = core.apply_one(state, patch, implicit_empty=True)
+        result["stream"] = "schema-updates"
+        text = core.result_json(result)
         if result["status"] == core.STATUS_OK:
-            out["schema_updates"].append(result)
+            out.emit("schema_updates", result, text)
             for row in core.entity_type_rows(result, state.doc or {}):
-                out["schema_learning"].append(row)
+                out.emit("schema_learning", row)
             store.put((dbid,), state.row({"dbid": dbid}, slice_key, patch["bucket"]))
-        out["partial_responses"].append({**result, "stream": "schema-updates"})
+        respond(out, result, text, slice_key)
     store.close()
-    yield _report(out.values())
+    yield _arrow(out.report())
 
 
 def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str],
-                  storage_options, write_state: bool) -> Iterator[pa.RecordBatch]:
-    """Input: this slice's partial responses plus pending parts, sorted by (clientid, request, stream, part)."""
-    out = Writers(slice_key, uris, storage_options)
+                  storage_options, write_state: bool, publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
+    """Input: this slice's parts of multi-part requests plus pending parts, sorted by (clientid, request, stream, part)."""
+    out = Outputs(slice_key, uris, storage_options, publishing)
     for kind, row in core.split_complete(core.group_requests(_rows(batches)), slice_key):
         if kind == "complete":
-            out["complete_responses"].append(row)
+            out.emit("complete_responses", row)
+            out.count("check:incomplete", int(len(json.loads(row["responses"])) != row["parts"]))
         elif write_state:
-            out["pending_responses"].append(row)
-    yield _report(out.values())
+            out.emit("pending_responses", row)
+    yield _arrow(out.report())
 
 
 # --------------------------------------------------------------------------- learning and notifications
@@ -173,42 +241,47 @@ def learn_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str, uris: dict[str, str],
-              storage_options) -> Iterator[pa.RecordBatch]:
-    """Writes the input rows (already of this slice) to the `target` table unchanged."""
-    out = Writers(slice_key, uris, storage_options)
+              storage_options, publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
+    """Writes the input rows (already of this slice) to the `target` table unchanged, publishing each."""
+    out = Outputs(slice_key, uris, storage_options, publishing)
     for batch in batches:
-        out[target].write_table(pa.Table.from_batches([batch]))
-    yield _report(out.values())
+        if out.publisher is None:
+            out.writer(target).write_table(pa.Table.from_batches([batch]))
+        else:
+            for row in batch.to_pylist():
+                out.emit(target, row)
+    yield _arrow(out.report())
 
 
 def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                 subscriptions: list[tuple[str, str, str]]) -> Iterator[pa.RecordBatch]:
+                 subscriptions: list[tuple[str, str, str]], publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: the slice's zone changes; subscriptions: (dbid, entity, document JSON) in effect."""
     index = notify.SubscriptionIndex(
         (dbid, entity, sub) for dbid, entity, doc in subscriptions
         if (sub := notify.parse_subscription(json.loads(doc))) is not None
     )
-    out = Writers(slice_key, uris, storage_options)
+    out = Outputs(slice_key, uris, storage_options, publishing)
     lineage = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
     for change in _rows(batches):
         for row in notify.fan_out(change, index):
-            out["changes_by_device"].append({**row, "slice": slice_key, **{c: change[c] for c in lineage}})
-    yield _report(out.values())
+            out.emit("changes_by_device", {**row, "slice": slice_key, **{c: change[c] for c in lineage}})
+    yield _arrow(out.report())
 
 
 def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-               state_files: dict[int, list[str]], write_state: bool) -> Iterator[pa.RecordBatch]:
+               state_files: dict[int, list[str]], write_state: bool,
+               publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: notifications and acks of the slice, sorted by (bucket, device, kind, ended).
 
     A device's new notifications apply before its acks (kind "a-notify" < "b-ack").
     """
-    out = Writers(slice_key, uris, storage_options)
-    store = BucketStore(out["device_inboxes"], ("device",), state_files, write_state)
+    out = Outputs(slice_key, uris, storage_options, publishing)
+    store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options)
     device, inbox, dirty = None, None, False
 
     def flush():
         if dirty:
-            out["device_notifications"].append({"slice": slice_key, **_message_row(inbox)})
+            out.emit("device_notifications", {"slice": slice_key, **_message_row(inbox)})
             store.put((device,), {"slice": slice_key, "dbid": inbox.dbid, "user": inbox.user, "device": device,
                                   "version": 0, "deleted": False, "document": inbox.to_json(),
                                   "ended": inbox.ended, "bucket": store.bucket})
@@ -229,7 +302,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
             dirty = inbox.ack(ids, row["upTo"]) > 0 or dirty
     flush()
     store.close()
-    yield _report(out.values())
+    yield _arrow(out.report())
 
 
 def _message_row(inbox) -> dict:

@@ -1,17 +1,16 @@
 """Publishing derived streams back to Kafka, keyed and partitioned as the seed says.
 
-Runs in Spark tasks, one per data file of the slice. Delivery is at least once: a re-run of a
-slice publishes its messages again, and consumers dedupe on the message identity (request id
-and part for responses, entity and version-bearing fields for updates). See docs/publishing.md.
+Runs inside the Spark tasks that write the rows, before the driver commits them. Delivery
+is at least once: a failed or re-run slice publishes its messages again (the same bytes, as
+outputs are deterministic), and consumers dedupe on the message identity (request id and
+part for responses, entity and version-bearing fields for updates). See docs/streams.md.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-
-import pyarrow.parquet as pq
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from entity_assets import core
 from entity_assets.kafka_io import BatchProducer
@@ -52,44 +51,70 @@ def request_key(row: dict) -> str:
 
 @dataclass(frozen=True)
 class Stream:
-    """A derived stream's topic, message key, partitioning field (None: by key) and message."""
+    """A derived stream's topic, message key, partitioning field (None: by key) and message text."""
 
     name: str
     key: Callable[[dict], str]
     partition_by: str | None
-    message: Callable[[dict], dict]
+    encode: Callable[[dict], str]
 
 
-def _device_change(row: dict) -> dict:
+def _device_change(row: dict) -> str:
     """changes-by-device: the device is the key, not part of the message (the seed)."""
-    return {"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in
-            ("collection", "zone", "entity", "notification", "action", "ended")}}
+    return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in
+                       ("collection", "zone", "entity", "notification", "action", "ended")}})
 
 
-def _device_notification(row: dict) -> dict:
-    return {"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in ("user", "device", "count", "begun", "ended")}}
+def _device_notification(row: dict) -> str:
+    return core.dumps({"dbid": row["dbid"], "db": row["dbid"],
+                       **{k: row[k] for k in ("user", "device", "count", "begun", "ended")}})
 
 
 STREAMS: dict[str, Stream] = {
-    "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_message),
-    "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_message),
-    "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_message),
-    "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_message),
-    "partial_responses": Stream("partial-responses", request_key, "clientid", core.result_message),
-    "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_message),
-    "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_message),
+    "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_json),
+    "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_json),
+    "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_json),
+    "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_json),
+    "partial_responses": Stream("partial-responses", request_key, "clientid", core.result_json),
+    "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_json),
+    "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json),
     "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change),
     "device_notifications": Stream("device-notifications", lambda r: r["device"], None, _device_notification),
 }
 
 
-def publish_task(uris: Iterator[str], *, table: str, topic: str, partitions: int, kafka_config: dict) -> Iterator[int]:
-    """mapPartitions body over data file URIs; yields the number of messages produced."""
-    stream = STREAMS[table]
-    producer = BatchProducer(kafka_config, topic)
-    for uri in uris:
-        for batch in pq.ParquetFile(uri).iter_batches(batch_size=20_000):
-            for row in batch.to_pylist():
-                partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
-                producer.send(stream.key(row).encode(), core.dumps(stream.message(row)).encode(), partition)
-    yield producer.close()
+@dataclass(frozen=True)
+class Publishing:
+    """Where a task publishes: the Kafka settings and, per table, its topic and partition count.
+
+    Built once per step on the driver (topics created there), shipped to the tasks.
+    """
+
+    kafka_config: dict
+    topics: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+
+class Publisher:
+    """Publishes rows from inside a task as they are written, so each message is encoded once."""
+
+    def __init__(self, publishing: Publishing):
+        self.publishing, self.topics = publishing, publishing.topics
+        self.producer: BatchProducer | None = None  # on first use: a task with nothing to send connects nowhere
+
+    def send(self, table: str, row: dict, value: str | None = None) -> None:
+        """`value`: the message text when the caller already has it (a result shared by streams)."""
+        target = self.topics.get(table)
+        if target is None:
+            return
+        if self.producer is None:
+            self.producer = BatchProducer(self.publishing.kafka_config)
+        topic, partitions = target
+        stream = STREAMS[table]
+        partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
+        self.producer.send(topic, stream.key(row).encode(),
+                           (value if value is not None else stream.encode(row)).encode(), partition)
+
+    def close(self) -> dict[str, int]:
+        """Waits for every message; returns the count per table."""
+        counts = self.producer.close() if self.producer is not None else {}
+        return {table: counts.get(topic, 0) for table, (topic, _) in self.topics.items()}

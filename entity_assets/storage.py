@@ -78,18 +78,20 @@ class FileWriter:
         stats_columns: Sequence[str] = (SLICE,),
         storage_options: dict[str, str] | None = None,
         max_rows: int = 250_000,
+        row_groups_by: str | None = None,
     ):
         self.table, self.schema, self.slice_key = table, schema, slice_key
         self.stats_columns = tuple(stats_columns)
+        self.row_groups_by = row_groups_by
         self.max_rows = max_rows
         self._fs, self._root = _filesystem(table_uri, storage_options)
-        self._columns: dict[str, list] = {name: [] for name in schema.names}
+        self._rows: list[dict] = []
         self.files: list[DataFile] = []
 
     def append(self, row: dict) -> None:
-        for name, values in self._columns.items():
-            values.append(row.get(name))
-        if len(self._columns[SLICE]) >= self.max_rows:
+        """Buffers `row` as it is (columns by name, extra keys ignored): do not change it afterwards."""
+        self._rows.append(row)
+        if len(self._rows) >= self.max_rows:
             self.flush()
 
     def write_table(self, data: pa.Table) -> None:
@@ -98,9 +100,9 @@ class FileWriter:
             self._write(data.select(self.schema.names).cast(self.schema))
 
     def flush(self) -> None:
-        if self._columns[SLICE]:
-            data = pa.Table.from_pydict(self._columns, schema=self.schema)
-            self._columns = {name: [] for name in self.schema.names}
+        if self._rows:
+            data = pa.Table.from_pylist(self._rows, schema=self.schema)
+            self._rows = []
             self._write(data)
 
     def close(self) -> list[DataFile]:
@@ -111,9 +113,54 @@ class FileWriter:
         name = f"part-{self.slice_key}-{uuid.uuid4().hex}.parquet"
         path = f"{self._root}/{name}"
         with self._fs.open_output_stream(path) as sink:
-            pq.write_table(data, sink, compression="snappy")
+            if self.row_groups_by is None:
+                pq.write_table(data, sink, compression="snappy")
+            else:
+                self._write_groups(data, sink)
         size = self._fs.get_file_info(path).size
         self.files.append(DataFile(self.table, name, size, data.num_rows, _stats(data, self.stats_columns)))
+
+
+    def _write_groups(self, data: pa.Table, sink) -> None:
+        """One row group per value of `row_groups_by`: readers of one value skip the rest by its statistics."""
+        data = data.sort_by(self.row_groups_by)
+        with pq.ParquetWriter(sink, data.schema, compression="snappy") as writer:
+            offset = 0
+            for run in pc.value_counts(data.column(self.row_groups_by)):
+                n = run["counts"].as_py()
+                writer.write_table(data.slice(offset, n), row_group_size=n)
+                offset += n
+
+
+def read_table(uri: str, storage_options: dict[str, str] | None = None) -> pa.Table:
+    fs, path = _filesystem(uri, storage_options)
+    return pq.read_table(path, filesystem=fs)
+
+
+def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_size: int = 20_000):
+    """A parquet file's rows in bounded Arrow batches."""
+    fs, path = _filesystem(uri, storage_options)
+    with fs.open_input_file(path) as source:
+        yield from pq.ParquetFile(source).iter_batches(batch_size=batch_size)
+
+
+def read_row_groups(uris: Iterable[str], column: str, value, storage_options: dict[str, str] | None = None) -> pa.Table:
+    """The rows of files written with `row_groups_by=column` whose `column` is `value`."""
+    pieces = []
+    for uri in uris:
+        fs, path = _filesystem(uri, storage_options)
+        with fs.open_input_file(path) as source:
+            pf = pq.ParquetFile(source)
+            index = pf.schema_arrow.get_field_index(column)
+            groups = [g for g in range(pf.num_row_groups)
+                      if (st := pf.metadata.row_group(g).column(index).statistics) is None
+                      or (st.has_min_max and st.min <= value <= st.max)]
+            if groups:
+                pieces.append(pf.read_row_groups(groups))
+    if not pieces:
+        return pa.table({})
+    data = pa.concat_tables(pieces)
+    return data.filter(pc.equal(data.column(column), value))
 
 
 def _stats(data: pa.Table, columns: Iterable[str]) -> str:
@@ -177,6 +224,21 @@ class DeltaRsEngine:
     def slice_files(self, table: str, slice_keys: Iterable[str], version: int | None = None) -> list[TableFile]:
         keys = set(slice_keys)
         return [f for f in self.files(table, version) if f.min.get(SLICE) in keys and f.max.get(SLICE) == f.min.get(SLICE)]
+
+    def column_bounds(self, table: str, slice_key: str, column: str) -> tuple | None:
+        """(min, max) of a column over a slice's files, from their parquet footers (no data read)."""
+        lows, highs = [], []
+        for f in self.slice_files(table, [slice_key]):
+            fs, path = _filesystem(f.uri, self.storage_options)
+            with fs.open_input_file(path) as source:
+                meta = pq.ParquetFile(source).metadata
+            index = meta.schema.to_arrow_schema().get_field_index(column)
+            for g in range(meta.num_row_groups):
+                st = meta.row_group(g).column(index).statistics
+                if st is not None and st.has_min_max:
+                    lows.append(st.min)
+                    highs.append(st.max)
+        return (min(lows), max(highs)) if lows else None
 
     def commit(
         self,

@@ -28,7 +28,7 @@ def test_explode_yields_the_seed_entity_patch_sample():
         "part": 1, "parts": 1, "includeBefore": True, "includeAfter": True, "learning": True,
         "ops": SEED_ENTITY_BATCH["patches"][0]["ops"],
     }
-    message = core.patch_message(patch)
+    message = json.loads(core.patch_json(patch))
     assert {k: v for k, v in message.items() if k != "dbid"} == expected
     assert patch["bucket"] == core.bucket_of("my-db", "Contacts", "default", SALLY)
     parse_message(EntityPatch, json.dumps(message).encode())
@@ -38,7 +38,7 @@ def test_fold_yields_the_seed_entity_update_sample():
     (patch,) = core.explode_batch(batch_row(SEED_ENTITY_BATCH))
     state = core.DocState()
     result = core.apply_one(state, patch)
-    message = core.result_message(result)
+    message = json.loads(core.result_json(result))
     assert message.pop("ended") == LINEAGE["kafka_timestamp"]  # from the record, not the wall clock
     assert message["before"] is None and "before" in message  # created: before is null, not absent
     assert message["after"] == {"firstName": "Sally", "lastName": "Anderson", "phone": {"home": "1-222-555-1234"}}
@@ -56,7 +56,7 @@ def test_failed_patch_leaves_state_and_reports_status_3():
     result = core.apply_one(state, patch)
     assert result["status"] == 3 and "op 1 (remove" in result["error"]
     assert state.doc == {"a": 1} and state.version == 4 and not state.changed
-    message = core.result_message(result)
+    message = json.loads(core.result_json(result))
     assert "before" not in message and "after" not in message and message["error"]
 
 
@@ -76,7 +76,7 @@ def test_two_part_request_yields_the_seed_complete_response():
     rows = sorted([parts[1], parts[0], parts[1]], key=lambda r: (r["clientid"], r["request"], r["part"]))
     (kind, row), = core.split_complete(core.group_requests(rows), "0000000003")
     assert kind == "complete" and row["slice"] == "0000000003"
-    message = core.complete_message(row)
+    message = json.loads(core.complete_json(row))
     CompleteResponse.model_validate(message)
     assert [r["part"] for r in message["responses"]] == [1, 2]
     assert message["ended"] == 1415747086328 and message["parts"] == 2

@@ -31,6 +31,26 @@ def run_tasks(spark, tasks: list[dict], fn: Callable) -> dict[str, list[DataFile
     return by_table
 
 
+def file_tasks(files, max_rows: int, parallelism: int) -> list[dict]:
+    """Tasks of whole files, {"uris": [...]}: one per core on a large slice, each up to `max_rows` rows,
+    and a single one on a small slice (every task has a fixed cost)."""
+    total = sum(f.rows for f in files)
+    target = min(max_rows, max(SMALL_TASK_ROWS, -(-total // parallelism)))
+    tasks: list[dict] = []
+    rows = target
+    for f in files:
+        if rows + f.rows > target:
+            tasks.append({"uris": []})
+            rows = 0
+        tasks[-1]["uris"].append(f.uri)
+        rows += f.rows
+    return tasks
+
+
+SMALL_TASK_ROWS = 50_000
+"""Below this many rows a task's fixed cost (worker, producer) outweighs splitting it further."""
+
+
 def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str) -> dict[str, dict]:
     """Replaces the slice in each table; returns rows and Delta version per table."""
     out = {}
@@ -61,15 +81,18 @@ def read_df(spark, files, table: str):
     return spark.read.schema(schema).parquet(*[f.uri for f in files])
 
 
-def first_deliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
-                     window: int) -> tuple[int, object]:
-    """The slice's rows of an input table minus redeliveries; returns (rows in, DataFrame).
+COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
+
+
+def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
+                 window: int) -> tuple[int, frozenset]:
+    """The slice's rows of an input table, and the Kafka coordinates of its redeliveries: (rows in, coordinates).
 
     A row is a redelivery when a row with the same `identity` came earlier in this slice (by
     Kafka coordinates) or in the `window` slices before it. Those slices must be ingested,
-    so a slice refuses to go before them.
+    so a slice refuses to go before them. Only identity and coordinate columns are read, and
+    only the (normally few) redeliveries come back to the driver.
     """
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     from entity_assets.slices import slice_key as key_of, slice_seq
@@ -79,13 +102,31 @@ def first_deliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, i
         raise OutOfOrder(f"slice {slice_key}: {table} holds no slice {key_of(seq - 1)}, so redeliveries cannot "
                          f"be found; slice {key_of(seq - 1)} is missing: materialize the slices in order")
     files = engine.slice_files(table, [slice_key])
-    first = Window.partitionBy(*identity).orderBy("kafka_topic", "kafka_partition", "kafka_offset")
-    rows = read_df(spark, files, table)
-    unique = rows.withColumn("_n", F.row_number().over(first)).filter("_n = 1").drop("_n")
+    rows = read_df(spark, files, table).select(*identity, *COORDINATES)
+    # repeated within the slice: a counting aggregate finds the (few) identities, then their rows;
+    # all but the first delivery of each are redeliveries
+    twice = rows.groupBy(*identity).count().filter("count > 1").drop("count")
+    deliveries: dict[tuple, list[tuple]] = defaultdict(list)
+    for r in rows.join(F.broadcast(twice), list(identity), "left_semi").collect():
+        deliveries[tuple(r[c] for c in identity)].append(tuple(r[c] for c in COORDINATES))
+    found = {at for ats in deliveries.values() for at in sorted(ats)[1:]}
+    # seen in the slices before: every delivery in this slice is a redelivery
     prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
     if prior:
-        unique = unique.join(read_df(spark, prior, table).select(*identity), list(identity), "left_anti")
-    return sum(f.rows for f in files), unique
+        seen = read_df(spark, prior, table).select(*identity)
+        found.update(tuple(r) for r in rows.join(seen, list(identity), "left_semi").select(*COORDINATES).collect())
+    return sum(f.rows for f in files), frozenset(found)
+
+
+def first_deliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
+                     window: int) -> tuple[int, object]:
+    """The slice's rows of an input table minus redeliveries (see `redeliveries`): (rows in, DataFrame)."""
+    rows_in, repeated = redeliveries(spark, engine, table, slice_key, identity, window)
+    rows = read_df(spark, engine.slice_files(table, [slice_key]), table)
+    if not repeated:
+        return rows_in, rows
+    schema = "kafka_topic string, kafka_partition int, kafka_offset long"
+    return rows_in, rows.join(spark.createDataFrame(list(repeated), schema), list(COORDINATES), "left_anti")
 
 
 def collect_files(df) -> dict[str, list[DataFile]]:
@@ -94,6 +135,14 @@ def collect_files(df) -> dict[str, list[DataFile]]:
     for row in df.collect():
         by_table[row["table"]].append(DataFile(**row.asDict()))
     return by_table
+
+
+def pop_counts(files: dict[str, list[DataFile]]) -> dict[str, int]:
+    """Removes the tasks' counters from their report and adds them up (see fold.COUNTER)."""
+    from entity_assets.fold import COUNTER
+
+    counts = {t[len(COUNTER):]: sum(f.rows for f in files.pop(t)) for t in list(files) if t.startswith(COUNTER)}
+    return defaultdict(int, counts)
 
 
 # --------------------------------------------------------------------------- state order
@@ -140,35 +189,47 @@ def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove)
                          slice_key=slice_key, app_txn=(STATE_APP, slice_seq(slice_key)))
 
 
+def state_snapshot(engine: DeltaRsEngine, table: str, slice_key: str):
+    """(apply, snapshot, files by bucket): the state a slice folds over (see `state_version`)."""
+    apply, version = state_version(engine, table, slice_key)
+    snapshot = engine.files(table, version)
+    by_bucket: dict[int, list[str]] = defaultdict(list)
+    for f in snapshot:
+        by_bucket[f.min["bucket"]].append(f.uri)
+    return apply, snapshot, dict(by_bucket)
+
+
+def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: bool, snapshot, new_state) -> dict:
+    """Replaces the buckets the slice rewrote, in one commit; a replayed slice leaves the state as it is."""
+    if apply:
+        rewritten = {json.loads(f.stats)["minValues"]["bucket"] for f in new_state}
+        removed = [f for f in snapshot if f.min["bucket"] in rewritten]
+        summary = {"rows": sum(f.rows for f in new_state), "files": len(new_state),
+                   "version": commit_state(engine, table, slice_key, new_state, removed)}
+    else:
+        summary = {"rows": 0, "files": 0, "version": engine.version(table)}
+    summary["replayed"] = not apply
+    return summary
+
+
 def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: DeltaRsEngine, state_table: str,
                  slice_key: str, uris: dict[str, str], **task_args) -> tuple[dict[str, list[DataFile]], dict]:
-    """Runs a bucketed state fold (see fold.BucketStore) and commits the state table.
+    """Runs a bucketed state fold (see fold.BucketStore) over a DataFrame and commits the state table.
 
-    `df` needs a `bucket` column; each task gets whole buckets sorted by `order`. Returns the
-    other tables' files (for the caller to commit) and a summary of the state commit.
+    `df` needs a `bucket` column; Spark shuffles it so that each task gets whole buckets
+    sorted by `order`. Returns the other tables' files (for the caller to commit) and a
+    summary of the state commit.
     """
     from functools import partial
 
     from entity_assets.fold import FILES_DDL
 
-    apply, version = state_version(engine, state_table, slice_key)
-    snapshot = engine.files(state_table, version)
-    state_files: dict[int, list[str]] = defaultdict(list)
-    for f in snapshot:
-        state_files[f.min["bucket"]].append(f.uri)
+    apply, snapshot, state_files = state_snapshot(engine, state_table, slice_key)
     ordered = df.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *order)
     fn = partial(task, slice_key=slice_key, uris=uris, storage_options=engine.storage_options,
-                 state_files=dict(state_files), write_state=apply, **task_args)
+                 state_files=state_files, write_state=apply, **task_args)
     files = collect_files(ordered.mapInArrow(fn, FILES_DDL))
-    new_state = files.pop(state_table, [])
-    if apply:
-        rewritten = {json.loads(f.stats)["minValues"]["bucket"] for f in new_state}
-        removed = [f for f in snapshot if f.min["bucket"] in rewritten]
-        summary = {"rows": sum(f.rows for f in new_state), "files": len(new_state),
-                   "version": commit_state(engine, state_table, slice_key, new_state, removed)}
-    else:
-        summary = {"rows": 0, "files": 0, "version": engine.version(state_table)}
-    summary["replayed"] = not apply
+    summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files.pop(state_table, []))
     return files, summary
 
 
@@ -182,20 +243,18 @@ def merge_files(*groups: dict[str, list[DataFile]]) -> dict[str, list[DataFile]]
 
 # --------------------------------------------------------------------------- publishing
 
-def publish(spark, kafka, engine: DeltaRsEngine, table: str, slice_key: str) -> int:
-    """Publishes the slice's rows of `table` to its topic; returns the message count."""
-    from functools import partial
+def publishing(kafka, tables: Iterable[str]):
+    """Where the tasks of a step publish `tables` (None when publishing is off); creates missing topics.
 
-    from entity_assets.kafka_io import ensure_topics
-    from entity_assets.publish import STREAMS, publish_task
+    One admin round trip per step, not per table: the tasks publish as they write.
+    """
+    from entity_assets.kafka_io import ensure_topics, partition_counts
+    from entity_assets.publish import STREAMS, Publishing
 
     if not kafka.publish:
-        return 0
-    topic = kafka.topic(STREAMS[table].name)
-    ensure_topics(kafka.config(), [topic], kafka.new_topic_partitions)
-    n_partitions = len(kafka.end_offsets([topic]))
-    uris = [f.uri for f in engine.slice_files(table, [slice_key])]
-    if not uris:
-        return 0
-    fn = partial(publish_task, table=table, topic=topic, partitions=n_partitions, kafka_config=kafka.config())
-    return sum(spark.sparkContext.parallelize(uris, len(uris)).mapPartitions(fn).collect())
+        return None
+    topics = {table: kafka.topic(STREAMS[table].name) for table in tables}
+    config = kafka.config()
+    ensure_topics(config, topics.values(), kafka.new_topic_partitions)
+    partitions = partition_counts(config, topics.values())
+    return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()})

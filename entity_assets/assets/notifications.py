@@ -10,7 +10,8 @@ from entity_assets.assets.common import (
     commit_slice,
     ensure_tables,
     fold_buckets,
-    publish,
+    pop_counts,
+    publishing,
     read_df,
     table_metadata,
 )
@@ -22,11 +23,14 @@ from resources import KafkaResource, LakeResource, SparkResource
 KINDS = {"spark", "delta", "kafka"}
 
 
-def _write_stream(spark, kafka, engine, df, table: str, key: str, task, **task_args) -> dict:
+def _write_stream(kafka, engine, df, table: str, key: str, task, **task_args) -> dict:
+    """Runs `task` over `df`: it writes and publishes `table`."""
     fn = partial(task, slice_key=key, uris={table: engine.uri(table)}, storage_options=engine.storage_options,
-                 **task_args)
-    summary = commit_slice(engine, [table], collect_files(df.mapInArrow(fn, fold.FILES_DDL)), key)[table]
-    summary["published"] = publish(spark.session(), kafka, engine, table, key)
+                 publishing=publishing(kafka, [table]), **task_args)
+    files = collect_files(df.mapInArrow(fn, fold.FILES_DDL))
+    counts = pop_counts(files)
+    summary = commit_slice(engine, [table], files, key)[table]
+    summary["published"] = counts[f"published:{table}"]
     return summary
 
 
@@ -45,7 +49,7 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["zone_changes"])
     updates = read_df(spark.session(), engine.slice_files("entity_updates", [key]), "entity_updates")
-    summary = _write_stream(spark, kafka, engine, updates, "zone_changes", key, fold.copy_task, target="zone_changes")
+    summary = _write_stream(kafka, engine, updates, "zone_changes", key, fold.copy_task, target="zone_changes")
     zones = {r["subjectZone"]: r["count"] for r in updates.groupBy("subjectZone").count().collect()}
     return MaterializeResult(metadata=_metadata(engine, "zone_changes", summary, zones=MetadataValue.json(zones)))
 
@@ -72,7 +76,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     ]
     changes = read_df(session, engine.slice_files("zone_changes", [key]), "zone_changes").filter(
         f"collection != '{SUBSCRIPTIONS}'")
-    summary = _write_stream(spark, kafka, engine, changes, "changes_by_device", key, fold.fan_out_task,
+    summary = _write_stream(kafka, engine, changes, "changes_by_device", key, fold.fan_out_task,
                             subscriptions=subscriptions)
     return MaterializeResult(metadata=_metadata(engine, "changes_by_device", summary,
                                                 subscriptions=MetadataValue.int(len(subscriptions))))
@@ -100,9 +104,11 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
         "bucket", (F.crc32(F.col("device")) % STATE_BUCKETS).cast("int"))
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
     files, inboxes = fold_buckets(spark, events, ("device", "kind", "ended", "notification"), fold.inbox_task,
-                                  engine=engine, state_table="device_inboxes", slice_key=key, uris=uris)
+                                  engine=engine, state_table="device_inboxes", slice_key=key, uris=uris,
+                                  publishing=publishing(kafka, ["device_notifications"]))
+    counts = pop_counts(files)
     summary = commit_slice(engine, ["device_notifications"], files, key)["device_notifications"]
-    summary["published"] = publish(session, kafka, engine, "device_notifications", key)
+    summary["published"] = counts["published:device_notifications"]
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in engine.slice_files("notification_acks", [key]))),

@@ -39,8 +39,10 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     ensure_tables(engine, ["learned_schemas"])
     apply, version = state_version(engine, "learned_schemas", key)
     session = spark.session()
-    learning = read_df(session, engine.slice_files("schema_learning", [key]), "schema_learning").filter("kind = 'entity'")
-    partials = learning.repartition(spark.parallelism() * 2, "dbid", "collection").mapInArrow(fold.learn_task, SUMMARY_DDL)
+    # each task summarizes the rows it reads where they are (no shuffle); summaries merge exactly
+    learning = read_df(session, engine.slice_files("schema_learning", [key]), "schema_learning").filter(
+        "kind = 'entity'").select("dbid", "collection", "after")
+    partials = learning.mapInArrow(fold.learn_task, SUMMARY_DDL)
 
     summaries: dict[tuple[str, str], Summary] = {}
     for row in engine.read("learned_schemas", version).to_pylist():
