@@ -23,6 +23,9 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+ROW_GROUP_ROWS = 65_536
+"""Readers hold a row group's column chunks at once: bounded row groups keep them small."""
+
 SLICE = "slice"
 """Every table carries the slice key column; file statistics on it find a slice's files."""
 
@@ -114,7 +117,7 @@ class FileWriter:
         path = f"{self._root}/{name}"
         with self._fs.open_output_stream(path) as sink:
             if self.row_groups_by is None:
-                pq.write_table(data, sink, compression="snappy")
+                pq.write_table(data, sink, compression="snappy", row_group_size=ROW_GROUP_ROWS)
             else:
                 self._write_groups(data, sink)
         size = self._fs.get_file_info(path).size
@@ -137,11 +140,12 @@ def read_table(uri: str, storage_options: dict[str, str] | None = None) -> pa.Ta
     return pq.read_table(path, filesystem=fs)
 
 
-def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_size: int = 20_000):
+def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_size: int = 20_000,
+                 columns: list[str] | None = None):
     """A parquet file's rows in bounded Arrow batches."""
     fs, path = _filesystem(uri, storage_options)
     with fs.open_input_file(path) as source:
-        yield from pq.ParquetFile(source).iter_batches(batch_size=batch_size)
+        yield from pq.ParquetFile(source).iter_batches(batch_size=batch_size, columns=columns)
 
 
 def read_row_groups(uris: Iterable[str], column: str, value, storage_options: dict[str, str] | None = None) -> pa.Table:

@@ -15,9 +15,11 @@ import time
 from collections import Counter
 
 import pyarrow.compute as pc
+import pytest
 from confluent_kafka import Producer
 
 from entity_assets import samples
+from entity_assets.assets import common
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
@@ -353,7 +355,9 @@ def snapshot(pipeline) -> dict:
     return out
 
 
-def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline):
+@pytest.mark.parametrize("broadcast_rows", [common.BROADCAST_ROWS, 0], ids=["window-scan", "shuffle-join"])
+def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline, monkeypatch, broadcast_rows):
+    monkeypatch.setattr(common, "BROADCAST_ROWS", broadcast_rows)  # both ways of finding earlier deliveries
     first, second = slice_records()
     pipeline.produce(first)
     [r1] = pipeline.tick()

@@ -82,6 +82,8 @@ def read_df(spark, files, table: str):
 
 
 COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
+BROADCAST_ROWS = 200_000
+"""A slice up to this many rows is sent whole to every task that scans the dedupe window."""
 
 
 def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
@@ -114,7 +116,11 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
     if prior:
         seen = read_df(spark, prior, table).select(*identity)
-        found.update(tuple(r) for r in rows.join(seen, list(identity), "left_semi").select(*COORDINATES).collect())
+        if sum(f.rows for f in files) <= BROADCAST_ROWS:  # a small slice: scan the window, no shuffle
+            hits = seen.join(F.broadcast(rows), list(identity)).select(*COORDINATES).distinct()
+        else:
+            hits = rows.join(seen, list(identity), "left_semi").select(*COORDINATES)
+        found.update(tuple(r) for r in hits.collect())
     return sum(f.rows for f in files), frozenset(found)
 
 
