@@ -150,13 +150,17 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
             if not patches.num_rows:
                 continue
             store.switch(bucket)
-            key, state = None, None
+            key, state = None, core.DocState()
+
+            def save():  # an entity's state row is made once, after its last patch of the slice
+                if state.changed:
+                    store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
+
             for batch in patches.sort_by(order).to_batches(max_chunksize=20_000):
                 for patch in batch.to_pylist():
                     k = (patch["dbid"], patch["collection"], patch["zone"], patch["entity"])
                     if k != key:
-                        if key is not None and state.changed:
-                            store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
+                        save()
                         key, state = k, core.DocState(store.get(k))
                     before = state.doc
                     result = core.apply_one(state, patch)
@@ -168,8 +172,7 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                         if patch["learning"] and state.doc is not None:
                             out.emit("schema_learning", core.learning_row(result, state.doc))
                     respond(out, result, text, slice_key)
-            if key is not None and state.changed:
-                store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
+            save()
         store.close()
         out.count("check:repeated_keys", store.repeated_keys)
         yield from out.report()
