@@ -236,6 +236,15 @@ class Pipeline:
             out[mat.asset_key.to_user_string()] = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
         return out
 
+    @staticmethod
+    def failure_text(event) -> str:
+        """A step failure event's message with all its causes."""
+        parts, error = [], event.event_specific_data.error
+        while error is not None:
+            parts.append(error.message)
+            error = error.cause
+        return "\n".join(parts)
+
 
 @pytest.fixture
 def make_pipeline(broker, spark, tmp_path):

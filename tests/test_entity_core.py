@@ -121,14 +121,6 @@ def check_evaluations(result) -> dict[str, bool]:
     return {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
 
 
-def error_text(error) -> str:
-    parts = []
-    while error is not None:
-        parts.append(error.message)
-        error = error.cause
-    return "\n".join(parts)
-
-
 def canonical(table_rows: list[dict]) -> list[str]:
     """Rows as sortable text (None, bytes and nested values included), sorted."""
     return sorted(json.dumps(r, sort_keys=True, default=repr) for r in table_rows)
@@ -375,7 +367,7 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline, 
     succeeded = {e.step_key for e in refused.all_events if e.event_type_value == "STEP_SUCCESS"}
     assert "apply_patches" not in succeeded and "entity_patches" not in succeeded
     for event in failures:
-        assert "slice 0000000001 is missing" in error_text(event.event_specific_data.error), event.step_key
+        assert "slice 0000000001 is missing" in pipeline.failure_text(event), event.step_key
     engine = pipeline.engine
     assert not engine.exists("entities") or engine.applied("entities", "entity-assets") is None  # nothing applied
 

@@ -52,15 +52,6 @@ def ingest_only(pipeline) -> list:
     return pipeline.asset_keys_of("entity_batches")
 
 
-def error_text(error) -> str:
-    """A step failure's message with all its causes."""
-    parts = []
-    while error is not None:
-        parts.append(error.message)
-        error = error.cause
-    return "\n".join(parts)
-
-
 # --------------------------------------------------------------------------- definitions
 
 def test_definitions_load():
@@ -302,4 +293,4 @@ def test_a_run_without_a_manifest_fails_clearly(pipeline):
     result = pipeline.run(slice_key(9), assets=ingest_only(pipeline), raise_on_error=False)
     assert not result.success
     [failure] = [e for e in result.all_events if e.is_step_failure]
-    assert "slice 0000000009 has no manifest" in error_text(failure.event_specific_data.error)
+    assert "slice 0000000009 has no manifest" in pipeline.failure_text(failure)
