@@ -104,6 +104,7 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
         raise OutOfOrder(f"slice {slice_key}: {table} holds no slice {key_of(seq - 1)}, so redeliveries cannot "
                          f"be found; slice {key_of(seq - 1)} is missing: materialize the slices in order")
     files = engine.slice_files(table, [slice_key])
+    rows_in = sum(f.rows for f in files)
     rows = read_df(spark, files, table).select(*identity, *COORDINATES)
     # repeated within the slice: a counting aggregate finds the (few) identities, then their rows;
     # all but the first delivery of each are redeliveries
@@ -116,12 +117,12 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
     if prior:
         seen = read_df(spark, prior, table).select(*identity)
-        if sum(f.rows for f in files) <= BROADCAST_ROWS:  # a small slice: scan the window, no shuffle
+        if rows_in <= BROADCAST_ROWS:  # a small slice: scan the window, no shuffle
             hits = seen.join(F.broadcast(rows), list(identity)).select(*COORDINATES).distinct()
         else:
             hits = rows.join(seen, list(identity), "left_semi").select(*COORDINATES)
         found.update(tuple(r) for r in hits.collect())
-    return sum(f.rows for f in files), frozenset(found)
+    return rows_in, frozenset(found)
 
 
 def first_deliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
@@ -252,7 +253,8 @@ def merge_files(*groups: dict[str, list[DataFile]]) -> dict[str, list[DataFile]]
 def publishing(kafka, tables: Iterable[str]):
     """Where the tasks of a step publish `tables` (None when publishing is off); creates missing topics.
 
-    One admin round trip per step, not per table: the tasks publish as they write.
+    Topics are created and their partitions looked up once per step, not once per table; the
+    tasks then publish as they write.
     """
     from entity_assets.kafka_io import ensure_topics, partition_counts
     from entity_assets.publish import STREAMS, Publishing

@@ -15,12 +15,12 @@ from dagster import (
 
 from entity_assets import fold
 from entity_assets.assets.common import (
+    SMALL_TASK_ROWS,
     collect_files,
     commit_buckets,
     commit_slice,
     commit_state,
     ensure_tables,
-    SMALL_TASK_ROWS,
     file_tasks,
     first_deliveries,
     fold_buckets,
