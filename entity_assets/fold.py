@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from entity_assets import core, notify
 from entity_assets.publish import Publisher, Publishing
-from entity_assets.storage import FileWriter, read_batches, read_row_groups, read_table
+from entity_assets.storage import FileWriter, read_batches, read_row_groups, read_table, to_rows
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -78,7 +78,7 @@ def _arrow(report: list[dict]) -> pa.RecordBatch:
 
 def _rows(batches: Iterator[pa.RecordBatch]) -> Iterator[dict]:
     for batch in batches:
-        yield from batch.to_pylist()
+        yield from to_rows(batch)
 
 
 class BucketStore:
@@ -97,7 +97,7 @@ class BucketStore:
             self.close()
             self.bucket, self.changed, self.stored = bucket, {}, {}
             for uri in self.state_files.get(bucket, []):
-                for row in read_table(uri, self.storage_options).to_pylist():
+                for row in to_rows(read_table(uri, self.storage_options)):
                     self.stored[tuple(row[c] for c in self.key_columns)] = row
 
     def get(self, key: tuple) -> dict | None:
@@ -128,7 +128,7 @@ def explode_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str],
     for task in tasks:
         out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"entity_patches": "bucket"})
         for batch in (b for uri in task["uris"] for b in read_batches(uri, storage_options)):
-            for row in batch.to_pylist():
+            for row in to_rows(batch):
                 if (row["kafka_topic"], row["kafka_partition"], row["kafka_offset"]) in redelivered:
                     out.count("redelivered")
                     continue
@@ -157,7 +157,7 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                     store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
 
             for batch in patches.sort_by(order).to_batches(max_chunksize=20_000):
-                for patch in batch.to_pylist():
+                for patch in to_rows(batch):
                     k = (patch["dbid"], patch["collection"], patch["zone"], patch["entity"])
                     if k != key:
                         save()
@@ -251,7 +251,7 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
         if out.publisher is None:
             out.writer(target).write_table(pa.Table.from_batches([batch]))
         else:
-            for row in batch.to_pylist():
+            for row in to_rows(batch):
                 out.emit(target, row)
     yield _arrow(out.report())
 

