@@ -93,7 +93,10 @@ class BatchProducer:
     """An idempotent producer that waits out full queues and fails loudly on undelivered records."""
 
     def __init__(self, config: dict):
-        self._producer = Producer({**config, **PRODUCER_DEFAULTS, "partitioner": "murmur2_random"})
+        # the resource's settings (client_config) override the defaults; delivery reports for
+        # failed records only: no Python callback per delivered record
+        self._producer = Producer({**PRODUCER_DEFAULTS, **config, "partitioner": "murmur2_random",
+                                   "delivery.report.only.error": True, "on_delivery": self._on_delivery})
         self._errors: list = []
         self.counts: dict[str, int] = {}
         self._sent = 0
@@ -107,7 +110,7 @@ class BatchProducer:
         kwargs = {} if partition is None else {"partition": partition}
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, on_delivery=self._on_delivery, **kwargs)
+                self._producer.produce(topic, value=value, key=key, **kwargs)
                 break
             except BufferError:
                 self._producer.poll(0.05)
