@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from entity_assets import core, notify
 from entity_assets.publish import Publisher, Publishing
@@ -243,11 +244,29 @@ def learn_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     )
 
 
+def over_files(tasks: Iterator[dict], *, body, storage_options, **kwargs) -> Iterator[dict]:
+    """Runs a mapInArrow-style `body` over the rows of each task's files ({"uris"}), for `run_tasks`.
+
+    The task reads its parquet files itself: no scan in Spark's JVM, no Arrow hand-over.
+    """
+    for task in tasks:
+        batches = (b for uri in task["uris"] for b in read_batches(uri, storage_options))
+        for report in body(batches, storage_options=storage_options, **kwargs):
+            yield from to_rows(report)
+
+
 def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str, uris: dict[str, str],
-              storage_options, publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Writes the input rows (already of this slice) to the `target` table unchanged, publishing each."""
+              storage_options, publishing: Publishing | None = None,
+              count_by: str | None = None) -> Iterator[pa.RecordBatch]:
+    """Writes the input rows (already of this slice) to the `target` table unchanged, publishing each.
+
+    `count_by`: a column whose values are counted (counters "<column>:<value>").
+    """
     out = Outputs(slice_key, uris, storage_options, publishing)
     for batch in batches:
+        if count_by is not None:
+            for vc in pc.value_counts(batch.column(count_by)).to_pylist():
+                out.count(f"{count_by}:{vc['values']}", vc["counts"])
         if out.publisher is None:
             out.writer(target).write_table(pa.Table.from_batches([batch]))
         else:
@@ -266,6 +285,8 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     out = Outputs(slice_key, uris, storage_options, publishing)
     lineage = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
     for change in _rows(batches):
+        if change["collection"] == notify.SUBSCRIPTIONS:  # subscription changes notify no device
+            continue
         for row in notify.fan_out(change, index):
             out.emit("changes_by_device", {**row, "slice": slice_key, **{c: change[c] for c in lineage}})
     yield _arrow(out.report())

@@ -6,32 +6,38 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    collect_files,
     commit_slice,
     ensure_tables,
+    file_tasks,
     fold_buckets,
     pop_counts,
     publishing,
     read_df,
+    run_tasks,
     table_metadata,
 )
 from entity_assets.core import STATE_BUCKETS
 from entity_assets.notify import SUBSCRIPTIONS
 from entity_assets.partitions import slices_partitions
-from resources import KafkaResource, LakeResource, SparkResource
+from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 KINDS = {"spark", "delta", "kafka"}
+TOP_ZONES = 100
+"""zone_changes metadata lists the busiest zones only: a lake may have thousands."""
 
 
-def _write_stream(kafka, engine, df, table: str, key: str, task, **task_args) -> dict:
-    """Runs `task` over `df`: it writes and publishes `table`."""
-    fn = partial(task, slice_key=key, uris={table: engine.uri(table)}, storage_options=engine.storage_options,
-                 publishing=publishing(kafka, [table]), **task_args)
-    files = collect_files(df.mapInArrow(fn, fold.FILES_DDL))
-    counts = pop_counts(files)
-    summary = commit_slice(engine, [table], files, key)[table]
-    summary["published"] = counts[f"published:{table}"]
-    return summary
+def _write_stream(spark, kafka, slicing, engine, files, table: str, key: str, task, **task_args) -> tuple[dict, dict]:
+    """Runs `task` over the rows of `files`, read by the tasks themselves: it writes and publishes `table`.
+
+    Returns the commit summary and the tasks' other counters.
+    """
+    fn = partial(fold.over_files, body=task, slice_key=key, uris={table: engine.uri(table)},
+                 storage_options=engine.storage_options, publishing=publishing(kafka, [table]), **task_args)
+    written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn)
+    counts = pop_counts(written)
+    summary = commit_slice(engine, [table], written, key)[table]
+    summary["published"] = counts.pop(f"published:{table}", 0)
+    return summary, counts
 
 
 def _metadata(engine, table: str, summary: dict, **extra) -> dict:
@@ -45,19 +51,22 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
        description="Entity updates by zone; changes of $zoneSubscription entities are partitioned by the zone "
                    "they subscribe to.")
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
-                 kafka: KafkaResource) -> MaterializeResult:
+                 kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["zone_changes"])
-    updates = read_df(spark.session(), engine.slice_files("entity_updates", [key]), "entity_updates")
-    summary = _write_stream(kafka, engine, updates, "zone_changes", key, fold.copy_task, target="zone_changes")
-    zones = {r["subjectZone"]: r["count"] for r in updates.groupBy("subjectZone").count().collect()}
-    return MaterializeResult(metadata=_metadata(engine, "zone_changes", summary, zones=MetadataValue.json(zones)))
+    summary, counts = _write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
+                                    "zone_changes", key, fold.copy_task, target="zone_changes", count_by="subjectZone")
+    zones = sorted(((name.split(":", 1)[1], n) for name, n in counts.items() if name.startswith("subjectZone:")),
+                   key=lambda zn: (-zn[1], zn[0]))
+    return MaterializeResult(metadata=_metadata(
+        engine, "zone_changes", summary, zone_count=MetadataValue.int(len(zones)),
+        zones=MetadataValue.json(dict(zones[:TOP_ZONES]))))
 
 
 @asset(partitions_def=slices_partitions, deps=["zone_changes", "entities"], group_name="notifications", kinds=KINDS,
        description="One change summary per subscribed device per change (created/updated/deleted), keyed by device.")
 def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
-                      kafka: KafkaResource) -> MaterializeResult:
+                      kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     """Subscriptions in effect are the $zoneSubscription entities as of the end of this slice.
 
     So a subscription created in a slice already receives the changes of that slice that
@@ -74,10 +83,8 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
         for r in read_df(session, engine.files("entities", version), "entities")
         .filter((f"collection = '{SUBSCRIPTIONS}'")).filter("NOT deleted").select("dbid", "entity", "document").collect()
     ]
-    changes = read_df(session, engine.slice_files("zone_changes", [key]), "zone_changes").filter(
-        f"collection != '{SUBSCRIPTIONS}'")
-    summary = _write_stream(kafka, engine, changes, "changes_by_device", key, fold.fan_out_task,
-                            subscriptions=subscriptions)
+    summary, _ = _write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
+                               "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions)
     return MaterializeResult(metadata=_metadata(engine, "changes_by_device", summary,
                                                 subscriptions=MetadataValue.int(len(subscriptions))))
 
