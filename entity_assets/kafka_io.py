@@ -106,11 +106,14 @@ class BatchProducer:
             self._errors.append(err)
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
-        """Without `partition`, Kafka's murmur2 of the key picks it, like the Java client."""
-        kwargs = {} if partition is None else {"partition": partition}
+        """Without `partition`, Kafka's murmur2 of the key picks it, like the Java client. Text is sent as UTF-8."""
+        produce = self._producer.produce
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, **kwargs)
+                if partition is None:
+                    produce(topic, value, key)
+                else:
+                    produce(topic, value, key, partition)
                 break
             except BufferError:
                 self._producer.poll(0.05)

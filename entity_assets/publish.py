@@ -99,20 +99,19 @@ class Publisher:
 
     def __init__(self, publishing: Publishing):
         self.publishing, self.topics = publishing, publishing.topics
+        self._targets = {table: (topic, partitions, STREAMS[table]) for table, (topic, partitions) in self.topics.items()}
         self.producer: BatchProducer | None = None  # on first use: a task with nothing to send connects nowhere
 
     def send(self, table: str, row: dict, value: str | None = None) -> None:
         """`value`: the message text when the caller already has it (a result shared by streams)."""
-        target = self.topics.get(table)
+        target = self._targets.get(table)
         if target is None:
             return
         if self.producer is None:
             self.producer = BatchProducer(self.publishing.kafka_config)
-        topic, partitions = target
-        stream = STREAMS[table]
+        topic, partitions, stream = target
         partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
-        self.producer.send(topic, stream.key(row).encode(),
-                           (value if value is not None else stream.encode(row)).encode(), partition)
+        self.producer.send(topic, stream.key(row), value if value is not None else stream.encode(row), partition)
 
     def close(self) -> dict[str, int]:
         """Waits for every message; returns the count per table."""
