@@ -98,8 +98,11 @@ def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> 
 
 
 def learning_row(result: dict, doc: dict) -> dict:
-    """An entity message of schema-learning: the entity update, always with its document."""
-    return {**result, "after": dumps(doc), "kind": "entity"}
+    """An entity message of schema-learning: the entity update, always with its document.
+
+    When the update carries `after` already, both messages are the same text (`result_json`).
+    """
+    return {**result, "after": result["after"] if result["after"] is not None else dumps(doc), "kind": "entity"}
 
 
 def entity_type_rows(result: dict, schema: dict) -> list[dict]:

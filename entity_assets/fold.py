@@ -171,7 +171,8 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                         result["subjectZone"] = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
                         out.emit("entity_updates", result, text)
                         if patch["learning"] and state.doc is not None:
-                            out.emit("schema_learning", core.learning_row(result, state.doc))
+                            out.emit("schema_learning", core.learning_row(result, state.doc),
+                                     text if result["after"] is not None else None)
                     respond(out, result, text, slice_key)
             save()
         store.close()

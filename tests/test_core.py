@@ -47,6 +47,17 @@ def test_fold_yields_the_seed_entity_update_sample():
     parse_message(EntityUpdate, json.dumps({**message, "ended": 1}).encode())
 
 
+def test_learning_message_is_the_update_with_its_document_whether_asked_for_or_not():
+    (patch,) = core.explode_batch(batch_row(SEED_ENTITY_BATCH))
+    state = core.DocState()
+    result = core.apply_one(state, patch)
+    assert core.result_json(core.learning_row(result, state.doc)) == core.result_json(result)  # after asked for
+    quiet = core.apply_one(core.DocState(), {**patch, "includeAfter": False})
+    assert "after" not in json.loads(core.result_json(quiet))
+    learned = json.loads(core.result_json(core.learning_row(quiet, state.doc)))
+    assert learned["after"] == state.doc and learned["learning"] is True
+
+
 def test_failed_patch_leaves_state_and_reports_status_3():
     state = core.DocState({"document": json.dumps({"a": 1}), "version": 4, "deleted": False, "ended": 9})
     patch = {**LINEAGE, "clientid": "c", "request": 1, "user": "u", "dbid": "d", "collection": "C", "zone": "z",
