@@ -189,6 +189,8 @@ def respond(out: Outputs, result: dict, text: str, slice_key: str) -> None:
     out.count(f"status:{result['stream']}:{result['status']}")
     if result["parts"] == 1:
         out.emit("complete_responses", core.complete_row([result], slice_key, [text]))
+    else:
+        out.count("multipart")
 
 
 def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
 from dagster import Failure, MetadataValue
@@ -105,6 +105,8 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
                          f"be found; slice {key_of(seq - 1)} is missing: materialize the slices in order")
     files = engine.slice_files(table, [slice_key])
     rows_in = sum(f.rows for f in files)
+    if not rows_in:  # nothing to look for: no Spark job (most slices carry no schema patches)
+        return 0, frozenset()
     rows = read_df(spark, files, table).select(*identity, *COORDINATES)
     # repeated within the slice: a counting aggregate finds the (few) identities, then their rows;
     # all but the first delivery of each are redeliveries
@@ -144,12 +146,11 @@ def collect_files(df) -> dict[str, list[DataFile]]:
     return by_table
 
 
-def pop_counts(files: dict[str, list[DataFile]]) -> dict[str, int]:
-    """Removes the tasks' counters from their report and adds them up (see fold.COUNTER)."""
+def pop_counts(files: dict[str, list[DataFile]]) -> Counter:
+    """Removes the tasks' counters from their report and adds them up (see fold.COUNTER); a missing one is 0."""
     from entity_assets.fold import COUNTER
 
-    counts = {t[len(COUNTER):]: sum(f.rows for f in files.pop(t)) for t in list(files) if t.startswith(COUNTER)}
-    return defaultdict(int, counts)
+    return Counter({t[len(COUNTER):]: sum(f.rows for f in files.pop(t)) for t in list(files) if t.startswith(COUNTER)})
 
 
 # --------------------------------------------------------------------------- state order
@@ -220,22 +221,26 @@ def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: boo
 
 
 def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: DeltaRsEngine, state_table: str,
-                 slice_key: str, uris: dict[str, str], **task_args) -> tuple[dict[str, list[DataFile]], dict]:
+                 slice_key: str, uris: dict[str, str], rows: int | None = None,
+                 **task_args) -> tuple[dict[str, list[DataFile]], dict]:
     """Runs a bucketed state fold (see fold.BucketStore) over a DataFrame and commits the state table.
 
     `df` needs a `bucket` column; Spark shuffles it so that each task gets whole buckets
     sorted by `order`. Returns the other tables' files (for the caller to commit) and a
-    summary of the state commit.
+    summary of the state commit. `rows`: the input's row count when the caller knows it; with
+    none, no Spark job runs, and the (empty) commit still records the slice in the state's order.
     """
     from functools import partial
 
     from entity_assets.fold import FILES_DDL
 
     apply, snapshot, state_files = state_snapshot(engine, state_table, slice_key)
-    ordered = df.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *order)
-    fn = partial(task, slice_key=slice_key, uris=uris, storage_options=engine.storage_options,
-                 state_files=state_files, write_state=apply, **task_args)
-    files = collect_files(ordered.mapInArrow(fn, FILES_DDL))
+    files: dict[str, list[DataFile]] = defaultdict(list)
+    if rows != 0:
+        ordered = df.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *order)
+        fn = partial(task, slice_key=slice_key, uris=uris, storage_options=engine.storage_options,
+                     state_files=state_files, write_state=apply, **task_args)
+        files = collect_files(ordered.mapInArrow(fn, FILES_DDL))
     summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files.pop(state_table, []))
     return files, summary
 

@@ -143,7 +143,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     schema_patches = schema_patches.withColumn("bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
     schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
                                          engine=engine, state_table="schemas", slice_key=key, uris=uris,
-                                         publishing=publish_to)
+                                         rows=schema_in, publishing=publish_to)
     pending_apply, pending_version = state_version(engine, "pending_responses", key)
     if entities["replayed"]:
         context.log.info(f"slice {key} is already applied: replayed against the state of the slice before it")
@@ -152,14 +152,19 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     summary.update(entities=entities, schemas=schemas)
 
     # requests of several parts: this slice's parts plus the parts still pending from earlier slices
+    # (no Spark job when there are neither, as in a slice of single-part requests)
+    counts = pop_counts(entity_files) + pop_counts(schema_files)
     pending = engine.files("pending_responses", pending_version)
-    parts = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses").filter(
-        "parts > 1").unionByName(read_df(session, pending, "pending_responses"))
-    grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions(*REQUEST_ORDER)
-    fn = partial(fold.complete_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
-                 write_state=pending_apply, publishing=publish_to)
-    files = merge_files(entity_files, schema_files, collect_files(grouped.mapInArrow(fn, fold.FILES_DDL)))
-    counts = pop_counts(files)
+    files = merge_files(entity_files, schema_files)
+    if counts["multipart"] or pending:
+        parts = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses").filter(
+            "parts > 1").unionByName(read_df(session, pending, "pending_responses"))
+        grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions(*REQUEST_ORDER)
+        fn = partial(fold.complete_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
+                     write_state=pending_apply, publishing=publish_to)
+        completed = collect_files(grouped.mapInArrow(fn, fold.FILES_DDL))
+        counts += pop_counts(completed)
+        files = merge_files(files, completed)
     new_pending = files.pop("pending_responses", [])
     summary.update(commit_slice(engine, ["complete_responses"], files, key))
     if pending_apply:

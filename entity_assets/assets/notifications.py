@@ -101,10 +101,11 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     ensure_tables(engine, ["device_notifications", "device_inboxes"])
     session = spark.session()
     columns = ("dbid", "user", "device", "kind", "notification", "ended", "notifications", "upTo")
-    notes = read_df(session, engine.slice_files("changes_by_device", [key]), "changes_by_device").select(
+    note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
+    notes = read_df(session, note_files, "changes_by_device").select(
         "dbid", "user", "device", F.lit("a-notify").alias("kind"), "notification", "ended",
         F.lit(None).cast("string").alias("notifications"), F.lit(None).cast("long").alias("upTo"))
-    acks = read_df(session, engine.slice_files("notification_acks", [key]), "notification_acks").select(
+    acks = read_df(session, ack_files, "notification_acks").select(
         "dbid", "user", "device", F.lit("b-ack").alias("kind"), F.lit(None).cast("string").alias("notification"),
         F.col("begun").alias("ended"), "notifications", "upTo")
     events = notes.unionByName(acks).select(*columns).withColumn(
@@ -112,11 +113,12 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
     files, inboxes = fold_buckets(spark, events, ("device", "kind", "ended", "notification"), fold.inbox_task,
                                   engine=engine, state_table="device_inboxes", slice_key=key, uris=uris,
+                                  rows=sum(f.rows for f in note_files + ack_files),
                                   publishing=publishing(kafka, ["device_notifications"]))
     counts = pop_counts(files)
     summary = commit_slice(engine, ["device_notifications"], files, key)["device_notifications"]
     summary["published"] = counts["published:device_notifications"]
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
-        acks=MetadataValue.int(sum(f.rows for f in engine.slice_files("notification_acks", [key]))),
+        acks=MetadataValue.int(sum(f.rows for f in ack_files)),
         replayed=MetadataValue.bool(inboxes["replayed"])))
