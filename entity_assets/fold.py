@@ -288,8 +288,6 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     out = Outputs(slice_key, uris, storage_options, publishing)
     lineage = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
     for change in _rows(batches):
-        if change["collection"] == notify.SUBSCRIPTIONS:  # subscription changes notify no device
-            continue
         for row in notify.fan_out(change, index):
             out.emit("changes_by_device", {**row, "slice": slice_key, **{c: change[c] for c in lineage}})
     yield _arrow(out.report())
