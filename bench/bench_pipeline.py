@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         print(f"  step {step:<22} {sec:6.1f}s  {reference['patches'] / sec if sec else 0:>12,.0f} patches/s")
     print(f"100-message slice  {fixed:.1f}s (fixed cost of one slice run)")
     cpu = sampler.cpu()
-    print(f"CPU seconds        " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
+    print("CPU seconds        " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
     print(f"peak driver RSS    {driver_peak_mb():.0f} MB (this process; Spark's JVM and workers are children)")
     print(kv_line(n=args.n, per_s=round(per_s), reference_per_s=round(reference["per_s"]), ratio=round(ratio, 3),
                   graph=int(args.graph), devices=args.devices, spark_start_s=round(start.s, 1),

@@ -120,23 +120,21 @@ class BucketStore:
 
 # --------------------------------------------------------------------------- entity core
 
-def explode_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options,
-                 redelivered: frozenset, publishing: Publishing | None = None) -> Iterator[dict]:
-    """Tasks: {"uris"} of entity_batches files of the slice. Skips redelivered batches (by Kafka coordinates).
+def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
+                 redelivered: frozenset, publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
+    """Input: entity_batches rows of the slice. Skips redelivered batches (by Kafka coordinates).
 
     entity_patches files get one row group per state bucket, so each fold task reads only its buckets.
     """
-    for task in tasks:
-        out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"entity_patches": "bucket"})
-        for batch in (b for uri in task["uris"] for b in read_batches(uri, storage_options)):
-            for row in to_rows(batch):
-                if (row["kafka_topic"], row["kafka_partition"], row["kafka_offset"]) in redelivered:
-                    out.count("redelivered")
-                    continue
-                out.count("batches")
-                for patch in core.explode_batch(row):
-                    out.emit("entity_patches", patch)
-        yield from out.report()
+    out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"entity_patches": "bucket"})
+    for row in _rows(batches):
+        if (row["kafka_topic"], row["kafka_partition"], row["kafka_offset"]) in redelivered:
+            out.count("redelivered")
+            continue
+        out.count("batches")
+        for patch in core.explode_batch(row):
+            out.emit("entity_patches", patch)
+    yield _arrow(out.report())
 
 
 def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options, patch_files: list[str],

@@ -14,7 +14,6 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pytest
 
 from entity_assets import messages, notify, samples
 from entity_assets.publish import partition_for

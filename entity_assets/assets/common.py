@@ -51,6 +51,26 @@ SMALL_TASK_ROWS = 50_000
 """Below this many rows a task's fixed cost (worker, producer) outweighs splitting it further."""
 
 
+def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str, slice_key: str, body: Callable,
+                 **body_args) -> tuple[dict, Counter]:
+    """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
+    writes and publishes `table`, committed here as the slice's rows.
+
+    Returns the commit summary (with `published`) and the tasks' other counters.
+    """
+    from functools import partial
+
+    from entity_assets.fold import over_files
+
+    fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
+                 storage_options=engine.storage_options, publishing=publishing(kafka, [table]), **body_args)
+    written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn)
+    counts = pop_counts(written)
+    summary = commit_slice(engine, [table], written, slice_key)[table]
+    summary["published"] = counts.pop(f"published:{table}", 0)
+    return summary, counts
+
+
 def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str) -> dict[str, dict]:
     """Replaces the slice in each table; returns rows and Delta version per table."""
     out = {}

@@ -21,7 +21,6 @@ from entity_assets.assets.common import (
     commit_slice,
     commit_state,
     ensure_tables,
-    file_tasks,
     first_deliveries,
     fold_buckets,
     merge_files,
@@ -33,8 +32,9 @@ from entity_assets.assets.common import (
     state_snapshot,
     state_version,
     table_metadata,
+    write_stream,
 )
-from entity_assets.core import ENTITY_KEY, ORDER, REQUEST_ORDER, STATE_BUCKETS
+from entity_assets.core import ORDER, REQUEST_ORDER, STATE_BUCKETS
 from entity_assets.partitions import slices_partitions
 from entity_assets.storage import read_batches
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
@@ -62,15 +62,10 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     ensure_tables(engine, ["entity_patches"])
     batches_in, redelivered = redeliveries(spark.session(), engine, "entity_batches", key, ("clientid", "request"),
                                            slicing.dedupe_window_slices)
-    fn = partial(fold.explode_task, slice_key=key, uris={"entity_patches": engine.uri("entity_patches")},
-                 storage_options=engine.storage_options, redelivered=redelivered,
-                 publishing=publishing(kafka, ["entity_patches"]))
-    files = run_tasks(spark.session(), file_tasks(engine.slice_files("entity_batches", [key]),
-                                                  slicing.max_messages_per_task, spark.parallelism()), fn)
-    counts = pop_counts(files)
-    summary = commit_slice(engine, ["entity_patches"], files, key)["entity_patches"]
+    summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
+                                   "entity_patches", key, fold.explode_task, redelivered=redelivered)
     meta = table_metadata(engine, "entity_patches", summary)
-    meta.update(batches=batches_in, duplicates=counts["redelivered"], published=counts["published:entity_patches"])
+    meta.update(batches=batches_in, duplicates=counts["redelivered"], published=summary["published"])
     return MaterializeResult(metadata=meta)
 
 

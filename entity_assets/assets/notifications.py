@@ -1,20 +1,17 @@
 """Zones and devices: zone changes, per-device change summaries and notification counts."""
 
-from functools import partial
-
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
 from entity_assets.assets.common import (
     commit_slice,
     ensure_tables,
-    file_tasks,
     fold_buckets,
     pop_counts,
     publishing,
     read_df,
-    run_tasks,
     table_metadata,
+    write_stream,
 )
 from entity_assets.core import STATE_BUCKETS
 from entity_assets.notify import SUBSCRIPTIONS
@@ -24,20 +21,6 @@ from resources import KafkaResource, LakeResource, SlicingResource, SparkResourc
 KINDS = {"spark", "delta", "kafka"}
 TOP_ZONES = 100
 """zone_changes metadata lists the busiest zones only: a lake may have thousands."""
-
-
-def _write_stream(spark, kafka, slicing, engine, files, table: str, key: str, task, **task_args) -> tuple[dict, dict]:
-    """Runs `task` over the rows of `files`, read by the tasks themselves: it writes and publishes `table`.
-
-    Returns the commit summary and the tasks' other counters.
-    """
-    fn = partial(fold.over_files, body=task, slice_key=key, uris={table: engine.uri(table)},
-                 storage_options=engine.storage_options, publishing=publishing(kafka, [table]), **task_args)
-    written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn)
-    counts = pop_counts(written)
-    summary = commit_slice(engine, [table], written, key)[table]
-    summary["published"] = counts.pop(f"published:{table}", 0)
-    return summary, counts
 
 
 def _metadata(engine, table: str, summary: dict, **extra) -> dict:
@@ -54,7 +37,7 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["zone_changes"])
-    summary, counts = _write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
+    summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
                                     "zone_changes", key, fold.copy_task, target="zone_changes", count_by="subjectZone")
     zones = sorted(((name.split(":", 1)[1], n) for name, n in counts.items() if name.startswith("subjectZone:")),
                    key=lambda zn: (-zn[1], zn[0]))
@@ -83,7 +66,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
         for r in read_df(session, engine.files("entities", version), "entities")
         .filter((f"collection = '{SUBSCRIPTIONS}'")).filter("NOT deleted").select("dbid", "entity", "document").collect()
     ]
-    summary, _ = _write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
+    summary, _ = write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
                                "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions)
     return MaterializeResult(metadata=_metadata(engine, "changes_by_device", summary,
                                                 subscriptions=MetadataValue.int(len(subscriptions))))
