@@ -21,12 +21,19 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _settings(text: str) -> dict[str, str]:
+    """`key=value,key=value` (the form of Kafka's own CLI tools) as a dict."""
+    pairs = (item.partition("=") for item in text.split(",") if item.strip())
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
 def build_resources() -> dict:
     """Embedded defaults (local broker, local lake, local Spark); every setting overridable by env."""
     kafka = {
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
         "publish": _env("ENTITY_ASSETS_PUBLISH", "true").lower() == "true",
+        "new_topic_config": _settings(_env("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "")),
     }
     for field, var in (("security_protocol", "KAFKA_SECURITY_PROTOCOL"), ("sasl_mechanism", "KAFKA_SASL_MECHANISM"),
                        ("ssl_ca_location", "KAFKA_SSL_CA_LOCATION")):

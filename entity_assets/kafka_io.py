@@ -145,14 +145,16 @@ def partition_counts(config: dict, topics: Iterable[str], timeout: float = 30.0)
     return {t: len(metadata.topics[t].partitions) for t in topics if t in metadata.topics}
 
 
-def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout: float = 30.0) -> list[str]:
-    """Creates the missing topics; returns the names it created."""
+def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout: float = 30.0,
+                  topic_config: dict[str, str] | None = None) -> list[str]:
+    """Creates the missing topics (with `topic_config`, e.g. retention); returns the names it created."""
     admin = AdminClient(config)
     existing = set(admin.list_topics(timeout=timeout).topics)
     wanted = [t for t in dict.fromkeys(topics) if t not in existing]
     if not wanted:
         return []
-    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1) for t in wanted])
+    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1, config=dict(topic_config or {}))
+                                  for t in wanted])
     for topic, future in futures.items():
         try:
             future.result(timeout)

@@ -25,6 +25,8 @@ class KafkaResource(ConfigurableResource):
     client_config: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings, passed through")
     publish: bool = Field(default=True, description="publish derived streams back to their topics")
     new_topic_partitions: int = Field(default=4, description="partitions of output topics this project creates")
+    new_topic_config: dict[str, str] = Field(
+        default_factory=dict, description="topic configs of output topics this project creates, e.g. retention.ms")
 
     def config(self) -> dict[str, str]:
         """librdkafka settings for consumers, producers and admin clients."""

@@ -288,6 +288,6 @@ def publishing(kafka, tables: Iterable[str]):
         return None
     topics = {table: kafka.topic(STREAMS[table].name) for table in tables}
     config = kafka.config()
-    ensure_topics(config, topics.values(), kafka.new_topic_partitions)
+    ensure_topics(config, topics.values(), kafka.new_topic_partitions, topic_config=kafka.new_topic_config)
     partitions = partition_counts(config, topics.values())
     return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()})
