@@ -153,8 +153,9 @@ def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout:
     wanted = [t for t in dict.fromkeys(topics) if t not in existing]
     if not wanted:
         return []
-    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1, config=dict(topic_config or {}))
-                                  for t in wanted])
+    settings = dict(topic_config or {})
+    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1, config=settings)
+                                   for t in wanted])
     for topic, future in futures.items():
         try:
             future.result(timeout)

@@ -26,16 +26,19 @@ def test_an_undelivered_record_fails_the_close_loudly(broker):
 
 
 def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch):
+    """From the environment to the topic a step creates on first publish."""
     from confluent_kafka.admin import AdminClient, ConfigResource
 
+    from entity_assets.assets.common import publishing
     from entity_assets.definitions import build_resources
 
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
+    monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", "kafka-io-configured.")
     monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "retention.ms=86400000, cleanup.policy=delete")
-    topic_config = build_resources()["kafka"].new_topic_config
-    assert topic_config == {"retention.ms": "86400000", "cleanup.policy": "delete"}
-    config = {"bootstrap.servers": broker.bootstrap}
-    assert ensure_topics(config, ["kafka-io-configured"], 1, topic_config=topic_config) == ["kafka-io-configured"]
-    resource = ConfigResource("topic", "kafka-io-configured")
-    admin = AdminClient(config)  # held: a collected client cancels its futures
+    kafka = build_resources()["kafka"]
+    assert kafka.new_topic_config == {"retention.ms": "86400000", "cleanup.policy": "delete"}
+    assert publishing(kafka, ["entity_updates"]).topics == {"entity_updates": ("kafka-io-configured.entity-updates", 4)}
+    resource = ConfigResource("topic", "kafka-io-configured.entity-updates")
+    admin = AdminClient(kafka.config())  # held: a collected client cancels its futures
     described = admin.describe_configs([resource])[resource].result(30)
-    assert {k: described[k].value for k in topic_config} == topic_config
+    assert {k: described[k].value for k in kafka.new_topic_config} == kafka.new_topic_config
