@@ -54,9 +54,7 @@ SMALL_TASK_ROWS = 50_000
 def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str, slice_key: str, body: Callable,
                  **body_args) -> tuple[dict, Counter]:
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
-    writes and publishes `table`, committed here as the slice's rows.
-
-    Returns the commit summary (with `published`) and the tasks' other counters.
+    writes and publishes `table`, committed here as the slice's rows (see `commit_stream`).
     """
     from functools import partial
 
@@ -65,8 +63,17 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
                  storage_options=engine.storage_options, publishing=publishing(kafka, [table]), **body_args)
     written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn)
-    counts = pop_counts(written)
-    summary = commit_slice(engine, [table], written, slice_key)[table]
+    return commit_stream(engine, table, written, slice_key)
+
+
+def commit_stream(engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]],
+                  slice_key: str) -> tuple[dict, Counter]:
+    """Commits the slice's rows of a published table from its tasks' report.
+
+    Returns the commit summary (with `published`) and the tasks' other counters.
+    """
+    counts = pop_counts(files)
+    summary = commit_slice(engine, [table], files, slice_key)[table]
     summary["published"] = counts.pop(f"published:{table}", 0)
     return summary, counts
 

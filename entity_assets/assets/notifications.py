@@ -4,10 +4,9 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    commit_slice,
+    commit_stream,
     ensure_tables,
     fold_buckets,
-    pop_counts,
     publishing,
     read_df,
     table_metadata,
@@ -98,9 +97,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                                   engine=engine, state_table="device_inboxes", slice_key=key, uris=uris,
                                   rows=sum(f.rows for f in note_files + ack_files),
                                   publishing=publishing(kafka, ["device_notifications"]))
-    counts = pop_counts(files)
-    summary = commit_slice(engine, ["device_notifications"], files, key)["device_notifications"]
-    summary["published"] = counts["published:device_notifications"]
+    summary, _ = commit_stream(engine, "device_notifications", files, key)
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
