@@ -121,10 +121,14 @@ def main(argv=None) -> int:
                 step_s[step] = step_s.get(step, 0) + sec
 
         # fixed cost: one 100-message slice through the same path
-        produce(env, 100, 10, 0, learning, args.seed + 1)
+        produce(env, 100, 100, 0, learning, args.seed + 1)  # 100 entities: ~every state bucket
         with Timer() as small:
             small_runs = run_pending(steps=steps, log=log)
         fixed = small.s if all(s["success"] for s in small_runs) else float("nan")
+        fixed_steps: dict[str, float] = {}
+        for s in small_runs:
+            for step, sec in s["steps"].items():
+                fixed_steps[step] = fixed_steps.get(step, 0) + sec
 
     ratio = per_s / reference["per_s"]
     target = 0.5 if args.graph else 1.0
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
     print(f"ratio              {ratio:.2f} (target >= {target})")
     for step, sec in step_s.items():
         print(f"  step {step:<22} {sec:6.1f}s  {reference['patches'] / sec if sec else 0:>12,.0f} patches/s")
-    print(f"100-message slice  {fixed:.1f}s (fixed cost of one slice run)")
+    print(f"100-message slice  {fixed:.1f}s (fixed cost of one slice run): "
+          + ", ".join(f"{step} {sec:.1f}s" for step, sec in fixed_steps.items()))
     cpu = sampler.cpu()
     print("CPU seconds        " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
     print(f"peak driver RSS    {driver_peak_mb():.0f} MB (this process; Spark's JVM and workers are children)")
