@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from entity_assets import core, notify
 from entity_assets.publish import Publisher, Publishing
-from entity_assets.storage import FileWriter, read_batches, read_row_groups, read_table, to_rows
+from entity_assets.storage import FileWriter, key_string, key_strings, read_batches, read_row_groups, read_table, to_rows
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -83,23 +83,35 @@ def _rows(batches: Iterator[pa.RecordBatch]) -> Iterator[dict]:
 
 
 class BucketStore:
-    """The rows of one bucketed state table that a task owns, one bucket at a time."""
+    """The rows of one bucketed state table that a task owns, one bucket at a time.
+
+    A bucket's stored rows stay in Arrow: only the rows of keys the slice touches become
+    dicts, and the untouched ones are written back without leaving Arrow, so rewriting a
+    bucket costs little per untouched row however large the store grows.
+    """
 
     def __init__(self, writer: FileWriter, key_columns: tuple[str, ...], state_files: dict[int, list[str]], enabled: bool,
                  storage_options=None):
         self.writer, self.key_columns, self.state_files, self.enabled = writer, key_columns, state_files, enabled
         self.storage_options = storage_options
         self.bucket, self.stored, self.changed = None, {}, {}
+        self.data, self.data_keys = None, None
         self.repeated_keys = 0
         """Rows written whose key another written row of the bucket has (must stay 0)."""
 
-    def switch(self, bucket: int) -> None:
+    def switch(self, bucket: int, wanted: pa.Array | None = None) -> None:
+        """Loads `bucket`; `wanted`: the `key_strings` of the keys to be read (None: every key)."""
         if bucket != self.bucket:
             self.close()
             self.bucket, self.changed, self.stored = bucket, {}, {}
-            for uri in self.state_files.get(bucket, []):
-                for row in to_rows(read_table(uri, self.storage_options)):
-                    self.stored[tuple(row[c] for c in self.key_columns)] = row
+            files = self.state_files.get(bucket, [])
+            self.data = pa.concat_tables([read_table(uri, self.storage_options) for uri in files]) if files else None
+            if self.data is None:
+                return
+            self.data_keys = key_strings(self.data, self.key_columns)
+            rows = self.data if wanted is None else self.data.filter(pc.is_in(self.data_keys, value_set=wanted))
+            for row in to_rows(rows):
+                self.stored[tuple(row[c] for c in self.key_columns)] = row
 
     def get(self, key: tuple) -> dict | None:
         return self.changed.get(key) or self.stored.get(key)
@@ -108,14 +120,15 @@ class BucketStore:
         self.changed[key] = row
 
     def close(self) -> None:
-        """Writes the bucket back (one file per bucket, so the driver replaces buckets file by file)."""
+        """Writes the bucket back as one file (so the driver replaces buckets file by file)."""
         if self.bucket is None or not self.enabled or not self.changed:
             return
-        rows = [row for key, row in self.stored.items() if key not in self.changed] + list(self.changed.values())
-        for row in rows:
-            self.writer.append(row)
-        self.writer.flush()
-        self.repeated_keys += len(rows) - len({tuple(row[c] for c in self.key_columns) for row in rows})
+        kept, kept_keys = self.data, self.data_keys
+        if kept is not None:
+            untouched = pc.invert(pc.is_in(kept_keys, value_set=pa.array([key_string(k) for k in self.changed])))
+            kept, kept_keys = kept.filter(untouched), kept_keys.filter(untouched)
+            self.repeated_keys += len(kept_keys) - pc.count_distinct(kept_keys).as_py()
+        self.writer.write_table(kept if kept is not None else self.writer.schema.empty_table(), self.changed.values())
 
 
 # --------------------------------------------------------------------------- entity core
@@ -148,7 +161,7 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
             patches = read_row_groups(patch_files, "bucket", bucket, storage_options)
             if not patches.num_rows:
                 continue
-            store.switch(bucket)
+            store.switch(bucket, pc.unique(key_strings(patches, core.ENTITY_KEY)))
             key, state = None, core.DocState()
 
             def save():  # an entity's state row is made once, after its last patch of the slice

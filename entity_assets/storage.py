@@ -98,10 +98,13 @@ class FileWriter:
         if len(self._rows) >= self.max_rows:
             self.flush()
 
-    def write_table(self, data: pa.Table) -> None:
-        """Writes an Arrow table (already holding the slice column) as one file."""
+    def write_table(self, data: pa.Table, rows: Sequence[dict] = ()) -> None:
+        """Writes an Arrow table (already holding the slice column), then `rows`, as one file."""
+        data = data.select(self.schema.names).cast(self.schema)
+        if rows:
+            data = pa.concat_tables([data, pa.Table.from_batches([from_rows(list(rows), self._struct)])])
         if data.num_rows:
-            self._write(data.select(self.schema.names).cast(self.schema))
+            self._write(data)
 
     def flush(self) -> None:
         if self._rows:
@@ -151,9 +154,45 @@ def to_rows(data: pa.RecordBatch | pa.Table) -> list[dict]:
     return data.to_struct_array().to_pylist()
 
 
-def read_table(uri: str, storage_options: dict[str, str] | None = None) -> pa.Table:
+def key_strings(data: pa.Table, columns: Sequence[str]) -> pa.ChunkedArray:
+    """One string per row for its key `columns`, equal only for equal keys (see `key_string`)."""
+    parts = []
+    for column in columns:
+        values = pc.cast(data.column(column), pa.string())
+        parts += [pc.cast(pc.utf8_length(values), pa.string()), values]
+    return pc.binary_join_element_wise(*parts, ":", null_handling="replace", null_replacement="")
+
+
+def key_string(key: tuple) -> str:
+    """`key_strings` of one key: each part as its length, ':' and its text, so no separator is ambiguous."""
+    return ":".join(part for v in key for part in (("", "") if v is None else (str(len(str(v))), str(v))))
+
+
+def read_table(uri: str, storage_options: dict[str, str] | None = None, columns: list[str] | None = None) -> pa.Table:
     fs, path = _filesystem(uri, storage_options)
-    return pq.read_table(path, filesystem=fs)
+    return pq.read_table(path, filesystem=fs, columns=columns)
+
+
+def repeated_deliveries(slice_uris: Sequence[str], prior_uris: Sequence[str], identity: Sequence[str],
+                        coordinates: Sequence[str], storage_options: dict[str, str] | None = None) -> set[tuple]:
+    """The coordinates of a slice's rows whose identity came before: at lower coordinates in the
+    slice, or in the rows of `prior_uris`. Reads only identity and coordinate columns, the prior
+    files batch by batch, keeping just the identities the slice has."""
+    rows = pa.concat_tables([read_table(uri, storage_options, [*identity, *coordinates]) for uri in slice_uris])
+    deliveries = sorted(zip(*(rows.column(c).to_pylist() for c in coordinates), key_strings(rows, identity).to_pylist()))
+    first: dict[str, tuple] = {}
+    found = set()
+    for *at, key in deliveries:
+        if key in first:
+            found.add(tuple(at))
+        else:
+            first[key] = tuple(at)
+    wanted = pa.array(list(first), pa.string())
+    for uri in prior_uris:
+        for batch in read_batches(uri, storage_options, columns=list(identity)):
+            keys = key_strings(batch, identity)
+            found.update(first[key] for key in keys.filter(pc.is_in(keys, value_set=wanted)).to_pylist())
+    return found
 
 
 def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_size: int = 20_000,

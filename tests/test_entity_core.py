@@ -347,9 +347,14 @@ def snapshot(pipeline) -> dict:
     return out
 
 
-@pytest.mark.parametrize("broadcast_rows", [common.BROADCAST_ROWS, 0], ids=["window-scan", "shuffle-join"])
-def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline, monkeypatch, broadcast_rows):
-    monkeypatch.setattr(common, "BROADCAST_ROWS", broadcast_rows)  # both ways of finding earlier deliveries
+@pytest.mark.parametrize(("driver_rows", "broadcast_rows"),
+                         [(common.DRIVER_ROWS, common.BROADCAST_ROWS), (0, common.BROADCAST_ROWS), (0, 0)],
+                         ids=["driver", "window-scan", "shuffle-join"])
+def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline, monkeypatch, driver_rows,
+                                                                      broadcast_rows):
+    # every way of finding earlier deliveries: in the driver, and in Spark with or without a shuffle
+    monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
+    monkeypatch.setattr(common, "BROADCAST_ROWS", broadcast_rows)
     first, second = slice_records()
     pipeline.produce(first)
     [r1] = pipeline.tick()

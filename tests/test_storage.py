@@ -1,11 +1,23 @@
-"""Task-side files: row groups per bucket, reading one bucket back, footer bounds (no Spark)."""
+"""Task-side files: row groups per bucket, reading one bucket back, footer bounds, bucket
+rewrites and small-slice redeliveries (no Spark)."""
 
 import json
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from entity_assets.assets.common import file_tasks
-from entity_assets.storage import DeltaRsEngine, FileWriter, TableFile, read_row_groups
+from entity_assets.fold import BucketStore
+from entity_assets.storage import (
+    DeltaRsEngine,
+    FileWriter,
+    TableFile,
+    key_string,
+    key_strings,
+    read_row_groups,
+    read_table,
+    repeated_deliveries,
+)
 from entity_assets.tables import SCHEMAS
 
 KEY = "0000000001"
@@ -54,3 +66,74 @@ def test_file_tasks_use_every_core_on_a_large_slice_and_one_task_on_a_small_one(
     assert [len(t["uris"]) for t in big] == [2, 2]
     capped = file_tasks(files(*[200_000] * 5), max_rows=200_000, parallelism=2)
     assert len(capped) == 5
+
+
+def test_key_strings_tell_apart_keys_that_a_plain_separator_would_merge():
+    keys = [("a:1", "b"), ("a", "1:b"), (None, ""), ("", None), ("", "")]
+    table = pa.table({"x": [k[0] for k in keys], "y": [k[1] for k in keys]})
+    strings = key_strings(table, ["x", "y"]).to_pylist()
+    assert strings == [key_string(k) for k in keys]
+    assert len(set(strings)) == len(keys)
+
+
+def entity_row(i: int, slice_key: str = KEY, version: int = 1) -> dict:
+    return {"slice": slice_key, "dbid": "db", "collection": "C", "zone": "z", "entity": f"e{i}", "version": version,
+            "deleted": False, "document": json.dumps({"n": i}), "ended": i, "bucket": 0}
+
+
+def test_a_bucket_rewrite_reads_only_the_wanted_keys_and_keeps_every_other_row(tmp_path):
+    key = ("dbid", "collection", "zone", "entity")
+    first = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], KEY, stats_columns=("slice", "bucket"))
+    for i in range(1000):
+        first.append(entity_row(i))
+    (stored,) = first.close()
+
+    second = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], "0000000002", stats_columns=("slice", "bucket"))
+    store = BucketStore(second, key, {0: [str(tmp_path / stored.path)]}, enabled=True)
+    wanted = [("db", "C", "z", "e5"), ("db", "C", "z", "new")]
+    store.switch(0, pa.array([key_string(k) for k in wanted]))
+    assert set(store.stored) == {("db", "C", "z", "e5")}  # only the slice's keys became dicts
+    assert store.get(("db", "C", "z", "e5"))["version"] == 1
+    store.put(("db", "C", "z", "e5"), entity_row(5, "0000000002", version=2))
+    store.put(("db", "C", "z", "new"), {**entity_row(0, "0000000002"), "entity": "new"})
+    store.close()
+
+    (rewritten,) = second.close()
+    rows = read_table(str(tmp_path / rewritten.path)).to_pylist()
+    by_entity = {r["entity"]: r for r in rows}
+    assert len(rows) == len(by_entity) == 1001 and store.repeated_keys == 0
+    assert by_entity["e5"]["version"] == 2 and by_entity["e6"]["version"] == 1 and "new" in by_entity
+
+
+def test_a_bucket_left_untouched_is_not_rewritten(tmp_path):
+    writer = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], KEY, stats_columns=("slice", "bucket"))
+    writer.append(entity_row(1))
+    (stored,) = writer.close()
+    rewrite = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], "0000000002")
+    store = BucketStore(rewrite, ("entity",), {0: [str(tmp_path / stored.path)]}, enabled=True)
+    store.switch(0)
+    assert store.get(("e1",))["document"] == '{"n": 1}'
+    store.close()
+    assert rewrite.close() == []
+
+
+def test_small_slice_redeliveries_within_the_slice_and_from_the_window(tmp_path):
+    schema = pa.schema([("clientid", pa.string()), ("request", pa.int64()), ("kafka_topic", pa.string()),
+                        ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64())])
+
+    def write(name, rows):
+        pq.write_table(pa.Table.from_pylist(rows, schema), tmp_path / name)
+        return str(tmp_path / name)
+
+    def delivery(client, request, partition, offset):
+        return {"clientid": client, "request": request, "kafka_topic": "t", "kafka_partition": partition,
+                "kafka_offset": offset}
+
+    prior = write("prior.parquet", [delivery("c1", 1, 0, 0), delivery("c2", 7, 1, 0)])
+    this = write("slice.parquet", [
+        delivery("c1", 2, 0, 5), delivery("c1", 2, 1, 3),  # the same request twice: the later copy is repeated
+        delivery("c2", 7, 0, 6),                           # seen in the window
+        delivery("c1", 7, 0, 7),                           # another client's request id: new
+    ])
+    found = repeated_deliveries([this], [prior], ("clientid", "request"), ("kafka_topic", "kafka_partition", "kafka_offset"))
+    assert found == {("t", 1, 3), ("t", 0, 6)}

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 from dagster import Failure, MetadataValue
 
-from entity_assets.storage import DataFile, DeltaRsEngine
+from entity_assets.storage import DataFile, DeltaRsEngine, repeated_deliveries
 from entity_assets.tables import SCHEMAS
 
 
@@ -109,6 +109,10 @@ def read_df(spark, files, table: str):
 
 
 COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
+DRIVER_ROWS = 10_000
+"""A slice up to this many rows looks for its redeliveries in the driver, reading identity
+columns only: cheaper than the fixed cost of Spark jobs (as every small slice of a busy
+stream would pay)."""
 BROADCAST_ROWS = 200_000
 """A slice up to this many rows is sent whole to every task that scans the dedupe window."""
 
@@ -119,8 +123,9 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
 
     A row is a redelivery when a row with the same `identity` came earlier in this slice (by
     Kafka coordinates) or in the `window` slices before it. Those slices must be ingested,
-    so a slice refuses to go before them. Only identity and coordinate columns are read, and
-    only the (normally few) redeliveries come back to the driver.
+    so a slice refuses to go before them. Only identity and coordinate columns are read: by
+    the driver for a small slice, by Spark for a larger one, from which only the (normally
+    few) redeliveries come back to the driver.
     """
     from pyspark.sql import functions as F
 
@@ -134,6 +139,10 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     rows_in = sum(f.rows for f in files)
     if not rows_in:  # nothing to look for: no Spark job (most slices carry no schema patches)
         return 0, frozenset()
+    prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
+    if rows_in <= DRIVER_ROWS:
+        return rows_in, frozenset(repeated_deliveries([f.uri for f in files], [f.uri for f in prior], identity,
+                                                      COORDINATES, engine.storage_options))
     rows = read_df(spark, files, table).select(*identity, *COORDINATES)
     # repeated within the slice: a counting aggregate finds the (few) identities, then their rows;
     # all but the first delivery of each are redeliveries
@@ -143,7 +152,6 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
         deliveries[tuple(r[c] for c in identity)].append(tuple(r[c] for c in COORDINATES))
     found = {at for ats in deliveries.values() for at in sorted(ats)[1:]}
     # seen in the slices before: every delivery in this slice is a redelivery
-    prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
     if prior:
         seen = read_df(spark, prior, table).select(*identity)
         if rows_in <= BROADCAST_ROWS:  # a small slice: scan the window, no shuffle
