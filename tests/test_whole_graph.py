@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from entity_assets import messages, notify, samples
+from entity_assets.assets import common
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
 
@@ -254,6 +255,15 @@ def test_schema_updates_learning_devices_and_dead_letters(pipeline):
     assert meta2["devices"]["app_versions"] == {"1.1": 2, "2.0": 1}
     assert meta2["devices"]["connections_this_slice"] == 4
     assert meta2["dead_letters"]["rows"] == 0 and rows(pipeline, "dead_letters", K2) == []
+
+    # ---- slice 3: no connections; the devices state stays as it is and records the slice
+    r3 = run_slice(pipeline, [("notification-acks", DEVICE, samples.encode(
+        {"db": DB, "user": "jsmith", "device": DEVICE, "begun": 1415747200000, "upTo": 1415747200000}))], K3)
+    meta3 = pipeline.materializations(r3)
+    assert meta3["devices"]["app_versions"] == {"1.1": 2, "2.0": 1}
+    assert meta3["devices"]["connections_this_slice"] == 0 and meta3["devices"]["replayed"] is False
+    assert {(r["dbid"], r["user"], r["device"]): r for r in rows(pipeline, "devices")} == devices
+    assert pipeline.engine.applied("devices", common.STATE_APP) == 3
 
 
 # --------------------------------------------------------------------------- zones, devices, notifications

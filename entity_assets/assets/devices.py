@@ -2,6 +2,7 @@
 
 from functools import partial
 
+import pyarrow.compute as pc
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
@@ -33,9 +34,18 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["devices"])
     apply, version = state_version(engine, "devices", key)
+    connections = engine.slice_files("connections", [key])
+    if not sum(f.rows for f in connections):
+        # most slices carry no connections: the state stays as it is, recorded, with no Spark job
+        versions = pc.value_counts(engine.read("devices", version, ["appVersion"]).column("appVersion"))
+        app_versions = {v["values"]: v["counts"] for v in versions.to_pylist()}
+        summary = {"rows": sum(app_versions.values()), "files": 0, "version": engine.version("devices")}
+        if apply:
+            summary["version"] = commit_state(engine, "devices", key, [], [])
+        return _materialized(engine, summary, app_versions, 0, apply)
     session = spark.session()
     prior = read_df(session, engine.files("devices", version), "devices")
-    seen = read_df(session, engine.slice_files("connections", [key]), "connections").select(
+    seen = read_df(session, connections, "connections").select(
         *DEVICE_KEY, "clientid", "appVersion", F.col("begun").alias("firstSeen"), F.col("begun").alias("lastSeen"),
         F.lit(1).cast("long").alias("connections"))
     latest = F.struct("lastSeen", "appVersion", "clientid")
@@ -55,8 +65,11 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
         files = collect_files(merged.mapInArrow(fn, fold.FILES_DDL)).get("devices", [])
         summary.update(files=len(files), version=commit_state(engine, "devices", key, files,
                                                               engine.files("devices", version)))
+    return _materialized(engine, summary, app_versions, sum(f.rows for f in connections), apply)
+
+
+def _materialized(engine, summary: dict, app_versions: dict, connections: int, apply: bool) -> MaterializeResult:
     meta = table_metadata(engine, "devices", summary)
     meta.update(app_versions=MetadataValue.json(dict(sorted(app_versions.items(), key=lambda kv: str(kv[0])))),
-                connections_this_slice=MetadataValue.int(sum(f.rows for f in engine.slice_files("connections", [key]))),
-                replayed=MetadataValue.bool(not apply))
+                connections_this_slice=MetadataValue.int(connections), replayed=MetadataValue.bool(not apply))
     return MaterializeResult(metadata=meta)
