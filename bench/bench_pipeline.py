@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from common import REPO, BenchEnv, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log
+from common import REPO, BenchEnv, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, step_seconds
 
 CORE_STEPS = ["ingest", "entity_patches", "apply_patches"]
 
@@ -115,20 +115,14 @@ def main(argv=None) -> int:
             log("a slice run FAILED")
             return 1
         per_s = reference["patches"] / run.s  # the same patches as the reference (subscriptions included)
-        step_s: dict[str, float] = {}
-        for s in summaries:
-            for step, sec in s["steps"].items():
-                step_s[step] = step_s.get(step, 0) + sec
+        step_s = step_seconds(summaries)
 
         # fixed cost: one 100-message slice through the same path
         produce(env, 100, 100, 0, learning, args.seed + 1)  # 100 entities: ~every state bucket
         with Timer() as small:
             small_runs = run_pending(steps=steps, log=log)
         fixed = small.s if all(s["success"] for s in small_runs) else float("nan")
-        fixed_steps: dict[str, float] = {}
-        for s in small_runs:
-            for step, sec in s["steps"].items():
-                fixed_steps[step] = fixed_steps.get(step, 0) + sec
+        fixed_steps = step_seconds(small_runs)
 
     ratio = per_s / reference["per_s"]
     target = 0.5 if args.graph else 1.0

@@ -60,6 +60,15 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def step_seconds(summaries: list[dict]) -> dict[str, float]:
+    """Seconds per step over slice runs (`cli.run_pending` summaries)."""
+    total: dict[str, float] = {}
+    for summary in summaries:
+        for step, sec in summary["steps"].items():
+            total[step] = total.get(step, 0) + sec
+    return total
+
+
 def kv_line(**values) -> str:
     """The machine-readable last line: `k=v` pairs, floats rounded, no spaces inside values."""
     def fmt(v):
