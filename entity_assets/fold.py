@@ -104,10 +104,11 @@ class BucketStore:
         if bucket != self.bucket:
             self.close()
             self.bucket, self.changed, self.stored = bucket, {}, {}
+            self.data, self.data_keys = None, None
             files = self.state_files.get(bucket, [])
-            self.data = pa.concat_tables([read_table(uri, self.storage_options) for uri in files]) if files else None
-            if self.data is None:
+            if not files:
                 return
+            self.data = pa.concat_tables([read_table(uri, self.storage_options) for uri in files])
             self.data_keys = key_strings(self.data, self.key_columns)
             rows = self.data if wanted is None else self.data.filter(pc.is_in(self.data_keys, value_set=wanted))
             for row in to_rows(rows):
