@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    BenchEnv, Profiler, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, top_frames, vm_hwm_mb,
+    BenchEnv, Profiler, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, print_profile, vm_hwm_mb,
 )
 
 DEFAULT_PER_TASK = 200_000
@@ -284,16 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("trial " + kv(args.n, f, produced))
 
     if args.profile:
-        for name in ("driver", "workers"):
-            path = Path(args.profile_dir) / f"{name}.txt"
-            if path.exists():
-                print(f"\nprofile of the {name} (share of samples; collapsed stacks in {path})")
-                print("  own time:")
-                for frame, share in top_frames(path, 15):
-                    print(f"  {share:6.1%}  {frame}")
-                print("  inclusive time of the project's functions:")
-                for frame, share in top_frames(path, 15, own=False, contains="entity_assets/"):
-                    print(f"  {share:6.1%}  {frame}")
+        print_profile(Path(args.profile_dir))
 
     best = max(results, key=lambda f: f["per_s"])
     if len(plan) > 1:

@@ -18,7 +18,12 @@ import subprocess
 import sys
 import time
 
-from common import REPO, BenchEnv, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, step_seconds
+from pathlib import Path
+
+from common import (
+    REPO, BenchEnv, Profiler, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, print_profile,
+    step_seconds,
+)
 
 CORE_STEPS = ["ingest", "entity_patches", "apply_patches"]
 
@@ -80,6 +85,10 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", type=int, default=None, help="default 10,000 with --graph, else 0")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-publish", action="store_true", help="do not publish derived streams to Kafka")
+    parser.add_argument("--profile", metavar="PY_SPY", default=None,
+                        help="path of a py-spy binary: profile the driver and the Spark Python workers during "
+                             "the big slice (slows them: do not compare its rates)")
+    parser.add_argument("--profile-dir", default=str(Path(__file__).resolve().parent / "out" / "profile"))
     parser.add_argument("--reference-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.entities = args.entities or max(1, args.n // 10)
@@ -109,8 +118,13 @@ def main(argv=None) -> int:
         log(f"Spark started in {start.s:.1f}s (excluded)")
         session.range(1).count()  # the first job pays the worker start, like every later run would not
         steps = None if args.graph else CORE_STEPS
+        profiler = Profiler(args.profile, Path(args.profile_dir)) if args.profile else None
+        if profiler:
+            profiler.start(os.getpid(), jvm_pid(session))
         with ResourceSampler(jvm=jvm_pid(session), broker=env.broker_pid) as sampler, Timer() as run:
             summaries = run_pending(steps=steps, log=log)
+        if profiler:
+            profiler.stop()
         if not all(s["success"] for s in summaries):
             log("a slice run FAILED")
             return 1
@@ -124,6 +138,8 @@ def main(argv=None) -> int:
         fixed = small.s if all(s["success"] for s in small_runs) else float("nan")
         fixed_steps = step_seconds(small_runs)
 
+    if args.profile:
+        print_profile(Path(args.profile_dir))
     ratio = per_s / reference["per_s"]
     target = 0.5 if args.graph else 1.0
     print()

@@ -480,3 +480,17 @@ def top_frames(collapsed: Path, limit: int = 25, *, own: bool = True,
                 if contains is None or contains in f:
                     counts[f] += int(n)
     return [(f, c / total) for f, c in counts.most_common(limit)] if total else []
+
+
+def print_profile(out_dir: Path) -> None:
+    """The top of the driver's and the workers' profiles: own time, then the project's functions."""
+    for name in ("driver", "workers"):
+        path = Path(out_dir) / f"{name}.txt"
+        if path.exists():
+            print(f"\nprofile of the {name} (share of samples; collapsed stacks in {path})")
+            print("  own time:")
+            for frame, share in top_frames(path, 15):
+                print(f"  {share:6.1%}  {frame}")
+            print("  inclusive time of the project's functions:")
+            for frame, share in top_frames(path, 15, own=False, contains="entity_assets/"):
+                print(f"  {share:6.1%}  {frame}")

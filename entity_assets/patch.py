@@ -13,6 +13,9 @@ Deliberate differences from RFC 6902:
   ``{"baz": {"bat": ...}}``; RFC A.12 calls that an error). Missing array
   elements and non-container parents are still errors.
 * Paths may omit the leading slash (``phone/home`` == ``/phone/home``).
+* A document nests at most ``MAX_DEPTH`` containers (MongoDB's limit); an op
+  that would nest deeper fails, so no document outgrows the JSON parsers that
+  read it back, and no path outgrows the interpreter's recursion limit.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ __all__ = [
     "STATUS_OK",
     "STATUS_NOT_FOUND",
     "STATUS_FAILED",
+    "MAX_DEPTH",
     "PatchError",
     "PatchOutcome",
     "parse_path",
@@ -35,6 +39,7 @@ __all__ = [
 STATUS_OK = 1  # patch applied
 STATUS_NOT_FOUND = 2  # entity did not exist and the patch is not a creation
 STATUS_FAILED = 3  # patch could not be applied (see error)
+MAX_DEPTH = 100  # containers on a document's deepest path, the document itself included
 
 
 class PatchError(Exception):
@@ -67,13 +72,20 @@ class _Fail(Exception):
 def _describe(op) -> str:
     if not isinstance(op, dict):
         return f"<{type(op).__name__}>"
-    parts = [str(op.get("op", "?"))]
+    parts = [str(op.get("op", "?"))[:40]]
     src, path = op.get("from"), op.get("path")
     if isinstance(src, str):
-        parts.append((src or '""') + " ->")
+        parts.append(_shown(src) + " ->")
     if isinstance(path, str):
-        parts.append(path or '""')
+        parts.append(_shown(path))
     return " ".join(parts)
+
+
+def _shown(path: str, limit: int = 120) -> str:
+    """A path as errors name it: long ones are cut, so an error stays a line, not a copy of the input."""
+    if not path:
+        return '""'
+    return path if len(path) <= limit else path[:limit] + f"... ({len(path)} chars)"
 
 
 # ---------------------------------------------------------------- paths
@@ -129,6 +141,26 @@ def _kind(value) -> str:
     if isinstance(value, str):
         return "string"
     return {dict: "object", list: "array"}.get(type(value), type(value).__name__)
+
+
+def _nesting(value, limit: int) -> int:
+    """Containers on the deepest path of ``value`` (a scalar has 0); stops counting past ``limit``."""
+    if not isinstance(value, (dict, list)):
+        return 0
+    deepest, todo = 1, [(value, 1)]
+    while todo and deepest <= limit:
+        node, level = todo.pop()
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                deepest = max(deepest, level + 1)
+                todo.append((child, level + 1))
+    return deepest
+
+
+def _within_depth(tokens: tuple[str, ...], value) -> None:
+    """A value put at ``tokens`` sits inside ``len(tokens)`` containers (the document's own included)."""
+    if len(tokens) + _nesting(value, MAX_DEPTH - len(tokens)) > MAX_DEPTH:
+        raise _Fail(f"the document would nest deeper than {MAX_DEPTH} levels")
 
 
 def _get(doc, tokens: tuple[str, ...]):
@@ -268,11 +300,14 @@ def _apply_one(doc, op):
         raise _Fail(f"unknown op: {name!r}" if "op" in op else "missing 'op'")
     path = _tokens(op, "path")
     if name == "add":
-        return _add(doc, path, _value(op))
+        value = _value(op)
+        _within_depth(path, value)
+        return _add(doc, path, value)
     if name == "remove":
         return _remove(doc, path)
     if name == "replace":
         value = _value(op)
+        _within_depth(path, value)
         return value if not path else _edit(doc, path, 0, _leaf_replace, value, False)
     if name == "test":
         value = _value(op)
@@ -281,6 +316,7 @@ def _apply_one(doc, op):
         return doc
     src = _tokens(op, "from")
     value = _get(doc, src)
+    _within_depth(path, value)
     if name == "copy":
         return _add(doc, path, value)
     # move

@@ -141,7 +141,10 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     # a valid op, then a failing one: all or nothing
     failing = batch(22, [patch(SALLY, [{"op": "replace", "path": "firstName", "value": "Sue"},
                                        {"op": "remove", "path": "nickname"}])], begun=BEGUN + 20)
-    pipeline.produce([record(samples.SEED_ENTITY_BATCH), record(not_found), record(failing)])
+    # deeper than any document may nest (and than Python's recursion limit): status 3, not a crash
+    too_deep = batch(23, [patch(SALLY, [{"op": "add", "path": "/".join(["deep"] * 5000), "value": 1}])],
+                     begun=BEGUN + 30)
+    pipeline.produce([record(samples.SEED_ENTITY_BATCH), record(not_found), record(failing), record(too_deep)])
     [request] = pipeline.tick()
     result = pipeline.run_request(request)
     assert result.success
@@ -181,11 +184,12 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
 
     # statuses 2 and 3: partial responses with an error, never entity updates
     partials = {r["request"]: r for r in rows(pipeline, "partial_responses")}
-    assert sorted(partials) == [2, 21, 22]
+    assert sorted(partials) == [2, 21, 22, 23]
     assert partials[2]["status"] == 1 and partials[2]["error"] is None
     assert partials[21]["status"] == 2 and partials[21]["error"]
     assert partials[22]["status"] == 3 and "op 1 (remove" in partials[22]["error"]
-    for r in (partials[21], partials[22]):
+    assert partials[23]["status"] == 3 and "deeper than 100 levels" in partials[23]["error"]
+    for r in (partials[21], partials[22], partials[23]):
         assert r["before"] is None and r["after"] is None and r["stream"] == "entity-updates"
         assert r["ended"] == ended_of(one(rows(pipeline, "entity_batches", request=r["request"])))
     assert partials[21]["ended"] == not_found["begun"] > partials[22]["ended"]
@@ -203,14 +207,14 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
 
     # every single-part request completes, whatever its status
     completes = {r["request"]: r for r in rows(pipeline, "complete_responses")}
-    assert sorted(completes) == [2, 21, 22]
+    assert sorted(completes) == [2, 21, 22, 23]
     assert [r["status"] for r in json.loads(completes[22]["responses"])] == [3]
 
     meta = pipeline.materializations(result)
     assert meta["partial_responses"]["entity-updates status 1"] == 1
     assert meta["partial_responses"]["entity-updates status 2"] == 1
-    assert meta["partial_responses"]["entity-updates status 3"] == 1
-    assert meta["partial_responses"]["rows"] == 3 and meta["partial_responses"]["pending_parts"] == 0
+    assert meta["partial_responses"]["entity-updates status 3"] == 2
+    assert meta["partial_responses"]["rows"] == 4 and meta["partial_responses"]["pending_parts"] == 0
     assert meta["entity_updates"]["rows"] == 1 and meta["entity_patches"]["duplicates"] == 0
     checks = check_evaluations(result)
     for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):

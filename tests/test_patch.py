@@ -6,6 +6,7 @@ import pickle
 import pytest
 
 from entity_assets.patch import (
+    MAX_DEPTH,
     STATUS_FAILED,
     STATUS_NOT_FOUND,
     STATUS_OK,
@@ -471,3 +472,35 @@ def test_input_ops_not_mutated():
     ops = json.loads(json.dumps(SEED_OPS))
     apply_patch(None, ops)
     assert ops == SEED_OPS
+
+
+def _nested(levels: int):
+    value = 1
+    for _ in range(levels):
+        value = {"x": value}
+    return value
+
+
+@pytest.mark.parametrize("ops", [
+    [{"op": "add", "path": "/".join(["a"] * 5000), "value": 1}],  # deeper than Python's recursion limit
+    [{"op": "add", "path": "/".join(["a"] * MAX_DEPTH), "value": {}}],
+    [{"op": "add", "path": "v", "value": _nested(MAX_DEPTH)}],
+    [{"op": "replace", "path": "", "value": {"v": _nested(MAX_DEPTH)}}],
+    [{"op": "add", "path": "v", "value": _nested(MAX_DEPTH - 1)}, {"op": "copy", "from": "v", "path": "w/x"}],
+    [{"op": "add", "path": "v", "value": _nested(MAX_DEPTH - 1)}, {"op": "move", "from": "v", "path": "w/x"}],
+])
+def test_too_deep_a_document_fails_the_patch(ops):
+    doc = {"w": {}}
+    out = apply_patch(doc, ops)
+    assert out.status == STATUS_FAILED and out.doc is doc
+    assert f"deeper than {MAX_DEPTH} levels" in out.error
+    assert len(out.error) < 300  # a 10,000-character path is cut in the error
+
+
+def test_documents_up_to_the_depth_limit_apply():
+    out = apply_patch(None, [{"op": "add", "path": "/".join(["a"] * MAX_DEPTH), "value": 1}])
+    assert out.status == STATUS_OK
+    out = apply_patch({}, [{"op": "add", "path": "v", "value": _nested(MAX_DEPTH - 2)},
+                           {"op": "copy", "from": "v", "path": "w"}])
+    assert out.status == STATUS_OK
+    assert json.loads(json.dumps(out.doc)) == out.doc
