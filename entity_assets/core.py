@@ -11,9 +11,10 @@ order wins.
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Iterable, Iterator
+
+from pydantic_core import from_json, to_json
 
 from entity_assets.patch import STATUS_OK, apply_patch
 
@@ -23,11 +24,16 @@ STATE_BUCKETS = 32
 ORDER = ("begun", "clientid", "request", "part")
 ENTITY_KEY = ("dbid", "collection", "zone", "entity")
 
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-
 
 def dumps(value) -> str:
-    return _dumps(value)
+    """Compact JSON, non-ASCII kept. pydantic-core's serializer: about 4x the stdlib's speed, and
+    every patch's ops, documents and messages pass through here."""
+    return to_json(value).decode()
+
+
+def loads(text: str | bytes):
+    """pydantic-core's parser (the one that validated the input at ingest): 2-3x the stdlib's speed."""
+    return from_json(text)
 
 
 def bucket_of(dbid: str, collection: str, zone: str, entity: str) -> int:
@@ -37,7 +43,7 @@ def bucket_of(dbid: str, collection: str, zone: str, entity: str) -> int:
 
 def explode_batch(batch: dict) -> Iterator[dict]:
     """One entity-patches row per patch of a batch; part is 1-based in batch order."""
-    patches = json.loads(batch["patches"])
+    patches = loads(batch["patches"])
     parts = len(patches)
     for part, patch in enumerate(patches, start=1):
         yield {
@@ -65,7 +71,7 @@ class DocState:
         if row is None:
             self.doc, self.version, self.ended = None, 0, None
         else:
-            self.doc = None if row["deleted"] or row["document"] is None else json.loads(row["document"])
+            self.doc = None if row["deleted"] or row["document"] is None else loads(row["document"])
             self.version, self.ended = row["version"], row["ended"]
         self.changed = False
 
@@ -80,7 +86,7 @@ def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> 
     `implicit_empty`: a missing document counts as `{}` (every database has a schema), so
     schema patches end with status 1 or 3, never 2.
     """
-    ops = json.loads(patch["ops"])
+    ops = loads(patch["ops"])
     before = state.doc
     outcome = apply_patch({} if implicit_empty and before is None else before, ops)
     ended = ended_of(patch)
@@ -129,7 +135,7 @@ _UPDATE_FIELDS = ("collection", "zone", "entity", "parts", "part", "begun")
 
 def _object(fields: dict, documents: dict[str, str | None]) -> str:
     """JSON text of `fields` followed by `documents`, values that are JSON text already."""
-    text = _dumps(fields)
+    text = dumps(fields)
     if not documents:
         return text
     tail = ",".join(f'"{name}":{"null" if doc is None else doc}' for name, doc in documents.items())

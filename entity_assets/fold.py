@@ -250,7 +250,7 @@ def learn_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
     summaries: dict[tuple[str, str], Summary] = {}
     for row in _rows(batches):
-        doc = json.loads(row["after"])
+        doc = core.loads(row["after"])
         if isinstance(doc, dict):
             summaries.setdefault((row["dbid"], row["collection"]), Summary()).observe(doc)
     yield pa.RecordBatch.from_pylist(
@@ -295,7 +295,7 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     """Input: the slice's zone changes; subscriptions: (dbid, entity, document JSON) in effect."""
     index = notify.SubscriptionIndex(
         (dbid, entity, sub) for dbid, entity, doc in subscriptions
-        if (sub := notify.parse_subscription(json.loads(doc))) is not None
+        if (sub := notify.parse_subscription(core.loads(doc))) is not None
     )
     out = Outputs(slice_key, uris, storage_options, publishing)
     lineage = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
