@@ -91,7 +91,10 @@ _UUID_PATTERN = r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[
 ClientId = Annotated[str, StringConstraints(pattern=_UUID_PATTERN)]
 # Identifiers become Kafka keys, partition values and Delta columns: empty ones are garbage.
 Name = Annotated[str, StringConstraints(min_length=1)]
-Part = Annotated[int, Field(ge=1)]
+# Every integer lands in a Delta `long` column: a larger one is bad input, not a crashed task.
+INT64_MAX = 2**63 - 1
+Long = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+Part = Annotated[int, Field(ge=1, le=INT64_MAX)]
 # Literal[1, 2, 3] would accept JSON true and 1.0 even in strict mode; a bounded strict int won't.
 Status = Annotated[int, Field(ge=1, le=3)]
 Action = Literal["created", "updated", "deleted"]
@@ -196,10 +199,10 @@ class EntityBatch(_DbModel):
     """entity-batches: a client's request over several entities, keyed by request id."""
 
     clientid: ClientId
-    request: int
+    request: Long
     user: Name
     dbid: Name = _dbid()
-    begun: int
+    begun: Long
     patches: Annotated[list[PatchSpec], Field(min_length=1)]
     learning: bool = False
     includeBefore: bool = False
@@ -210,7 +213,7 @@ class EntityPatch(_DbModel):
     """entity-patches: one patch of a batch, keyed by entity id."""
 
     clientid: ClientId
-    request: int
+    request: Long
     user: Name
     dbid: Name = _dbid()
     collection: Name
@@ -218,7 +221,7 @@ class EntityPatch(_DbModel):
     entity: Name
     parts: Part
     part: Part
-    begun: int
+    begun: Long
     ops: Ops
     learning: bool = False
     includeBefore: bool = False
@@ -232,7 +235,7 @@ class _Outcome(_Model):
     entity did not exist (before) or was deleted (after), written as null.
     """
 
-    ended: int
+    ended: Long
     status: Status
     error: str | None = None
     before: Document | None = None
@@ -247,12 +250,12 @@ class SchemaPatch(_DbModel):
     """schema-patches: one patch to a database schema, keyed by database id."""
 
     clientid: ClientId
-    request: int
+    request: Long
     user: Name
     dbid: Name = _dbid()
     parts: Part
     part: Part
-    begun: int
+    begun: Long
     ops: Ops
     includeBefore: bool = False
     includeAfter: bool = False
@@ -270,12 +273,12 @@ class SchemaLearningEntityType(_DbModel):
     """
 
     clientid: ClientId
-    request: int
+    request: Long
     user: Name
     dbid: Name = _dbid()
     parts: Part | None = None
     part: Part | None = None
-    begun: int
+    begun: Long
     status: Annotated[int, Field(ge=1, le=1)]
     after: Document
 
@@ -298,13 +301,13 @@ class PartialResponse(_DbModel):
     model_config = ConfigDict(extra="allow")
 
     clientid: ClientId
-    request: int
+    request: Long
     user: Name
     dbid: Name = _dbid()
     parts: Part
     part: Part
-    begun: int
-    ended: int
+    begun: Long
+    ended: Long
     status: Status
 
 
@@ -312,11 +315,11 @@ class CompleteResponse(_Model):
     """complete-responses: all partial responses of one request (``responses`` kept verbatim)."""
 
     clientid: ClientId
-    request: int
+    request: Long
     user: Name
     parts: Part
-    begun: int
-    ended: int
+    begun: Long
+    ended: Long
     responses: list[Document]
 
 
@@ -328,7 +331,7 @@ class Connection(_DbModel):
     user: Name
     device: Name
     appVersion: str
-    begun: int
+    begun: Long
 
 
 class DeviceChange(_DbModel):
@@ -340,7 +343,7 @@ class DeviceChange(_DbModel):
     entity: Name
     notification: Name
     action: Action
-    ended: int
+    ended: Long
 
 
 class DeviceNotification(_DbModel):
@@ -349,9 +352,9 @@ class DeviceNotification(_DbModel):
     dbid: Name = _dbid()
     user: Name
     device: Name
-    count: Annotated[int, Field(ge=0)]
-    begun: int
-    ended: int
+    count: Annotated[int, Field(ge=0, le=INT64_MAX)]
+    begun: Long
+    ended: Long
 
 
 # --------------------------------------------------------------------------- project-defined
@@ -369,8 +372,8 @@ class NotificationAck(_DbModel):
     user: Name
     device: Name
     notifications: list[Name] | None = None
-    upTo: int | None = None
-    begun: int
+    upTo: Long | None = None
+    begun: Long
 
     @model_validator(mode="after")
     def _acknowledges_something(self) -> NotificationAck:

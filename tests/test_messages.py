@@ -586,3 +586,35 @@ def test_topic_models():
     assert TOPIC_MODELS["entity-batches"] is EntityBatch
     assert TOPIC_MODELS["notification-acks"] is NotificationAck
     assert TOPIC_MODELS["zone-changes"] is EntityUpdate
+
+
+def _integer_fields(schema: dict, defs: dict, path: str = ""):
+    """(path, field schema) of every integer in a JSON schema, nested models included."""
+    if "$ref" in schema:
+        yield from _integer_fields(defs[schema["$ref"].rsplit("/", 1)[1]], defs, path)
+        return
+    for option in schema.get("anyOf", []) + schema.get("allOf", []):
+        yield from _integer_fields(option, defs, path)
+    if schema.get("type") == "integer":
+        yield path, schema
+    for name, field in schema.get("properties", {}).items():
+        yield from _integer_fields(field, defs, f"{path}.{name}")
+    if "items" in schema:
+        yield from _integer_fields(schema["items"], defs, f"{path}[]")
+
+
+@pytest.mark.parametrize("model", sorted(set(TOPIC_MODELS.values()) | {SchemaLearningEntityType}, key=str))
+def test_every_integer_fits_a_delta_long(model):
+    schema = model.model_json_schema()
+    fields = list(_integer_fields(schema, schema.get("$defs", {})))
+    assert fields
+    for path, field in fields:
+        assert field.get("maximum", 2**64) <= 2**63 - 1 and field.get("minimum", -(2**64)) >= -(2**63), path
+
+
+def test_an_integer_beyond_a_long_is_a_dead_letter():
+    err = _invalid(EntityBatch, _batch(request=2**63))
+    assert err.code is DeadLetterCode.BAD_FORMAT and err.reason.startswith("request: ")
+    assert parse_message(EntityBatch, json.dumps(_batch(request=2**63 - 1))).request == 2**63 - 1
+    ack = {"device": "d1", "user": "u", "db": "my-db", "begun": 1, "upTo": -(2**63) - 1}
+    assert _invalid(NotificationAck, ack).reason.startswith("upTo: ")

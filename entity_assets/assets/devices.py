@@ -35,14 +35,12 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
     ensure_tables(engine, ["devices"])
     apply, version = state_version(engine, "devices", key)
     connections = engine.slice_files("connections", [key])
+    summary = {"rows": 0, "files": 0, "version": engine.version("devices")}
     if not sum(f.rows for f in connections):
         # most slices carry no connections: the state stays as it is, recorded, with no Spark job
-        versions = pc.value_counts(engine.read("devices", version, ["appVersion"]).column("appVersion"))
-        app_versions = {v["values"]: v["counts"] for v in versions.to_pylist()}
-        summary = {"rows": sum(app_versions.values()), "files": 0, "version": engine.version("devices")}
         if apply:
             summary["version"] = commit_state(engine, "devices", key, [], [])
-        return _materialized(engine, summary, app_versions, 0, apply)
+        return _materialized(engine, summary, _app_versions(engine, version), 0, apply)
     session = spark.session()
     prior = read_df(session, engine.files("devices", version), "devices")
     seen = read_df(session, connections, "connections").select(
@@ -57,18 +55,26 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
         .select(F.lit(key).alias("slice"), *DEVICE_KEY, "latest.clientid", "latest.appVersion", "firstSeen",
                 "lastSeen", "connections")
     )
-    app_versions = {r["appVersion"]: r["count"] for r in merged.groupBy("appVersion").count().collect()}
-    summary = {"rows": sum(app_versions.values()), "files": 0, "version": engine.version("devices")}
     if apply:
         fn = partial(fold.copy_task, target="devices", slice_key=key, uris={"devices": engine.uri("devices")},
                      storage_options=engine.storage_options)
         files = collect_files(merged.mapInArrow(fn, fold.FILES_DDL)).get("devices", [])
         summary.update(files=len(files), version=commit_state(engine, "devices", key, files,
                                                               engine.files("devices", version)))
+        # the new state's one column, read by the driver: no second pass over the merge
+        app_versions = _app_versions(engine, summary["version"])
+    else:  # a replay leaves the state as it is: the counts come from the merge it would write
+        app_versions = {r["appVersion"]: r["count"] for r in merged.groupBy("appVersion").count().collect()}
     return _materialized(engine, summary, app_versions, sum(f.rows for f in connections), apply)
 
 
+def _app_versions(engine, version: int | None) -> dict:
+    counts = pc.value_counts(engine.read("devices", version, ["appVersion"]).column("appVersion"))
+    return {v["values"]: v["counts"] for v in counts.to_pylist()}
+
+
 def _materialized(engine, summary: dict, app_versions: dict, connections: int, apply: bool) -> MaterializeResult:
+    summary["rows"] = sum(app_versions.values())
     meta = table_metadata(engine, "devices", summary)
     meta.update(app_versions=MetadataValue.json(dict(sorted(app_versions.items(), key=lambda kv: str(kv[0])))),
                 connections_this_slice=MetadataValue.int(connections), replayed=MetadataValue.bool(not apply))
