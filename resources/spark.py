@@ -14,6 +14,8 @@ DEFAULT_CONF = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.python.worker.reuse": "true",
 }
+LOCAL_CONF = {"spark.python.daemon.module": "entity_assets.spark_daemon"}
+"""On a local master the workers run this venv, so they can start warm (entity_assets/spark_daemon.py)."""
 
 
 class SparkResource(ConfigurableResource):
@@ -39,7 +41,8 @@ class SparkResource(ConfigurableResource):
             os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
             builder = SparkSession.builder.appName(self.app_name)
             builder = builder.remote(self.master) if self.master.startswith("sc://") else builder.master(self.master)
-            for key, value in {**DEFAULT_CONF, **self.conf}.items():
+            local = LOCAL_CONF if self.master.startswith("local") else {}
+            for key, value in {**DEFAULT_CONF, **local, **self.conf}.items():
                 builder = builder.config(key, value)
             self._session = builder.getOrCreate()
         return self._session

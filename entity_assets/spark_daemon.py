@@ -1,0 +1,27 @@
+"""Spark's Python worker daemon, started warm (`spark.python.daemon.module`, local masters).
+
+Spark puts its `pyspark.zip` first on the workers' path, and Python keeps no bytecode for zip
+imports, so every forked worker compiled pyspark's worker modules again, and then imported the
+task modules (pyarrow, pydantic, confluent-kafka): over a second per worker, paid by the first
+tasks of every run. This daemon puts the same pyspark, installed in site-packages with its
+bytecode, first, and imports the worker and the task modules once before it forks workers.
+"""
+
+import sys
+
+
+def main() -> None:
+    zips = [p for p in sys.path if p.endswith(".zip") and ("pyspark" in p or "py4j" in p)]
+    sys.path[:] = [p for p in sys.path if p not in zips] + zips
+
+    import pyspark.worker  # noqa: F401
+    from pyspark.daemon import manager
+
+    import entity_assets.fold  # noqa: F401  (the task bodies; ingest's too)
+    import entity_assets.ingest  # noqa: F401
+
+    manager()
+
+
+if __name__ == "__main__":
+    main()
