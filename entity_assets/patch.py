@@ -159,6 +159,8 @@ def _nesting(value, limit: int) -> int:
 
 def _within_depth(tokens: tuple[str, ...], value) -> None:
     """A value put at ``tokens`` sits inside ``len(tokens)`` containers (the document's own included)."""
+    if len(tokens) < MAX_DEPTH and not isinstance(value, (dict, list)):
+        return  # a scalar at a shallow path: the common case, decided without walking anything
     if len(tokens) + _nesting(value, MAX_DEPTH - len(tokens)) > MAX_DEPTH:
         raise _Fail(f"the document would nest deeper than {MAX_DEPTH} levels")
 
