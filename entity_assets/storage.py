@@ -361,6 +361,26 @@ class DeltaRsEngine:
             data = data.filter(pc.equal(data[k], v))
         return data
 
+    def missing(self, files: Iterable[TableFile]) -> list[TableFile]:
+        """The files of a snapshot that are gone (an old version whose files a vacuum deleted)."""
+        files = list(files)
+        if not files:
+            return []
+        fs, _ = _filesystem(files[0].uri, self.storage_options)
+        infos = fs.get_file_info([_filesystem(f.uri, self.storage_options)[1] for f in files])
+        return [f for f, info in zip(files, infos) if info.type == pafs.FileType.NotFound]
+
+    def vacuum(self, table: str, retention_hours: int) -> list[str]:
+        """Deletes the files no version newer than `retention_hours` needs, and files of that age
+        no version names (a failed run's, never committed); returns their paths.
+
+        Copy-on-write leaves every replaced file behind, so without this a lake grows by its
+        state's size at each slice. Time travel (and so a slice's replay) reaches back
+        `retention_hours`.
+        """
+        return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
+                                        full=True)
+
     def history(self, table: str, limit: int | None = None) -> list[dict]:
         return self._open(table).history(limit)
 

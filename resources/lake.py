@@ -26,6 +26,10 @@ class LakeResource(ConfigurableResource):
                       description="local folder or object-store URI (s3://, abfss://, gs://)")
     storage_options: dict[str, str] = Field(default_factory=dict, description="delta-rs/object-store options; secrets via EnvVar")
     engine: str = Field(default="delta-rs", description="table engine; delta-rs is the one shipped")
+    vacuum_retention_hours: int = Field(
+        default=168, ge=0,
+        description="lake_maintenance deletes files replaced longer ago than this; replays reach back as far",
+    )
 
     def open(self) -> DeltaRsEngine:
         if self.engine != "delta-rs":

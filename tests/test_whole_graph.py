@@ -17,10 +17,12 @@ import pyarrow.compute as pc
 
 from entity_assets import messages, notify, samples
 from entity_assets.assets import common
+from entity_assets.maintenance import lake_maintenance
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
+from resources import LakeResource
 
-K1, K2, K3 = slice_key(1), slice_key(2), slice_key(3)
+K1, K2, K3, K4 = slice_key(1), slice_key(2), slice_key(3), slice_key(4)
 CLIENT = samples.SEED_CLIENT
 DB = "my-db"
 
@@ -420,6 +422,18 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline
     assert notifications(K2) == {"device1": ("alice", 2, FUTURE + 1, FUTURE + 3),
                                  "device2": ("bob", 3, FUTURE + 1, FUTURE + 3)}
     # The device_inboxes state itself is checked by test_an_inbox_is_stored_in_its_own_bucket.
+
+    # lake maintenance: after a vacuum that keeps nothing old, the next slice runs on the live state,
+    # and a replay whose older state is gone is refused, saying why
+    lake = LakeResource(root=pipeline.lake.root, vacuum_retention_hours=0)
+    assert lake_maintenance.execute_in_process(resources={"lake": lake}, instance=pipeline.instance).success
+    replay = pipeline.run(K3, raise_on_error=False)
+    assert not replay.success
+    [failure] = [e for e in replay.all_events if e.is_step_failure]
+    assert "cannot be replayed" in str(failure.step_failure_data.error) and "vacuum" in str(
+        failure.step_failure_data.error)
+    run_slice(pipeline, [ack("device3", upTo=samples.ACK_ALL)], K4)
+    assert notifications(K4) == {"device3": ("carol", 0, FUTURE + 10, FUTURE + 10)}
 
 
 def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):

@@ -232,10 +232,23 @@ def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove)
                          slice_key=slice_key, app_txn=(STATE_APP, slice_seq(slice_key)))
 
 
-def state_snapshot(engine: DeltaRsEngine, table: str, slice_key: str):
-    """(apply, snapshot, files by bucket): the state a slice folds over (see `state_version`)."""
+def state_as_of(engine: DeltaRsEngine, table: str, slice_key: str):
+    """(apply, version, files): the state a slice folds over (see `state_version`).
+
+    A replay reads an older version, whose files a vacuum may have deleted: it then fails saying so.
+    """
     apply, version = state_version(engine, table, slice_key)
-    snapshot = engine.files(table, version)
+    files = engine.files(table, version)
+    if not apply and engine.missing(files):
+        raise Failure(description=(
+            f"slice {slice_key} cannot be replayed: the state of {table} it replays against (version {version}) "
+            f"was vacuumed. lake_maintenance keeps replaced files for LakeResource.vacuum_retention_hours."))
+    return apply, version, files
+
+
+def state_snapshot(engine: DeltaRsEngine, table: str, slice_key: str):
+    """(apply, snapshot, files by bucket) of a bucketed state table (see `state_as_of`)."""
+    apply, _, snapshot = state_as_of(engine, table, slice_key)
     by_bucket: dict[int, list[str]] = defaultdict(list)
     for f in snapshot:
         by_bucket[f.min["bucket"]].append(f.uri)

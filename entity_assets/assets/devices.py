@@ -11,7 +11,7 @@ from entity_assets.assets.common import (
     commit_state,
     ensure_tables,
     read_df,
-    state_version,
+    state_as_of,
     table_metadata,
 )
 from entity_assets.partitions import slices_partitions
@@ -33,7 +33,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
 
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["devices"])
-    apply, version = state_version(engine, "devices", key)
+    apply, version, prior_files = state_as_of(engine, "devices", key)
     connections = engine.slice_files("connections", [key])
     summary = {"rows": 0, "files": 0, "version": engine.version("devices")}
     if not sum(f.rows for f in connections):
@@ -42,7 +42,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
             summary["version"] = commit_state(engine, "devices", key, [], [])
         return _materialized(engine, summary, _app_versions(engine, version), 0, apply)
     session = spark.session()
-    prior = read_df(session, engine.files("devices", version), "devices")
+    prior = read_df(session, prior_files, "devices")
     seen = read_df(session, connections, "connections").select(
         *DEVICE_KEY, "clientid", "appVersion", F.col("begun").alias("firstSeen"), F.col("begun").alias("lastSeen"),
         F.lit(1).cast("long").alias("connections"))
@@ -59,8 +59,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
         fn = partial(fold.copy_task, target="devices", slice_key=key, uris={"devices": engine.uri("devices")},
                      storage_options=engine.storage_options)
         files = collect_files(merged.mapInArrow(fn, fold.FILES_DDL)).get("devices", [])
-        summary.update(files=len(files), version=commit_state(engine, "devices", key, files,
-                                                              engine.files("devices", version)))
+        summary.update(files=len(files), version=commit_state(engine, "devices", key, files, prior_files))
         # the new state's one column, read by the driver: no second pass over the merge
         app_versions = _app_versions(engine, summary["version"])
     else:  # a replay leaves the state as it is: the counts come from the merge it would write

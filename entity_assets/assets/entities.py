@@ -29,8 +29,8 @@ from entity_assets.assets.common import (
     read_df,
     redeliveries,
     run_tasks,
+    state_as_of,
     state_snapshot,
-    state_version,
     table_metadata,
     write_stream,
 )
@@ -139,7 +139,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
                                          engine=engine, state_table="schemas", slice_key=key, uris=uris,
                                          rows=schema_in, publishing=publish_to)
-    pending_apply, pending_version = state_version(engine, "pending_responses", key)
+    pending_apply, _, pending = state_as_of(engine, "pending_responses", key)
     if entities["replayed"]:
         context.log.info(f"slice {key} is already applied: replayed against the state of the slice before it")
 
@@ -149,7 +149,6 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     # requests of several parts: this slice's parts plus the parts still pending from earlier slices
     # (no Spark job when there are neither, as in a slice of single-part requests)
     counts = pop_counts(entity_files) + pop_counts(schema_files)
-    pending = engine.files("pending_responses", pending_version)
     files = merge_files(entity_files, schema_files)
     if counts["multipart"] or pending:
         parts = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses").filter(

@@ -13,7 +13,7 @@ from dagster import (
 )
 
 from entity_assets import fold
-from entity_assets.assets.common import commit_state, ensure_tables, read_df, state_version, table_metadata
+from entity_assets.assets.common import commit_state, ensure_tables, read_df, state_as_of, table_metadata
 from entity_assets.learning import Summary, disagreements, entity_types, infer
 from entity_assets.partitions import slices_partitions
 from entity_assets.storage import FileWriter
@@ -37,7 +37,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["learned_schemas"])
-    apply, version = state_version(engine, "learned_schemas", key)
+    apply, version, _ = state_as_of(engine, "learned_schemas", key)
     session = spark.session()
     # each task summarizes the rows it reads where they are (no shuffle); summaries merge exactly
     learning = read_df(session, engine.slice_files("schema_learning", [key]), "schema_learning").filter(

@@ -1,0 +1,45 @@
+"""Lake maintenance: vacuum the files that copy-on-write and re-runs leave behind."""
+
+from dagster import AssetKey, AssetObservation, DefaultScheduleStatus, OpExecutionContext, ScheduleDefinition, job, op
+
+from entity_assets.jobs import PIPELINE_TAG
+from entity_assets.manifests import TABLE as MANIFESTS
+from entity_assets.tables import SCHEMAS
+from resources import LakeResource
+
+ASSET_TABLES = frozenset(SCHEMAS) - {"pending_responses", "device_inboxes"}
+"""Tables that are assets of the graph; the others are internal state, observed by name only in the log."""
+
+
+@op(out={}, description="Deletes files no Delta version within the retention needs, table by table.")
+def vacuum_lake(context: OpExecutionContext, lake: LakeResource):
+    """A state table rewrites its touched buckets at every slice: the replaced files stay for time
+    travel until this deletes them."""
+    engine, hours = lake.open(), lake.vacuum_retention_hours
+    total = 0
+    for table in [*SCHEMAS, MANIFESTS]:
+        if not engine.exists(table):
+            continue
+        deleted = engine.vacuum(table, hours)
+        total += len(deleted)
+        context.log.info(f"{table}: {len(deleted)} file(s) deleted (retention {hours} h)")
+        if table in ASSET_TABLES:
+            yield AssetObservation(asset_key=AssetKey(table),
+                                   metadata={"vacuumed_files": len(deleted), "retention_hours": hours})
+    context.log.info(f"vacuum: {total} file(s) deleted in {engine.root}")
+
+
+@job(
+    # With the slice runs' tag, the run coordinator never runs it beside a slice: vacuum also deletes
+    # files not yet committed, which a running slice's tasks are writing.
+    tags={PIPELINE_TAG: "maintenance"},
+    description="Vacuums every table of the lake (LakeResource.vacuum_retention_hours).",
+)
+def lake_maintenance():
+    vacuum_lake()
+
+
+lake_maintenance_schedule = ScheduleDefinition(
+    job=lake_maintenance, cron_schedule="0 3 * * *", default_status=DefaultScheduleStatus.RUNNING,
+    description="Daily vacuum, so the lake does not grow by the state's size at every slice.",
+)

@@ -1,0 +1,64 @@
+"""Lake maintenance through Dagster: vacuum deletes replaced and orphaned files, never live ones (no Spark)."""
+
+import os
+
+from dagster import DagsterEventType
+
+from entity_assets.definitions import defs
+from entity_assets.maintenance import ASSET_TABLES, lake_maintenance
+from entity_assets.storage import DeltaRsEngine, FileWriter
+from entity_assets.tables import SCHEMAS
+from resources import LakeResource
+
+
+def _write(engine: DeltaRsEngine, table: str, slice_key: str, n: int):
+    engine.ensure(table, SCHEMAS[table])
+    writer = FileWriter(table, engine.uri(table), SCHEMAS[table], slice_key)
+    for i in range(n):
+        writer.append({"slice": slice_key, "stream": "entity-batches", "code": "GENERR001", "reason": "r",
+                       "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": i, "kafka_timestamp": 1})
+    return writer.close()
+
+
+def _parquet(engine: DeltaRsEngine, table: str) -> set[str]:
+    return {f for f in os.listdir(engine.uri(table)) if f.endswith(".parquet")}
+
+
+def test_vacuum_keeps_the_snapshot_and_deletes_what_no_version_needs(tmp_path):
+    engine = DeltaRsEngine(str(tmp_path))
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", "0000000001", 3),
+                         "0000000001")
+    # a re-run of the slice replaces its file; a failed task's file was never committed
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"],
+                                _write(engine, "dead_letters", "0000000001", 2), "0000000001")
+    orphan = _write(engine, "dead_letters", "0000000002", 1)[0].path
+    assert len(_parquet(engine, "dead_letters")) == 3
+    live = {f.path for f in engine.files("dead_letters")}
+
+    result = lake_maintenance.execute_in_process(
+        resources={"lake": LakeResource(root=str(tmp_path), vacuum_retention_hours=0)})
+    assert result.success
+
+    kept = _parquet(engine, "dead_letters")
+    assert kept == live == {f.path for f in engine.files("dead_letters")} and orphan not in kept and len(kept) == 1
+    assert engine.read("dead_letters").num_rows == 2
+    observed = [e.event_specific_data.asset_observation for e in result.all_events
+                if e.event_type == DagsterEventType.ASSET_OBSERVATION]
+    assert [(o.asset_key.path, o.metadata["vacuumed_files"].value) for o in observed] == [(["dead_letters"], 2)]
+
+
+def test_the_default_retention_keeps_recent_files(tmp_path):
+    engine = DeltaRsEngine(str(tmp_path))
+    for n in (3, 2):
+        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", "0000000001", n),
+                             "0000000001")
+    _write(engine, "dead_letters", "0000000002", 1)  # as a running slice's task writes before its commit
+    assert lake_maintenance.execute_in_process(resources={"lake": LakeResource(root=str(tmp_path))}).success
+    assert len(_parquet(engine, "dead_letters")) == 3  # replaced or written a moment ago: all kept
+
+
+def test_observed_tables_are_the_graphs_assets():
+    assets = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
+    assert ASSET_TABLES <= assets
+    assert not (set(SCHEMAS) - ASSET_TABLES) & assets
+    assert defs.resolve_schedule_def("lake_maintenance_schedule").job_name == "lake_maintenance"
