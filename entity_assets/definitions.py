@@ -45,7 +45,8 @@ def build_resources() -> dict:
             kafka[field] = EnvVar(var)  # resolved at run time, never stored in run config
     lake = {"root": os.environ["ENTITY_ASSETS_LAKE"]} if os.environ.get("ENTITY_ASSETS_LAKE") else {}
     return {
-        "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]")),
+        "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]"),
+                               conf=_settings(_env("ENTITY_ASSETS_SPARK_CONF", ""))),
         "kafka": KafkaResource(**kafka),
         "lake": LakeResource(**lake),
         "slicing": SlicingResource(

@@ -73,6 +73,15 @@ def test_definitions_load():
     assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
 
 
+def test_spark_settings_come_from_the_environment(monkeypatch):
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("ENTITY_ASSETS_SPARK_CONF",
+                       "spark.driver.extraJavaOptions=-XX:TieredStopAtLevel=1, spark.sql.shuffle.partitions=16")
+    assert build_resources()["spark"].conf == {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+                                               "spark.sql.shuffle.partitions": "16"}
+
+
 # --------------------------------------------------------------------------- one slice
 
 def test_slice_rows_equal_what_was_produced(make_pipeline):
