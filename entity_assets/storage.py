@@ -361,13 +361,13 @@ class DeltaRsEngine:
             data = data.filter(pc.equal(data[k], v))
         return data
 
-    def missing(self, files: Iterable[TableFile]) -> list[TableFile]:
-        """The files of a snapshot that are gone (an old version whose files a vacuum deleted)."""
+    def missing(self, table: str, files: Iterable[TableFile]) -> list[TableFile]:
+        """The files of a snapshot of `table` that are gone (an old version whose files a vacuum deleted)."""
         files = list(files)
         if not files:
             return []
-        fs, _ = _filesystem(files[0].uri, self.storage_options)
-        infos = fs.get_file_info([_filesystem(f.uri, self.storage_options)[1] for f in files])
+        fs, root = _filesystem(self.uri(table), self.storage_options)  # one filesystem, not one per file
+        infos = fs.get_file_info([f"{root}/{f.path}" for f in files])
         return [f for f, info in zip(files, infos) if info.type == pafs.FileType.NotFound]
 
     def vacuum(self, table: str, retention_hours: int) -> list[str]:

@@ -239,7 +239,7 @@ def state_as_of(engine: DeltaRsEngine, table: str, slice_key: str):
     """
     apply, version = state_version(engine, table, slice_key)
     files = engine.files(table, version)
-    if not apply and engine.missing(files):
+    if not apply and engine.missing(table, files):
         raise Failure(description=(
             f"slice {slice_key} cannot be replayed: the state of {table} it replays against (version {version}) "
             f"was vacuumed. lake_maintenance keeps replaced files for LakeResource.vacuum_retention_hours."))
