@@ -13,6 +13,7 @@ the median slice time and the median of each step.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -27,7 +28,11 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", type=int, default=0, help="> 0: the whole graph with this many devices")
     parser.add_argument("--slices", type=int, default=4, help="small slices timed after it")
     parser.add_argument("--slice-size", type=int, default=100, help="patches per small slice")
+    parser.add_argument("--state-file-rows", type=int, default=None,
+                        help="LakeResource.state_file_rows (default the definitions')")
     args = parser.parse_args(argv)
+    if args.state_file_rows:
+        os.environ["ENTITY_ASSETS_STATE_FILE_ROWS"] = str(args.state_file_rows)
     entities = args.entities or args.n
     graph = args.devices > 0
     steps = None if graph else CORE_STEPS
@@ -42,7 +47,8 @@ def main(argv=None) -> int:
                 log("the state slice FAILED")
                 return 1
         log(f"state: {args.n:,} patches over {entities:,} entities in {big.s:.1f}s")
-        times, by_step = [], {}
+        times, by_step, rewritten = [], {}, []
+        lake = build_resources()["lake"].open()
         for i in range(args.slices):
             produce(env, args.slice_size, args.slice_size, 0, graph, 100 + i)
             with Timer() as t:
@@ -54,9 +60,16 @@ def main(argv=None) -> int:
             steps_s = step_seconds(runs)
             for step, sec in steps_s.items():
                 by_step.setdefault(step, []).append(sec)
-            log(f"small slice {i + 1}: {t.s:.2f}s " + ", ".join(f"{k} {v:.2f}s" for k, v in steps_s.items()))
+            state = lake.files("entities")
+            newest = max(f.min["slice"] for f in state)
+            rewritten.append(sum(f.rows for f in state if f.min["slice"] == newest))
+            log(f"small slice {i + 1}: {t.s:.2f}s " + ", ".join(f"{k} {v:.2f}s" for k, v in steps_s.items())
+                + f"; entities rows rewritten {rewritten[-1]:,} of {sum(f.rows for f in state):,}"
+                  f" ({sum(f.min['slice'] == newest for f in state)} of {len(state)} files)")
     print(kv_line(n=args.n, entities=entities, devices=args.devices, slice_size=args.slice_size, slices=args.slices,
                   state_s=round(big.s, 1), median_s=round(statistics.median(times), 2),
+                  state_file_rows=build_resources()["lake"].state_file_rows,
+                  rewritten_rows=round(statistics.median(rewritten)),
                   peak_driver_mb=round(driver_peak_mb()),
                   **{f"{k}_s": round(statistics.median(v), 2) for k, v in by_step.items()}))
     return 0

@@ -44,6 +44,8 @@ def build_resources() -> dict:
         if os.environ.get(var):
             kafka[field] = EnvVar(var)  # resolved at run time, never stored in run config
     lake = {"root": os.environ["ENTITY_ASSETS_LAKE"]} if os.environ.get("ENTITY_ASSETS_LAKE") else {}
+    if os.environ.get("ENTITY_ASSETS_STATE_FILE_ROWS"):
+        lake["state_file_rows"] = int(os.environ["ENTITY_ASSETS_STATE_FILE_ROWS"])
     return {
         "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]"),
                                conf=_settings(_env("ENTITY_ASSETS_SPARK_CONF", ""))),

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from entity_assets import core, notify
+from entity_assets import core, notify, shards
 from entity_assets.publish import Publisher, Publishing
 from entity_assets.storage import FileWriter, key_string, key_strings, read_batches, read_row_groups, read_table, to_rows
 from entity_assets.tables import SCHEMAS
@@ -28,6 +28,8 @@ FILES_DDL = "table string, path string, size long, rows long, stats string"
 
 COUNTER = "count:"
 """Report rows whose table starts with this are counters (rows = the count), not files."""
+REPLACED = "replaced:"
+"""Report rows whose table starts with this name a state file (path: its URI) that the task rewrote."""
 
 
 class Outputs:
@@ -44,6 +46,7 @@ class Outputs:
         self.writers: dict[str, FileWriter] = {}
         self.publisher = Publisher(publishing) if publishing and publishing.topics else None
         self.counts: dict[str, int] = {}
+        self.replaced: list[dict] = []
 
     def writer(self, table: str) -> FileWriter:
         w = self.writers.get(table)
@@ -63,13 +66,20 @@ class Outputs:
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
+    def close_state(self, table: str, store: BucketStore) -> None:
+        """Writes the store's last bucket and reports the state files its rewrites replace."""
+        store.close()
+        self.replaced += [{"table": REPLACED + table, "path": uri, "size": 0, "rows": 0, "stats": ""}
+                          for uri in store.replaced]
+        self.count(f"check:repeated_keys:{table}", store.repeated_keys)
+
     def report(self) -> list[dict]:
         """The files written and the counters (published messages included), once every message is acked."""
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
         if self.publisher is not None:
             for table, n in self.publisher.close().items():
                 self.count(f"published:{table}", n)
-        return files + [{"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""}
+        return files + self.replaced + [{"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""}
                         for name, n in self.counts.items()]
 
 
@@ -85,34 +95,46 @@ def _rows(batches: Iterator[pa.RecordBatch]) -> Iterator[dict]:
 class BucketStore:
     """The rows of one bucketed state table that a task owns, one bucket at a time.
 
-    A bucket's stored rows stay in Arrow: only the rows of keys the slice touches become
-    dicts, and the untouched ones are written back without leaving Arrow, so rewriting a
-    bucket costs little per untouched row however large the store grows.
+    A bucket is stored as shards (see `shards`): only the files holding the slice's keys are
+    read, and only those holding changed keys are rewritten. Their stored rows stay in Arrow:
+    only the rows of the slice's keys become dicts, the untouched ones are written back
+    without leaving Arrow. `replaced` lists the files the rewrites replace, for the driver.
     """
 
     def __init__(self, writer: FileWriter, key_columns: tuple[str, ...], state_files: dict[int, list[str]], enabled: bool,
-                 storage_options=None):
+                 storage_options=None, file_rows: int = shards.FILE_ROWS):
         self.writer, self.key_columns, self.state_files, self.enabled = writer, key_columns, state_files, enabled
-        self.storage_options = storage_options
+        self.storage_options, self.file_rows = storage_options, file_rows
         self.bucket, self.stored, self.changed = None, {}, {}
-        self.data, self.data_keys = None, None
+        self.files: dict[shards.Shard, list[str]] = {}
+        self.loaded: dict[shards.Shard, tuple[pa.Table, pa.ChunkedArray]] = {}
+        self.map = shards.ShardMap(())
+        self.replaced: list[str] = []
         self.repeated_keys = 0
         """Rows written whose key another written row of the bucket has (must stay 0)."""
 
     def switch(self, bucket: int, wanted: pa.Array | None = None) -> None:
         """Loads `bucket`; `wanted`: the `key_strings` of the keys to be read (None: every key)."""
-        if bucket != self.bucket:
-            self.close()
-            self.bucket, self.changed, self.stored = bucket, {}, {}
-            self.data, self.data_keys = None, None
-            files = self.state_files.get(bucket, [])
-            if not files:
-                return
-            self.data = pa.concat_tables([read_table(uri, self.storage_options) for uri in files])
-            self.data_keys = key_strings(self.data, self.key_columns)
-            rows = self.data if wanted is None else self.data.filter(pc.is_in(self.data_keys, value_set=wanted))
-            for row in to_rows(rows):
-                self.stored[tuple(row[c] for c in self.key_columns)] = row
+        if bucket == self.bucket:
+            return
+        self.close()
+        self.bucket, self.changed, self.stored, self.files, self.loaded = bucket, {}, {}, {}, {}
+        for uri in self.state_files.get(bucket, []):
+            self.files.setdefault(shards.of_file(uri), []).append(uri)
+        self.map = shards.ShardMap(self.files)
+        if wanted is None:
+            needed = set(self.files)
+        else:
+            needed = {self.map.owner(shards.key_hash(k)) for k in wanted.to_pylist()} & self.files.keys()
+        for shard in sorted(needed):
+            self._load(shard, wanted)
+
+    def _load(self, shard: shards.Shard, wanted: pa.Array | None) -> None:
+        data = pa.concat_tables([read_table(uri, self.storage_options) for uri in self.files[shard]])
+        keys = key_strings(data, self.key_columns)
+        self.loaded[shard] = data, keys
+        for row in to_rows(data if wanted is None else data.filter(pc.is_in(keys, value_set=wanted))):
+            self.stored[tuple(row[c] for c in self.key_columns)] = row
 
     def get(self, key: tuple) -> dict | None:
         return self.changed.get(key) or self.stored.get(key)
@@ -121,15 +143,36 @@ class BucketStore:
         self.changed[key] = row
 
     def close(self) -> None:
-        """Writes the bucket back as one file (so the driver replaces buckets file by file)."""
+        """Writes back each shard holding a changed key, split where it outgrows `file_rows`."""
         if self.bucket is None or not self.enabled or not self.changed:
             return
-        kept, kept_keys = self.data, self.data_keys
-        if kept is not None:
-            untouched = pc.invert(pc.is_in(kept_keys, value_set=pa.array([key_string(k) for k in self.changed])))
-            kept, kept_keys = kept.filter(untouched), kept_keys.filter(untouched)
-            self.repeated_keys += len(kept_keys) - pc.count_distinct(kept_keys).as_py()
-        self.writer.write_table(kept if kept is not None else self.writer.schema.empty_table(), self.changed.values())
+        touched: dict[shards.Shard, list[tuple[int, dict]]] = {}
+        for key, row in self.changed.items():
+            h = shards.key_hash(key_string(key))
+            touched.setdefault(self.map.owner(h), []).append((h, row))
+        changed_keys = pa.array([key_string(k) for k in self.changed], pa.string())
+        for shard in sorted(touched):
+            kept, kept_keys = self.writer.schema.empty_table(), pa.chunked_array([], pa.string())
+            if shard in self.files:
+                if shard not in self.loaded:
+                    self._load(shard, pa.array([], pa.string()))
+                data, keys = self.loaded[shard]
+                untouched = pc.invert(pc.is_in(keys, value_set=changed_keys))
+                kept, kept_keys = data.filter(untouched), keys.filter(untouched)
+                self.repeated_keys += len(kept_keys) - pc.count_distinct(kept_keys).as_py()
+                self.replaced += self.files[shard]
+            self._write(shard, kept, kept_keys, touched[shard])
+        self.changed = {}  # written: closing again writes nothing
+
+    def _write(self, shard: shards.Shard, kept: pa.Table, kept_keys: pa.ChunkedArray, rows: list[tuple[int, dict]]) -> None:
+        if kept.num_rows + len(rows) <= self.file_rows:
+            self.writer.write_table(kept, [row for _, row in rows], tag=shard.tag)
+            return
+        hashes = [shards.key_hash(k) for k in kept_keys.to_pylist()] + [h for h, _ in rows]
+        for part, positions in shards.split(shard, hashes, self.file_rows):
+            old = [i for i in positions if i < kept.num_rows]
+            self.writer.write_table(kept.take(pa.array(old, pa.int64())), [rows[i - kept.num_rows][1] for i in positions[len(old):]],
+                                    tag=part.tag)
 
 
 # --------------------------------------------------------------------------- entity core
@@ -152,12 +195,14 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
 
 
 def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options, patch_files: list[str],
-              state_files: dict[int, list[str]], write_state: bool, publishing: Publishing | None = None) -> Iterator[dict]:
+              state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
+              publishing: Publishing | None = None) -> Iterator[dict]:
     """Tasks: {"buckets"}: the state buckets a task owns; it folds the slice's patches of each, in order."""
     order = [(c, "ascending") for c in core.ENTITY_KEY + core.ORDER]
     for task in tasks:
         out = Outputs(slice_key, uris, storage_options, publishing)
-        store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options)
+        store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options,
+                            state_file_rows)
         for bucket in task["buckets"]:
             patches = read_row_groups(patch_files, "bucket", bucket, storage_options)
             if not patches.num_rows:
@@ -187,8 +232,7 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                                      text if result["after"] is not None else None)
                     respond(out, result, text, slice_key)
             save()
-        store.close()
-        out.count("check:repeated_keys", store.repeated_keys)
+        out.close_state("entities", store)
         yield from out.report()
 
 
@@ -206,11 +250,11 @@ def respond(out: Outputs, result: dict, text: str, slice_key: str) -> None:
 
 
 def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                     state_files: dict[int, list[str]], write_state: bool,
+                     state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                      publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: the slice's schema patches, sorted by (bucket, dbid, core.ORDER)."""
     out = Outputs(slice_key, uris, storage_options, publishing)
-    store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options)
+    store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options, state_file_rows)
     dbid, state = None, None
     for patch in _rows(batches):
         store.switch(patch["bucket"])
@@ -225,7 +269,7 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
                 out.emit("schema_learning", row)
             store.put((dbid,), state.row({"dbid": dbid}, slice_key, patch["bucket"]))
         respond(out, result, text, slice_key)
-    store.close()
+    out.close_state("schemas", store)
     yield _arrow(out.report())
 
 
@@ -306,14 +350,15 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
 
 
 def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-               state_files: dict[int, list[str]], write_state: bool,
+               state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: notifications and acks of the slice, sorted by (bucket, device, kind, ended).
 
     A device's new notifications apply before its acks (kind "a-notify" < "b-ack").
     """
     out = Outputs(slice_key, uris, storage_options, publishing)
-    store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options)
+    store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options,
+                        state_file_rows)
     device, inbox, dirty = None, None, False
 
     def flush():
@@ -338,7 +383,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
             ids = json.loads(row["notifications"]) if row["notifications"] else None
             dirty = inbox.ack(ids, row["upTo"]) > 0 or dirty
     flush()
-    store.close()
+    out.close_state("device_inboxes", store)
     yield _arrow(out.report())
 
 

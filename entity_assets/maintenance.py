@@ -13,7 +13,7 @@ ASSET_TABLES = frozenset(SCHEMAS) - {"pending_responses", "device_inboxes"}
 
 @op(out={}, description="Deletes files no Delta version within the retention needs, table by table.")
 def vacuum_lake(context: OpExecutionContext, lake: LakeResource):
-    """A state table rewrites its touched buckets at every slice: the replaced files stay for time
+    """A state table rewrites the files of the keys each slice changed: the replaced files stay for time
     travel until this deletes them."""
     engine, hours = lake.open(), lake.vacuum_retention_hours
     total = 0

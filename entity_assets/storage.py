@@ -98,13 +98,16 @@ class FileWriter:
         if len(self._rows) >= self.max_rows:
             self.flush()
 
-    def write_table(self, data: pa.Table, rows: Sequence[dict] = ()) -> None:
-        """Writes an Arrow table (already holding the slice column), then `rows`, as one file."""
+    def write_table(self, data: pa.Table, rows: Sequence[dict] = (), tag: str | None = None) -> None:
+        """Writes an Arrow table (already holding the slice column), then `rows`, as one file.
+
+        `tag`: put in the file's name (a state file's shard).
+        """
         data = data.select(self.schema.names).cast(self.schema)
         if rows:
             data = pa.concat_tables([data, pa.Table.from_batches([from_rows(list(rows), self._struct)])])
         if data.num_rows:
-            self._write(data)
+            self._write(data, tag)
 
     def flush(self) -> None:
         if self._rows:
@@ -116,8 +119,8 @@ class FileWriter:
         self.flush()
         return self.files
 
-    def _write(self, data: pa.Table) -> None:
-        name = f"part-{self.slice_key}-{uuid.uuid4().hex}.parquet"
+    def _write(self, data: pa.Table, tag: str | None = None) -> None:
+        name = f"part-{self.slice_key}-{tag + '-' if tag else ''}{uuid.uuid4().hex}.parquet"
         path = f"{self._root}/{name}"
         with self._fs.open_output_stream(path) as sink:
             if self.row_groups_by is None:

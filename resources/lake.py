@@ -7,6 +7,7 @@ import os
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from entity_assets import shards
 from entity_assets.storage import DeltaRsEngine
 
 
@@ -29,6 +30,12 @@ class LakeResource(ConfigurableResource):
     vacuum_retention_hours: int = Field(
         default=168, ge=0,
         description="lake_maintenance deletes files replaced longer ago than this; replays reach back as far",
+    )
+
+    state_file_rows: int = Field(
+        default=shards.FILE_ROWS, ge=1,
+        description="row bound of a state file: a slice rewrites the files holding the keys it changed, "
+                    "so smaller files rewrite less per small slice and make more files per table",
     )
 
     def open(self) -> DeltaRsEngine:

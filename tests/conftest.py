@@ -99,11 +99,12 @@ class Pipeline:
 
     def __init__(self, broker: LocalBroker, spark: SparkResource, root: Path, *, partitions: int = TOPIC_PARTITIONS,
                  max_messages: int = 5_000_000, max_messages_per_task: int = 1000, min_interval_seconds: float = 0,
-                 instance=None):
+                 state_file_rows: int | None = None, instance=None):
         base = _definitions()
         self.prefix = f"t{next(self._ids)}."
         self.kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix=self.prefix)
-        self.lake = LakeResource(root=str(root / "lake"))
+        self.lake = LakeResource(root=str(root / "lake"),
+                                 **({"state_file_rows": state_file_rows} if state_file_rows else {}))
         self.slicing = SlicingResource(min_interval_seconds=min_interval_seconds, max_messages=max_messages,
                                        max_messages_per_task=max_messages_per_task)
         self.spark = spark

@@ -351,14 +351,16 @@ def snapshot(pipeline) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("driver_rows", "broadcast_rows"),
-                         [(common.DRIVER_ROWS, common.BROADCAST_ROWS), (0, common.BROADCAST_ROWS), (0, 0)],
-                         ids=["driver", "window-scan", "shuffle-join"])
-def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline, monkeypatch, driver_rows,
-                                                                      broadcast_rows):
-    # every way of finding earlier deliveries: in the driver, and in Spark with or without a shuffle
+@pytest.mark.parametrize(("driver_rows", "broadcast_rows", "state_file_rows"),
+                         [(common.DRIVER_ROWS, common.BROADCAST_ROWS, None), (0, common.BROADCAST_ROWS, None), (0, 0, 1)],
+                         ids=["driver", "window-scan", "shuffle-join-one-key-state-files"])
+def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipeline, monkeypatch, driver_rows,
+                                                                      broadcast_rows, state_file_rows):
+    # every way of finding earlier deliveries: in the driver, and in Spark with or without a shuffle;
+    # and state files of one key each, so every bucket is split into shards and rewritten shard by shard
     monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
     monkeypatch.setattr(common, "BROADCAST_ROWS", broadcast_rows)
+    pipeline = make_pipeline(state_file_rows=state_file_rows)
     first, second = slice_records()
     pipeline.produce(first)
     [r1] = pipeline.tick()
@@ -435,6 +437,10 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(pipeline, 
     on_topic = one(messages(pipeline, "complete-responses", request=SCHEMA_REQUEST))
     assert on_topic["value"]["responses"] == responses
     assert on_topic["partition"] == partition_for(CLIENT, partitions_of(pipeline, "complete-responses"))
+    if state_file_rows == 1:
+        state = pipeline.engine.files("entities")
+        assert len(state) == len(rows(pipeline, "entities")) and max(f.rows for f in state) == 1
+        assert 0 < meta2["entities"]["replaced_files"] < len(state)  # slice 2 rewrote only the files of its keys
     for result in (one_, two):
         checks = check_evaluations(result)
         for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):

@@ -1,11 +1,12 @@
 """Task-side files: row groups per bucket, reading one bucket back, footer bounds, bucket
-rewrites and small-slice redeliveries (no Spark)."""
+rewrites by shard and small-slice redeliveries (no Spark)."""
 
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from entity_assets import shards
 from entity_assets.assets.common import file_tasks
 from entity_assets.fold import BucketStore
 from entity_assets.storage import (
@@ -103,6 +104,35 @@ def test_a_bucket_rewrite_reads_only_the_wanted_keys_and_keeps_every_other_row(t
     by_entity = {r["entity"]: r for r in rows}
     assert len(rows) == len(by_entity) == 1001 and store.repeated_keys == 0
     assert by_entity["e5"]["version"] == 2 and by_entity["e6"]["version"] == 1 and "new" in by_entity
+    assert store.replaced == [str(tmp_path / stored.path)] and shards.of_file(rewritten.path) == shards.WHOLE
+
+
+def test_a_bucket_outgrowing_its_file_bound_splits_and_a_later_change_rewrites_one_file(tmp_path):
+    key = ("dbid", "collection", "zone", "entity")
+
+    def fold(slice_key, state_files, changes):
+        writer = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], slice_key, stats_columns=("slice", "bucket"))
+        store = BucketStore(writer, key, state_files, enabled=True, file_rows=300)
+        store.switch(0, pa.array([key_string(("db", "C", "z", r["entity"])) for r in changes]))
+        for r in changes:
+            store.put(("db", "C", "z", r["entity"]), r)
+        store.close()
+        return writer.close(), store
+
+    first, store = fold(KEY, {}, [entity_row(i) for i in range(1000)])
+    assert store.replaced == [] and all(f.rows <= 300 for f in first) and sum(f.rows for f in first) == 1000
+    assert len(first) >= 4 and shards.overlapping(shards.of_file(f.path) for f in first) == 0
+
+    uris = {str(tmp_path / f.path): f for f in first}
+    second, store = fold("0000000002", {0: list(uris)}, [entity_row(7, "0000000002", version=2)])
+    # only the file holding e7 is read and rewritten
+    (replaced,) = store.replaced
+    (rewritten,) = second
+    assert rewritten.rows == uris[replaced].rows and shards.of_file(rewritten.path) == shards.of_file(replaced)
+    live = [str(tmp_path / rewritten.path)] + [u for u in uris if u != replaced]
+    rows = pa.concat_tables([read_table(u) for u in live]).to_pylist()
+    assert len(rows) == len({r["entity"] for r in rows}) == 1000
+    assert [r["version"] for r in rows if r["entity"] == "e7"] == [2]
 
 
 def test_a_bucket_left_untouched_is_not_rewritten(tmp_path):

@@ -441,7 +441,7 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
 
     Pure Python (no broker, no Spark): one Spark task of device_notifications that owns two
     buckets, device1's (6) and then device4's (9), as Spark's hash partitioning gave it there.
-    The driver replaces a bucket's files by the `bucket` statistics of the files a task wrote.
+    The driver replaces the state files a task reports as replaced by its rewrites.
     """
     import zlib
 
@@ -464,14 +464,17 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
     def task(events, key, state_files):
         batches = fold.inbox_task(iter([pa.RecordBatch.from_pylist(events, schema=columns)]), slice_key=key,
                                   uris=uris, storage_options=None, state_files=state_files, write_state=True)
-        return [f for b in batches for f in b.to_pylist() if f["table"] == "device_inboxes"]
+        report = [f for b in batches for f in b.to_pylist()]
+        return ([f for f in report if f["table"] == "device_inboxes"],
+                [f["path"] for f in report if f["table"] == fold.REPLACED + "device_inboxes"])
 
     assert [event(d, "")["bucket"] for d in ("device1", "device4")] == [6, 9]
-    [first] = task([event("device1", "a-notify", "n1", 1), event("device1", "a-notify", "n2", 2)], K1, {})
-    written = task([event("device1", "b-ack", up_to=1), event("device4", "b-ack", up_to=samples.ACK_ALL)], K2,
+    [first], _ = task([event("device1", "a-notify", "n1", 1), event("device1", "a-notify", "n2", 2)], K1, {})
+    written, replaced = task([event("device1", "b-ack", up_to=1), event("device4", "b-ack", up_to=samples.ACK_ALL)], K2,
                    {6: [f"{uris['device_inboxes']}/{first['path']}"]})
-    # device1's bucket is rewritten (so its old file is replaced), with device1's new inbox in it
+    # device1's file is rewritten and reported as replaced, with device1's new inbox in it
     assert [json.loads(f["stats"])["minValues"]["bucket"] for f in written] == [6]
+    assert replaced == [f"{uris['device_inboxes']}/{first['path']}"]
     stored = pq.read_table(f"{uris['device_inboxes']}/{written[0]['path']}").to_pylist()
     assert [(r["device"], r["bucket"], list(json.loads(r["document"])["pending"])) for r in stored] == [
         ("device1", 6, ["n2"])]

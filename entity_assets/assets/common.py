@@ -255,21 +255,25 @@ def state_snapshot(engine: DeltaRsEngine, table: str, slice_key: str):
     return apply, snapshot, dict(by_bucket)
 
 
-def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: bool, snapshot, new_state) -> dict:
-    """Replaces the buckets the slice rewrote, in one commit; a replayed slice leaves the state as it is."""
+def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: bool, snapshot,
+                   files: dict[str, list[DataFile]]) -> dict:
+    """Replaces the state files the slice's tasks rewrote (popped from `files`), in one commit;
+    a replayed slice leaves the state as it is."""
+    from entity_assets.fold import REPLACED
+
+    new_state, replaced = files.pop(table, []), {f.path for f in files.pop(REPLACED + table, [])}
     if apply:
-        rewritten = {json.loads(f.stats)["minValues"]["bucket"] for f in new_state}
-        removed = [f for f in snapshot if f.min["bucket"] in rewritten]
-        summary = {"rows": sum(f.rows for f in new_state), "files": len(new_state),
+        removed = [f for f in snapshot if f.uri in replaced]
+        summary = {"rows": sum(f.rows for f in new_state), "files": len(new_state), "replaced_files": len(removed),
                    "version": commit_state(engine, table, slice_key, new_state, removed)}
     else:
-        summary = {"rows": 0, "files": 0, "version": engine.version(table)}
+        summary = {"rows": 0, "files": 0, "replaced_files": 0, "version": engine.version(table)}
     summary["replayed"] = not apply
     return summary
 
 
 def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: DeltaRsEngine, state_table: str,
-                 slice_key: str, uris: dict[str, str], rows: int | None = None,
+                 slice_key: str, uris: dict[str, str], state_file_rows: int, rows: int | None = None,
                  **task_args) -> tuple[dict[str, list[DataFile]], dict]:
     """Runs a bucketed state fold (see fold.BucketStore) over a DataFrame and commits the state table.
 
@@ -287,9 +291,9 @@ def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: D
     if rows != 0:
         ordered = df.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *order)
         fn = partial(task, slice_key=slice_key, uris=uris, storage_options=engine.storage_options,
-                     state_files=state_files, write_state=apply, **task_args)
+                     state_files=state_files, write_state=apply, state_file_rows=state_file_rows, **task_args)
         files = collect_files(ordered.mapInArrow(fn, FILES_DDL))
-    summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files.pop(state_table, []))
+    summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files)
     return files, summary
 
 

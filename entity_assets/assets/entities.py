@@ -1,5 +1,6 @@
 """The entity core: patches, updates, entity state, partial and complete responses."""
 
+from collections import defaultdict
 from functools import partial
 
 from dagster import (
@@ -13,7 +14,7 @@ from dagster import (
     multi_asset,
 )
 
-from entity_assets import fold
+from entity_assets import fold, shards
 from entity_assets.assets.common import (
     SMALL_TASK_ROWS,
     collect_files,
@@ -126,19 +127,19 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     patch_files = engine.slice_files("entity_patches", [key])
     fn = partial(fold.fold_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
                  patch_files=[f.uri for f in patch_files], state_files=state_files, write_state=apply,
-                 publishing=publish_to)
+                 state_file_rows=lake.state_file_rows, publishing=publish_to)
     # enough tasks to use every core on a large slice, one for a small one (each task has a fixed cost)
     rows = sum(f.rows for f in patch_files)
     tasks = max(1, min(STATE_BUCKETS, spark.parallelism() * 2, -(-rows // SMALL_TASK_ROWS)))
     entity_files = run_tasks(session, [{"buckets": list(range(i, STATE_BUCKETS, tasks))} for i in range(tasks)], fn)
-    entities = commit_buckets(engine, "entities", key, apply, snapshot, entity_files.pop("entities", []))
+    entities = commit_buckets(engine, "entities", key, apply, snapshot, entity_files)
 
     schema_in, schema_patches = first_deliveries(session, engine, "schema_patches", key,
                                                  ("clientid", "request", "part"), slicing.dedupe_window_slices)
     schema_patches = schema_patches.withColumn("bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
     schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
                                          engine=engine, state_table="schemas", slice_key=key, uris=uris,
-                                         rows=schema_in, publishing=publish_to)
+                                         state_file_rows=lake.state_file_rows, rows=schema_in, publishing=publish_to)
     pending_apply, _, pending = state_as_of(engine, "pending_responses", key)
     if entities["replayed"]:
         context.log.info(f"slice {key} is already applied: replayed against the state of the slice before it")
@@ -164,13 +165,13 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     if pending_apply:
         commit_state(engine, "pending_responses", key, new_pending, pending)
 
-    # a key could repeat within a rewritten bucket (its task counts those) or across files of
-    # one bucket left by different slices (a rewrite must remove all the bucket's older files)
-    slices_of: dict[int, set] = {}
+    # a key could repeat within a rewritten file (its task counts those) or across files of one
+    # bucket whose shards overlap (a rewrite must remove the files it replaces)
+    shards_of: dict[int, list] = defaultdict(list)
     for f in engine.files("entities", engine.version_after("entities", key, "apply")):
-        slices_of.setdefault(f.min["bucket"], set()).add(f.min["slice"])
-    stale = sum(1 for s in slices_of.values() if len(s) > 1)
-    repeated_keys = counts["check:repeated_keys"]
+        shards_of[f.min["bucket"]].append(shards.of_file(f.path))
+    overlapping = sum(shards.overlapping(s) for s in shards_of.values())
+    repeated_keys = counts["check:repeated_keys:entities"]
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
 
     for table in ("entity_updates", "entities", "schema_updates", "schemas", "schema_learning",
@@ -186,6 +187,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
             meta["preview"] = MetadataValue.md(_preview(engine, key))
         if table in ("entities", "schemas"):
             meta["replayed"] = MetadataValue.bool(summary[table]["replayed"])
+            meta["replaced_files"] = MetadataValue.int(summary[table]["replaced_files"])
         if table == "schema_updates":
             processed = sum(n for (stream, _), n in by_status.items() if stream == "schema-updates")
             meta["duplicates"] = MetadataValue.int(schema_in - processed)
@@ -197,9 +199,9 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     yield AssetCheckResult(asset_key="complete_responses", check_name="responses_have_every_part",
                            passed=counts["check:incomplete"] == 0, metadata={"incomplete": counts["check:incomplete"]})
     yield AssetCheckResult(asset_key="entities", check_name="one_row_per_entity",
-                           passed=repeated_keys == 0 and stale == 0,
-                           metadata={"repeated_keys_in_rewritten_buckets": repeated_keys,
-                                     "buckets_with_files_of_several_slices": stale})
+                           passed=repeated_keys == 0 and overlapping == 0,
+                           metadata={"repeated_keys_in_rewritten_files": repeated_keys,
+                                     "files_overlapping_another": overlapping})
 
 
 def _preview(engine, key: str, n: int = 5) -> str:

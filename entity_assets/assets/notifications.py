@@ -95,6 +95,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
     files, inboxes = fold_buckets(spark, events, ("device", "kind", "ended", "notification"), fold.inbox_task,
                                   engine=engine, state_table="device_inboxes", slice_key=key, uris=uris,
+                                  state_file_rows=lake.state_file_rows,
                                   rows=sum(f.rows for f in note_files + ack_files),
                                   publishing=publishing(kafka, ["device_notifications"]))
     summary, _ = commit_stream(engine, "device_notifications", files, key)
