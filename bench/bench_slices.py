@@ -30,13 +30,14 @@ def main(argv=None) -> int:
     parser.add_argument("--slice-size", type=int, default=100, help="patches per small slice")
     parser.add_argument("--state-file-rows", type=int, default=None,
                         help="LakeResource.state_file_rows (default the definitions')")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary home (lake, broker data)")
     args = parser.parse_args(argv)
     if args.state_file_rows:
         os.environ["ENTITY_ASSETS_STATE_FILE_ROWS"] = str(args.state_file_rows)
     entities = args.entities or args.n
     graph = args.devices > 0
     steps = None if graph else CORE_STEPS
-    with BenchEnv() as env:
+    with BenchEnv(keep=args.keep) as env:
         produce(env, args.n, entities, args.devices, graph, 7)
         from entity_assets.cli import run_pending
         from entity_assets.definitions import build_resources
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
         log(f"state: {args.n:,} patches over {entities:,} entities in {big.s:.1f}s")
         times, by_step, rewritten = [], {}, []
         lake = build_resources()["lake"].open()
+        state = {f.path: f for f in lake.files("entities")}
         for i in range(args.slices):
             produce(env, args.slice_size, args.slice_size, 0, graph, 100 + i)
             with Timer() as t:
@@ -60,12 +62,12 @@ def main(argv=None) -> int:
             steps_s = step_seconds(runs)
             for step, sec in steps_s.items():
                 by_step.setdefault(step, []).append(sec)
-            state = lake.files("entities")
-            newest = max(f.min["slice"] for f in state)
-            rewritten.append(sum(f.rows for f in state if f.min["slice"] == newest))
+            before, state = state, {f.path: f for f in lake.files("entities")}
+            new = [f for p, f in state.items() if p not in before]
+            rewritten.append(sum(f.rows for f in new))
             log(f"small slice {i + 1}: {t.s:.2f}s " + ", ".join(f"{k} {v:.2f}s" for k, v in steps_s.items())
-                + f"; entities rows rewritten {rewritten[-1]:,} of {sum(f.rows for f in state):,}"
-                  f" ({sum(f.min['slice'] == newest for f in state)} of {len(state)} files)")
+                + f"; entities rows written {rewritten[-1]:,} of {sum(f.rows for f in state.values()):,}"
+                  f" ({len(new)} of {len(state)} files)")
     print(kv_line(n=args.n, entities=entities, devices=args.devices, slice_size=args.slice_size, slices=args.slices,
                   state_s=round(big.s, 1), median_s=round(statistics.median(times), 2),
                   state_file_rows=build_resources()["lake"].state_file_rows,
