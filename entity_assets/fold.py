@@ -3,15 +3,17 @@
 Each reports the data files it wrote and its counters as `FILES_SCHEMA` records: Arrow
 batches from mapInArrow bodies, dicts from the bodies run over task lists (`run_tasks`),
 which read their inputs from parquet directly and so skip Spark's row shuffle. State tables (entities,
-schemas, device inboxes) are hash-bucketed: a task owns whole buckets, reads their state
-files, folds the slice's rows in order and writes each touched bucket back: a MERGE done as
-copy-on-write of the touched buckets, committed by the driver in one Delta transaction.
+schemas, devices, device inboxes) are hash-bucketed: a task owns whole buckets, reads the state
+files holding the slice's keys, folds the slice's rows in order and writes back the files
+holding changed keys: a MERGE done as copy-on-write of the touched files (see `shards`),
+committed by the driver in one Delta transaction.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from itertools import groupby
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -90,6 +92,26 @@ def _arrow(report: list[dict]) -> pa.RecordBatch:
 def _rows(batches: Iterator[pa.RecordBatch]) -> Iterator[dict]:
     for batch in batches:
         yield from to_rows(batch)
+
+
+def _buckets(batches: Iterator[pa.RecordBatch], key_columns: tuple[str, ...]) -> Iterator[tuple[int, list[dict], pa.Array]]:
+    """Input sorted by bucket, one bucket at a time: (bucket, its rows, the `key_strings` of their keys).
+
+    A store then reads only the stored rows of those keys (`BucketStore.switch`).
+    """
+    def group(bucket, rows):
+        keys = {key_string(tuple(r[c] for c in key_columns)) for r in rows}
+        return bucket, rows, pa.array(sorted(keys), pa.string())
+
+    bucket, rows = None, []
+    for row in _rows(batches):
+        if row["bucket"] != bucket and rows:
+            yield group(bucket, rows)
+            rows = []
+        bucket = row["bucket"]
+        rows.append(row)
+    if rows:
+        yield group(bucket, rows)
 
 
 class BucketStore:
@@ -255,20 +277,21 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
     """Input: the slice's schema patches, sorted by (bucket, dbid, core.ORDER)."""
     out = Outputs(slice_key, uris, storage_options, publishing)
     store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options, state_file_rows)
-    dbid, state = None, None
-    for patch in _rows(batches):
-        store.switch(patch["bucket"])
-        if patch["dbid"] != dbid:
-            dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
-        result = core.apply_one(state, patch, implicit_empty=True)
-        result["stream"] = "schema-updates"
-        text = core.result_json(result)
-        if result["status"] == core.STATUS_OK:
-            out.emit("schema_updates", result, text)
-            for row in core.entity_type_rows(result, state.doc or {}):
-                out.emit("schema_learning", row)
-            store.put((dbid,), state.row({"dbid": dbid}, slice_key, patch["bucket"]))
-        respond(out, result, text, slice_key)
+    for bucket, patches, keys in _buckets(batches, ("dbid",)):
+        store.switch(bucket, keys)
+        dbid, state = None, None
+        for patch in patches:
+            if patch["dbid"] != dbid:
+                dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
+            result = core.apply_one(state, patch, implicit_empty=True)
+            result["stream"] = "schema-updates"
+            text = core.result_json(result)
+            if result["status"] == core.STATUS_OK:
+                out.emit("schema_updates", result, text)
+                for row in core.entity_type_rows(result, state.doc or {}):
+                    out.emit("schema_learning", row)
+                store.put((dbid,), state.row({"dbid": dbid}, slice_key, bucket))
+            respond(out, result, text, slice_key)
     out.close_state("schemas", store)
     yield _arrow(out.report())
 
@@ -359,31 +382,43 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
     out = Outputs(slice_key, uris, storage_options, publishing)
     store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options,
                         state_file_rows)
-    device, inbox, dirty = None, None, False
-
-    def flush():
-        if dirty:
-            out.emit("device_notifications", {"slice": slice_key, **_message_row(inbox)})
-            store.put((device,), {"slice": slice_key, "dbid": inbox.dbid, "user": inbox.user, "device": device,
-                                  "version": 0, "deleted": False, "document": inbox.to_json(),
-                                  "ended": inbox.ended, "bucket": store.bucket})
-
-    for row in _rows(batches):
-        if row["device"] != device:
-            flush()  # into the previous device's bucket, so switch buckets only after it is stored
-            store.switch(row["bucket"])
-            device, dirty = row["device"], False
+    for bucket, rows, keys in _buckets(batches, ("device",)):
+        store.switch(bucket, keys)
+        for device, events in groupby(rows, key=lambda r: r["device"]):
+            events = list(events)
             stored = store.get((device,))
             inbox = (notify.DeviceInbox.from_json(stored["document"]) if stored
-                     else notify.DeviceInbox(row["dbid"], row["user"], device))
-        if row["kind"] == "a-notify":
-            inbox.add(row["notification"], row["ended"])
-            dirty = True
-        else:
-            ids = json.loads(row["notifications"]) if row["notifications"] else None
-            dirty = inbox.ack(ids, row["upTo"]) > 0 or dirty
-    flush()
+                     else notify.DeviceInbox(events[0]["dbid"], events[0]["user"], device))
+            dirty = False
+            for row in events:
+                if row["kind"] == "a-notify":
+                    inbox.add(row["notification"], row["ended"])
+                    dirty = True
+                else:
+                    ids = json.loads(row["notifications"]) if row["notifications"] else None
+                    dirty = inbox.ack(ids, row["upTo"]) > 0 or dirty
+            if dirty:
+                out.emit("device_notifications", {"slice": slice_key, **_message_row(inbox)})
+                store.put((device,), {"slice": slice_key, "dbid": inbox.dbid, "user": inbox.user, "device": device,
+                                      "version": 0, "deleted": False, "document": inbox.to_json(),
+                                      "ended": inbox.ended, "bucket": bucket})
     out.close_state("device_inboxes", store)
+    yield _arrow(out.report())
+
+
+def devices_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
+                 state_files: dict[int, list[str]], write_state: bool,
+                 state_file_rows: int = shards.FILE_ROWS) -> Iterator[pa.RecordBatch]:
+    """Input: the slice's connections, sorted by (bucket, dbid, user, device, begun)."""
+    out = Outputs(slice_key, uris, storage_options)
+    store = BucketStore(out.writer("devices"), notify.DEVICE_KEY, state_files, write_state, storage_options,
+                        state_file_rows)
+    for bucket, rows, keys in _buckets(batches, notify.DEVICE_KEY):
+        store.switch(bucket, keys)
+        for connection in rows:
+            key = tuple(connection[c] for c in notify.DEVICE_KEY)
+            store.put(key, {**notify.seen(store.get(key), connection), "slice": slice_key, "bucket": bucket})
+    out.close_state("devices", store)
     yield _arrow(out.report())
 
 

@@ -1,5 +1,5 @@
-"""Zone subscriptions, change fan-out and device inboxes (seed 004: zone-changes,
-changes-by-device, device-notifications).
+"""Devices, zone subscriptions, change fan-out and device inboxes (seed 004: connections,
+zone-changes, changes-by-device, device-notifications).
 
 Pure Python on purpose (stdlib + the pydantic models of ``messages``): the Dagster assets and the
 Spark jobs call these functions per row, and the tests exercise the rules without a JVM.
@@ -26,6 +26,8 @@ __all__ = [
     "SubscriptionIndex",
     "fan_out",
     "DeviceInbox",
+    "DEVICE_KEY",
+    "seen",
 ]
 
 SUBSCRIPTIONS = "$zoneSubscription"
@@ -264,3 +266,24 @@ class DeviceInbox:
 
     def __repr__(self) -> str:
         return f"DeviceInbox({self.dbid!r}, {self.user!r}, {self.device!r}, count={self.count})"
+
+
+DEVICE_KEY = ("dbid", "user", "device")
+"""Key of the devices state: a user's device in a database."""
+
+
+def seen(device: dict[str, Any] | None, connection: dict[str, Any]) -> dict[str, Any]:
+    """A device's state after one more connection (None: its first).
+
+    The latest connection (by `begun`) gives the app version and client; ties go to the
+    greater (appVersion, clientid), so the state does not depend on arrival order.
+    """
+    begun = connection["begun"]
+    if device is None:
+        return {**{k: connection[k] for k in DEVICE_KEY}, "clientid": connection["clientid"],
+                "appVersion": connection["appVersion"], "firstSeen": begun, "lastSeen": begun, "connections": 1}
+    latest = max((device["lastSeen"], device["appVersion"], device["clientid"]),
+                  (begun, connection["appVersion"], connection["clientid"]))
+    return {**{k: device[k] for k in DEVICE_KEY}, "clientid": latest[2], "appVersion": latest[1],
+            "firstSeen": min(device["firstSeen"], begun), "lastSeen": latest[0],
+            "connections": device["connections"] + 1}

@@ -73,7 +73,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     ),
     "devices": _schema(
         [("slice", STR), ("dbid", STR), ("user", STR), ("device", STR), ("clientid", STR), ("appVersion", STR),
-         ("firstSeen", I64), ("lastSeen", I64), ("connections", I64)]
+         ("firstSeen", I64), ("lastSeen", I64), ("connections", I64), ("bucket", I32)]
     ),
     "zone_changes": None,  # set below: the entity-updates structure (the seed)
     "changes_by_device": _schema(

@@ -1,4 +1,4 @@
-"""Subscriptions, fan-out and device inboxes against the seed's zone-changes, changes-by-device
+"""Devices, subscriptions, fan-out and device inboxes against the seed's zone-changes, changes-by-device
 and device-notifications sections (seeds/004)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from entity_assets.notify import (
     fan_out,
     notification_id,
     parse_subscription,
+    seen,
     subject_zone,
 )
 
@@ -235,3 +236,19 @@ def test_inbox_message_validates():
     assert (empty.count, empty.begun, empty.ended) == (0, 1415747104012, 1415747104012)
     never = DeviceNotification.model_validate(DeviceInbox(DB, "u", "d").message())
     assert (never.count, never.begun, never.ended) == (0, 0, 0)
+
+
+def test_a_device_keeps_its_first_sight_and_the_app_version_of_its_latest_connection():
+    def connection(begun, version, client=CLIENT):
+        return {"dbid": DB, "user": "jsmith", "device": "d1", "clientid": client, "appVersion": version, "begun": begun}
+
+    device = seen(None, connection(200, "1.0"))
+    assert device == {"dbid": DB, "user": "jsmith", "device": "d1", "clientid": CLIENT, "appVersion": "1.0",
+                      "firstSeen": 200, "lastSeen": 200, "connections": 1}
+    device = seen(device, connection(100, "0.9", "old"))  # an earlier connection, arriving late
+    assert (device["firstSeen"], device["lastSeen"], device["appVersion"], device["clientid"]) == (100, 200, "1.0", CLIENT)
+    device = seen(device, connection(300, "1.1"))
+    assert (device["firstSeen"], device["lastSeen"], device["appVersion"], device["connections"]) == (100, 300, "1.1", 3)
+    # a tie on begun: the greater app version, whatever the order of arrival
+    assert seen(seen(None, connection(5, "2.0")), connection(5, "1.9"))["appVersion"] == "2.0"
+    assert seen(seen(None, connection(5, "1.9")), connection(5, "2.0"))["appVersion"] == "2.0"
