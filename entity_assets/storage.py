@@ -240,6 +240,10 @@ def _stats(data: pa.Table, columns: Iterable[str]) -> str:
     return json.dumps({"numRecords": data.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
+class LayoutError(RuntimeError):
+    """A table's layout is older than the code's (a column it needs is missing)."""
+
+
 class DeltaRsEngine:
     """Commits and reads Delta tables with delta-rs (the default engine where Spark lacks the Delta jars)."""
 
@@ -269,6 +273,13 @@ class DeltaRsEngine:
                 self.uri(table), schema, mode="ignore", configuration=config,
                 storage_options=self.storage_options,
             )
+            return
+        missing = [n for n in schema.names if n not in pa.schema(self._open(table).schema().to_arrow()).names]
+        if missing:
+            raise LayoutError(
+                f"table {table} at {self.uri(table)} was written by an older release (it lacks {', '.join(missing)}). "
+                f"Rebuild it: delete that folder and materialize its asset again from the first slice (a backfill); "
+                f"see docs/operations.md, Upgrading.")
 
     def version(self, table: str) -> int:
         return self._open(table).version()

@@ -4,6 +4,7 @@ rewrites by shard and small-slice redeliveries (no Spark)."""
 import json
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 
 from entity_assets import shards
@@ -12,6 +13,7 @@ from entity_assets.fold import BucketStore
 from entity_assets.storage import (
     DeltaRsEngine,
     FileWriter,
+    LayoutError,
     TableFile,
     key_string,
     key_strings,
@@ -167,3 +169,13 @@ def test_small_slice_redeliveries_within_the_slice_and_from_the_window(tmp_path)
     ])
     found = repeated_deliveries([this], [prior], ("clientid", "request"), ("kafka_topic", "kafka_partition", "kafka_offset"))
     assert found == {("t", 1, 3), ("t", 0, 6)}
+
+
+def test_a_table_of_an_older_layout_is_refused_with_how_to_rebuild_it(tmp_path):
+    engine = DeltaRsEngine(str(tmp_path))
+    old = pa.schema([f for f in SCHEMAS["devices"] if f.name != "bucket"])
+    engine.ensure("devices", old)
+    with pytest.raises(LayoutError, match=r"table devices .* lacks bucket\)\. Rebuild it"):
+        engine.ensure("devices", SCHEMAS["devices"])
+    engine.ensure("entities", SCHEMAS["entities"])
+    engine.ensure("entities", SCHEMAS["entities"])  # an existing table of the current layout: nothing to do
