@@ -274,7 +274,8 @@ class DeltaRsEngine:
                 storage_options=self.storage_options,
             )
             return
-        missing = [n for n in schema.names if n not in pa.schema(self._open(table).schema().to_arrow()).names]
+        present = set(pa.schema(self._open(table).schema().to_arrow()).names)
+        missing = [n for n in schema.names if n not in present]
         if missing:
             raise LayoutError(
                 f"table {table} at {self.uri(table)} was written by an older release (it lacks {', '.join(missing)}). "
