@@ -222,7 +222,9 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
     """Tasks: {"buckets"}: the state buckets a task owns; it folds the slice's patches of each, in order."""
     order = [(c, "ascending") for c in core.ENTITY_KEY + core.ORDER]
     for task in tasks:
-        out = Outputs(slice_key, uris, storage_options, publishing)
+        # a row group per collection: a read of one collection (the subscriptions in effect, by
+        # changes_by_device) skips the others' row groups by their statistics
+        out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"entities": "collection"})
         store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options,
                             state_file_rows)
         for bucket in task["buckets"]:

@@ -138,7 +138,7 @@ class FileWriter:
             offset = 0
             for run in pc.value_counts(data.column(self.row_groups_by)):
                 n = run["counts"].as_py()
-                writer.write_table(data.slice(offset, n), row_group_size=n)
+                writer.write_table(data.slice(offset, n), row_group_size=min(n, ROW_GROUP_ROWS))
                 offset += n
 
 

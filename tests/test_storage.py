@@ -137,6 +137,23 @@ def test_a_bucket_outgrowing_its_file_bound_splits_and_a_later_change_rewrites_o
     assert [r["version"] for r in rows if r["entity"] == "e7"] == [2]
 
 
+def test_state_files_keep_a_row_group_per_collection_so_one_collection_reads_alone(tmp_path):
+    writer = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], KEY, stats_columns=("slice", "bucket"),
+                        row_groups_by="collection")
+    store = BucketStore(writer, ("dbid", "collection", "zone", "entity"), {}, enabled=True)
+    store.switch(0, pa.array([], pa.string()))
+    for i in range(30):
+        row = {**entity_row(i), "collection": ["Contacts", "$zoneSubscription", "Groups"][i % 3]}
+        store.put(("db", row["collection"], "z", row["entity"]), row)
+    store.close()
+    (written,) = writer.close()
+    meta = pq.ParquetFile(tmp_path / written.path).metadata
+    column = meta.schema.to_arrow_schema().get_field_index("collection")
+    bounds = [(meta.row_group(g).column(column).statistics.min, meta.row_group(g).column(column).statistics.max)
+              for g in range(meta.num_row_groups)]
+    assert bounds == [("$zoneSubscription", "$zoneSubscription"), ("Contacts", "Contacts"), ("Groups", "Groups")]
+
+
 def test_a_bucket_left_untouched_is_not_rewritten(tmp_path):
     writer = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], KEY, stats_columns=("slice", "bucket"))
     writer.append(entity_row(1))
