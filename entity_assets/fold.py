@@ -168,11 +168,12 @@ class BucketStore:
         """Writes back each shard holding a changed key, split where it outgrows `file_rows`."""
         if self.bucket is None or not self.enabled or not self.changed:
             return
+        strings = [key_string(key) for key in self.changed]
         touched: dict[shards.Shard, list[tuple[int, dict]]] = {}
-        for key, row in self.changed.items():
-            h = shards.key_hash(key_string(key))
+        for string, row in zip(strings, self.changed.values()):
+            h = shards.key_hash(string)
             touched.setdefault(self.map.owner(h), []).append((h, row))
-        changed_keys = pa.array([key_string(k) for k in self.changed], pa.string())
+        changed_keys = pa.array(strings, pa.string())
         for shard in sorted(touched):
             kept, kept_keys = self.writer.schema.empty_table(), pa.chunked_array([], pa.string())
             if shard in self.files:
