@@ -273,8 +273,10 @@ class DeltaRsEngine:
                 self.uri(table), schema, mode="ignore", configuration=config,
                 storage_options=self.storage_options,
             )
-            return
-        present = set(pa.schema(self._open(table).schema().to_arrow()).names)
+
+    def _check_layout(self, table: str, dt, schema: pa.Schema) -> None:
+        """Refuses a table written by an older release that lacks a column the code writes."""
+        present = set(pa.schema(dt.schema().to_arrow()).names)
         missing = [n for n in schema.names if n not in present]
         if missing:
             raise LayoutError(
@@ -289,8 +291,11 @@ class DeltaRsEngine:
         """The last slice sequence number committed to `table` by `app_id`."""
         return self._open(table).transaction_version(app_id)
 
-    def files(self, table: str, version: int | None = None) -> list[TableFile]:
+    def files(self, table: str, version: int | None = None, layout: pa.Schema | None = None) -> list[TableFile]:
+        """`layout`: the columns the caller needs, checked on the snapshot it opens (see `_check_layout`)."""
         dt = self._open(table, version)
+        if layout is not None:
+            self._check_layout(table, dt, layout)
         actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
         base = dt.table_uri.rstrip("/")
         out = []
@@ -340,7 +345,9 @@ class DeltaRsEngine:
             custom_metadata={"entity_assets.operation": operation, "entity_assets.slice": slice_key},
             app_transactions=[Transaction(*app_txn)] if app_txn else None,
         )
-        self._open(table).create_write_transaction(actions, "append", schema, commit_properties=props)
+        dt = self._open(table)
+        self._check_layout(table, dt, schema)  # on the table this commit opens anyway: no extra read of the log
+        dt.create_write_transaction(actions, "append", schema, commit_properties=props)
         return self.version(table)
 
     def replace_slice(self, table: str, schema: pa.Schema, files: Sequence[DataFile], slice_key: str) -> int:

@@ -193,6 +193,9 @@ def test_a_table_of_an_older_layout_is_refused_with_how_to_rebuild_it(tmp_path):
     old = pa.schema([f for f in SCHEMAS["devices"] if f.name != "bucket"])
     engine.ensure("devices", old)
     with pytest.raises(LayoutError, match=r"table devices .* lacks bucket\)\. Rebuild it"):
-        engine.ensure("devices", SCHEMAS["devices"])
+        engine.commit("devices", SCHEMAS["devices"], add=[], operation="apply", slice_key=KEY)
+    with pytest.raises(LayoutError, match=r"lacks bucket"):  # nor read as state by a fold
+        engine.files("devices", layout=SCHEMAS["devices"])
+    assert engine.version("devices") == 0  # nothing committed
     engine.ensure("entities", SCHEMAS["entities"])
-    engine.ensure("entities", SCHEMAS["entities"])  # an existing table of the current layout: nothing to do
+    engine.commit("entities", SCHEMAS["entities"], add=[], operation="apply", slice_key=KEY)  # the current layout

@@ -237,7 +237,7 @@ def state_as_of(engine: DeltaRsEngine, table: str, slice_key: str):
     A replay reads an older version, whose files a vacuum may have deleted: it then fails saying so.
     """
     apply, version = state_version(engine, table, slice_key)
-    files = engine.files(table, version)
+    files = engine.files(table, version, layout=SCHEMAS[table])  # a fold reads columns an older layout lacks
     if not apply and engine.missing(table, files):
         raise Failure(description=(
             f"slice {slice_key} cannot be replayed: the state of {table} it replays against (version {version}) "
