@@ -244,6 +244,8 @@ def test_schema_updates_learning_devices_and_dead_letters(pipeline):
     assert [(d["path"], d["kind"]) for d in report[f"{DB}/Contacts"]] == [("phone", "undeclared")]
     assert check_evaluations(r1)["entities_match_declared_schema"].passed is True  # nothing learned yet
     assert all(e.passed for name, e in checks2.items() if name != "entities_match_declared_schema")
+    # every bucketed state is checked for repeated keys
+    assert {"one_row_per_entity", "one_row_per_database", "one_row_per_device", "one_inbox_per_device"} <= set(checks2)
 
     # 4. devices: per user the devices seen, first and last seen, the latest app version
     devices = {(r["dbid"], r["user"], r["device"]): r for r in rows(pipeline, "devices")}
@@ -401,6 +403,7 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline
                                  "device2": ("bob", 2, FUTURE + 2, FUTURE + 3),
                                  "device3": ("carol", 1, FUTURE + 10, FUTURE + 10)}
     assert pipeline.materializations(r3)["device_notifications"]["acks"] == 3
+    assert check_evaluations(r3)["one_inbox_per_device"].passed is True
     published = messages_on(pipeline, "device-notifications")
     n = partitions_of(pipeline, "device-notifications")
     assert sorted((m["key"], m["value"]["count"]) for m in published) == [

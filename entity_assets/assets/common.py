@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
-from dagster import Failure, MetadataValue
+from dagster import AssetCheckResult, Failure, MetadataValue
 
 from entity_assets.storage import DataFile, DeltaRsEngine, repeated_deliveries
 from entity_assets.tables import SCHEMAS
@@ -269,6 +269,23 @@ def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: boo
         summary = {"rows": 0, "files": 0, "replaced_files": 0, "version": engine.version(table)}
     summary["replayed"] = not apply
     return summary
+
+
+def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: Counter, *, asset_key: str,
+                    check_name: str) -> AssetCheckResult:
+    """Checks the state a slice made of a bucketed `table`: a key could repeat within a rewritten
+    file (its task counts those) or across files of a bucket whose shards overlap (a rewrite
+    must remove the files it replaces)."""
+    from entity_assets import shards
+
+    shards_of: dict[int, list] = defaultdict(list)
+    for f in engine.files(table, engine.version_after(table, slice_key, "apply")):
+        shards_of[f.min["bucket"]].append(shards.of_file(f.path))
+    overlapping = sum(shards.overlapping(s) for s in shards_of.values())
+    repeated = counts[f"check:repeated_keys:{table}"]
+    return AssetCheckResult(asset_key=asset_key, check_name=check_name, passed=repeated == 0 and overlapping == 0,
+                            metadata={"state_table": table, "repeated_keys_in_rewritten_files": repeated,
+                                      "files_overlapping_another": overlapping})
 
 
 def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: DeltaRsEngine, state_table: str,

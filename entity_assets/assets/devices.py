@@ -1,10 +1,10 @@
 """Devices: who connects with which device and app version."""
 
 import pyarrow.compute as pc
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
-from entity_assets.assets.common import ensure_tables, fold_buckets, read_df, table_metadata
+from entity_assets.assets.common import ensure_tables, fold_buckets, one_row_per_key, pop_counts, read_df, table_metadata
 from entity_assets.core import STATE_BUCKETS
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import slices_partitions
@@ -17,6 +17,7 @@ from resources import LakeResource, SparkResource
     group_name="devices",
     kinds={"spark", "delta"},
     description="State: per user the devices seen, first and last seen, the latest app version and client.",
+    check_specs=[AssetCheckSpec("one_row_per_device", asset="devices", description="no (dbid, user, device) appears twice")],
 )
 def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource) -> MaterializeResult:
     """The seed's reason for the connections stream: which app versions are in use.
@@ -32,7 +33,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
         *DEVICE_KEY, "clientid", "appVersion", "begun",
         (F.crc32(F.concat_ws("\x1f", *DEVICE_KEY)) % STATE_BUCKETS).cast("int").alias("bucket"))
     # most slices carry no connections: then no Spark job runs, and the state records the slice
-    _, summary = fold_buckets(spark, seen, DEVICE_KEY + ("begun",), fold.devices_task, engine=engine,
+    files, summary = fold_buckets(spark, seen, DEVICE_KEY + ("begun",), fold.devices_task, engine=engine,
                               state_table="devices", slice_key=key, uris={"devices": engine.uri("devices")},
                               state_file_rows=lake.state_file_rows, rows=sum(f.rows for f in connections))
     # the state this slice made (a replay made the same): its one column, read by the driver
@@ -44,4 +45,5 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
     meta.update(app_versions=MetadataValue.json(dict(sorted(app_versions.items(), key=lambda kv: str(kv[0])))),
                 connections_this_slice=MetadataValue.int(sum(f.rows for f in connections)),
                 replayed=MetadataValue.bool(summary["replayed"]))
-    return MaterializeResult(metadata=meta)
+    return MaterializeResult(metadata=meta, check_results=[
+        one_row_per_key(engine, "devices", key, pop_counts(files), asset_key="devices", check_name="one_row_per_device")])

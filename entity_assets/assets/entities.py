@@ -1,6 +1,5 @@
 """The entity core: patches, updates, entity state, partial and complete responses."""
 
-from collections import defaultdict
 from functools import partial
 
 from dagster import (
@@ -14,7 +13,7 @@ from dagster import (
     multi_asset,
 )
 
-from entity_assets import fold, shards
+from entity_assets import fold
 from entity_assets.assets.common import (
     SMALL_TASK_ROWS,
     collect_files,
@@ -25,6 +24,7 @@ from entity_assets.assets.common import (
     first_deliveries,
     fold_buckets,
     merge_files,
+    one_row_per_key,
     pop_counts,
     publishing,
     read_df,
@@ -103,6 +103,7 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
         AssetCheckSpec("responses_have_every_part", asset="complete_responses",
                        description="every complete response carries `parts` responses"),
         AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
+        AssetCheckSpec("one_row_per_database", asset="schemas", description="no database appears twice"),
     ],
     partitions_def=slices_partitions,
     can_subset=False,
@@ -165,13 +166,6 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     if pending_apply:
         commit_state(engine, "pending_responses", key, new_pending, pending)
 
-    # a key could repeat within a rewritten file (its task counts those) or across files of one
-    # bucket whose shards overlap (a rewrite must remove the files it replaces)
-    shards_of: dict[int, list] = defaultdict(list)
-    for f in engine.files("entities", engine.version_after("entities", key, "apply")):
-        shards_of[f.min["bucket"]].append(shards.of_file(f.path))
-    overlapping = sum(shards.overlapping(s) for s in shards_of.values())
-    repeated_keys = counts["check:repeated_keys:entities"]
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
 
     for table in ("entity_updates", "entities", "schema_updates", "schemas", "schema_learning",
@@ -198,11 +192,8 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                            metadata={"status_min_max": str(statuses), "checked": "parquet statistics of every file"})
     yield AssetCheckResult(asset_key="complete_responses", check_name="responses_have_every_part",
                            passed=counts["check:incomplete"] == 0, metadata={"incomplete": counts["check:incomplete"]})
-    yield AssetCheckResult(asset_key="entities", check_name="one_row_per_entity",
-                           passed=repeated_keys == 0 and overlapping == 0,
-                           metadata={"repeated_keys_in_rewritten_files": repeated_keys,
-                                     "files_overlapping_another": overlapping})
-
+    yield one_row_per_key(engine, "entities", key, counts, asset_key="entities", check_name="one_row_per_entity")
+    yield one_row_per_key(engine, "schemas", key, counts, asset_key="schemas", check_name="one_row_per_database")
 
 def _preview(engine, key: str, n: int = 5) -> str:
     cols = ["entity", "collection", "zone", "part", "action", "after"]

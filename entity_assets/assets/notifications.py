@@ -1,12 +1,13 @@
 """Zones and devices: zone changes, per-device change summaries and notification counts."""
 
-from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
+from dagster import AssetCheckSpec, AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
 from entity_assets.assets.common import (
     commit_stream,
     ensure_tables,
     fold_buckets,
+    one_row_per_key,
     publishing,
     read_df,
     table_metadata,
@@ -73,7 +74,9 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
 
 @asset(partitions_def=slices_partitions, deps=["changes_by_device", "notification_acks"], group_name="notifications",
        kinds=KINDS, description="Per device, the count of unacknowledged notifications with the first (begun) and "
-                                "last (ended) notification time; one message per device whose count changed.")
+                                "last (ended) notification time; one message per device whose count changed.",
+       check_specs=[AssetCheckSpec("one_inbox_per_device", asset="device_notifications",
+                                   description="the device_inboxes state holds no device twice")])
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                          kafka: KafkaResource) -> MaterializeResult:
     """Device inboxes are bucketed state; acks of a slice apply after its new notifications."""
@@ -98,8 +101,9 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                                   state_file_rows=lake.state_file_rows,
                                   rows=sum(f.rows for f in note_files + ack_files),
                                   publishing=publishing(kafka, ["device_notifications"]))
-    summary, _ = commit_stream(engine, "device_notifications", files, key)
+    summary, counts = commit_stream(engine, "device_notifications", files, key)
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
-        replayed=MetadataValue.bool(inboxes["replayed"])))
+        replayed=MetadataValue.bool(inboxes["replayed"])), check_results=[one_row_per_key(
+            engine, "device_inboxes", key, counts, asset_key="device_notifications", check_name="one_inbox_per_device")])
