@@ -60,6 +60,20 @@ def test_footer_bounds_cover_every_row_group_of_the_slice(tmp_path):
     assert engine.column_bounds("entity_updates", "0000000002", "status") is None
 
 
+def test_an_engine_keeps_its_table_handles_current_with_other_writers_commits(tmp_path):
+    reader, writer_engine = DeltaRsEngine(str(tmp_path)), DeltaRsEngine(str(tmp_path))
+    reader.ensure("entity_updates", SCHEMAS["entity_updates"])
+    assert reader.version("entity_updates") == 0 and reader.files("entity_updates") == []
+    writer = FileWriter("entity_updates", writer_engine.uri("entity_updates"), SCHEMAS["entity_updates"], KEY)
+    writer.append({"slice": KEY, "status": 1})
+    (written,) = writer.close()
+    writer_engine.replace_slice("entity_updates", SCHEMAS["entity_updates"], [written], KEY)
+    assert reader.version("entity_updates") == 1  # the kept handle caught up
+    assert [f.path for f in reader.files("entity_updates")] == [written.path]
+    assert reader.files("entity_updates", version=0) == []  # a past version stays as it was
+    assert reader.version_after("entity_updates", KEY, "replace_slice") == 1
+
+
 def test_file_tasks_use_every_core_on_a_large_slice_and_one_task_on_a_small_one():
     def files(*rows):
         return [TableFile(path=f"f{i}", uri=f"/t/f{i}", size=1, rows=n) for i, n in enumerate(rows)]
