@@ -438,7 +438,8 @@ class Profiler:
         while not self._stop.is_set():
             for pid in _children(jvm):
                 with contextlib.suppress(OSError):
-                    if b"pyspark.daemon" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    if b"pyspark.daemon" in cmdline or b"entity_assets.spark_daemon" in cmdline:
                         self._record(pid, "workers", subprocesses=True)
                         return
             self._stop.wait(0.05)
