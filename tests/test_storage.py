@@ -74,6 +74,17 @@ def test_an_engine_keeps_its_table_handles_current_with_other_writers_commits(tm
     assert reader.version_after("entity_updates", KEY, "replace_slice") == 1
 
 
+def test_version_after_finds_old_commits_beyond_the_first_page_of_history(tmp_path):
+    engine = DeltaRsEngine(str(tmp_path))
+    engine.ensure("entities", SCHEMAS["entities"])
+    for seq in range(1, 41):
+        engine.commit("entities", SCHEMAS["entities"], add=[], operation="apply", slice_key=f"{seq:010d}")
+    assert engine.version_after("entities", f"{40:010d}", "apply") == 40
+    assert engine.version_after("entities", f"{3:010d}", "apply") == 3  # older than the first page
+    assert engine.version_after("entities", f"{3:010d}", "replace_slice") is None
+    assert engine.version_after("entities", f"{41:010d}", "apply") is None
+
+
 def test_file_tasks_use_every_core_on_a_large_slice_and_one_task_on_a_small_one():
     def files(*rows):
         return [TableFile(path=f"f{i}", uri=f"/t/f{i}", size=1, rows=n) for i, n in enumerate(rows)]
