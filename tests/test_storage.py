@@ -74,6 +74,27 @@ def test_an_engine_keeps_its_table_handles_current_with_other_writers_commits(tm
     assert reader.version_after("entity_updates", KEY, "replace_slice") == 1
 
 
+def test_slice_files_and_reads_pick_files_by_their_statistics(tmp_path):
+    engine, table = DeltaRsEngine(str(tmp_path)), "entity_updates"
+    engine.ensure(table, SCHEMAS[table])
+
+    def write(*rows):
+        writer = FileWriter(table, engine.uri(table), SCHEMAS[table], KEY)
+        for slice_key, status in rows:
+            writer.append({"slice": slice_key, "status": status})
+        (written,) = writer.close()
+        return written
+
+    a, b, both = write(("0000000001", 1)), write(("0000000002", 3)), write(("0000000001", 1), ("0000000002", 1))
+    engine.commit(table, SCHEMAS[table], add=[a, b, both], operation="test", slice_key=KEY)
+    assert [f.path for f in engine.slice_files(table, ["0000000001"])] == [a.path]  # never a file of two slices
+    assert sorted(f.path for f in engine.slice_files(table, ["0000000001", "0000000002"])) == sorted([a.path, b.path])
+    assert engine.slice_files(table, ["0000000003"]) == []
+    assert engine.read(table, where={"slice": "0000000002"}).column("status").to_pylist() in ([3, 1], [1, 3])
+    assert engine.read(table, where={"status": 3}).column("slice").to_pylist() == ["0000000002"]
+    assert len(engine.files(table)) == 3 and engine.files(table)[0].min.keys() >= {"slice"}
+
+
 def test_version_after_finds_old_commits_beyond_the_first_page_of_history(tmp_path):
     engine = DeltaRsEngine(str(tmp_path))
     engine.ensure("entities", SCHEMAS["entities"])
