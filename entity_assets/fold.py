@@ -30,6 +30,8 @@ FILES_DDL = "table string, path string, size long, rows long, stats string"
 
 COUNTER = "count:"
 """Report rows whose table starts with this are counters (rows = the count), not files."""
+APP_VERSION = "app_version:"
+"""Counters of devices_task: the change of an app version's device count in the slice."""
 REPLACED = "replaced:"
 """Report rows whose table starts with this name a state file (path: its URI) that the task rewrote."""
 
@@ -412,15 +414,25 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
 def devices_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
                  state_files: dict[int, list[str]], write_state: bool,
                  state_file_rows: int = shards.FILE_ROWS) -> Iterator[pa.RecordBatch]:
-    """Input: the slice's connections, sorted by (bucket, dbid, user, device, begun)."""
+    """Input: the slice's connections, sorted by (bucket, dbid, user, device, begun).
+
+    Counts the change of each app version's device count (counters "app_version:<version>"),
+    so the driver keeps the counts without reading the state.
+    """
     out = Outputs(slice_key, uris, storage_options)
     store = BucketStore(out.writer("devices"), notify.DEVICE_KEY, state_files, write_state, storage_options,
                         state_file_rows)
     for bucket, rows, keys in _buckets(batches, notify.DEVICE_KEY):
         store.switch(bucket, keys)
-        for connection in rows:
-            key = tuple(connection[c] for c in notify.DEVICE_KEY)
-            store.put(key, {**notify.seen(store.get(key), connection), "slice": slice_key, "bucket": bucket})
+        for key, connections in groupby(rows, key=lambda c: tuple(c[k] for k in notify.DEVICE_KEY)):
+            stored = device = store.get(key)
+            for connection in connections:
+                device = notify.seen(device, connection)
+            store.put(key, {**device, "slice": slice_key, "bucket": bucket})
+            if stored is None or stored["appVersion"] != device["appVersion"]:
+                if stored is not None:
+                    out.count(f"{APP_VERSION}{stored['appVersion']}", -1)
+                out.count(f"{APP_VERSION}{device['appVersion']}")
     out.close_state("devices", store)
     yield _arrow(out.report())
 

@@ -364,15 +364,20 @@ class DeltaRsEngine:
         operation: str,
         slice_key: str,
         app_txn: tuple[str, int] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> int:
-        """One Delta transaction: remove `remove`, add `add`, record the slice and app transaction."""
+        """One Delta transaction: remove `remove`, add `add`, record the slice and app transaction.
+
+        `metadata`: more commit info (names without the "entity_assets." prefix), see `commit_after`.
+        """
         from deltalake.transaction import AddAction, CommitProperties, RemoveAction, Transaction
 
         now = int(time.time() * 1000)
         actions = [RemoveAction(f.path, True, now, size=f.size) for f in remove]
         actions += [AddAction(f.path, f.size, {}, now, True, f.stats) for f in add]
         props = CommitProperties(
-            custom_metadata={"entity_assets.operation": operation, "entity_assets.slice": slice_key},
+            custom_metadata={"entity_assets.operation": operation, "entity_assets.slice": slice_key,
+                             **{f"entity_assets.{k}": v for k, v in (metadata or {}).items()}},
             app_transactions=[Transaction(*app_txn)] if app_txn else None,
         )
         dt = self._open(table)
@@ -387,7 +392,12 @@ class DeltaRsEngine:
                            operation="replace_slice", slice_key=slice_key)
 
     def version_after(self, table: str, slice_key: str, operation: str) -> int | None:
-        """The table version whose commit did `operation` for `slice_key` (newest first; None if never).
+        """The table version whose commit did `operation` for `slice_key` (newest first; None if never)."""
+        entry = self.commit_after(table, slice_key, operation)
+        return None if entry is None else entry["version"]
+
+    def commit_after(self, table: str, slice_key: str, operation: str) -> dict | None:
+        """The commit info of `version_after`'s commit: `version` and the `entity_assets.*` metadata.
 
         Reads the history newest first in growing pages: the commits a step asks for are
         recent, and a table's whole history grows with its age (~70 ms at 1,000 commits).
@@ -397,7 +407,7 @@ class DeltaRsEngine:
             entries = dt.history(limit)
             for entry in entries:
                 if entry.get("entity_assets.slice") == slice_key and entry.get("entity_assets.operation") == operation:
-                    return entry["version"]
+                    return entry
             if len(entries) < limit:
                 return None
             limit *= 4

@@ -269,6 +269,11 @@ def test_schema_updates_learning_devices_and_dead_letters(pipeline):
     assert {(r["dbid"], r["user"], r["device"]): r for r in rows(pipeline, "devices")} == devices
     assert pipeline.engine.applied("devices", common.STATE_APP) == 3
 
+    # a replay of slice 2 reports the counts of the state slice 2 made: the counts recorded on
+    # slice 1's commit plus slice 2's changes, folded again over the state as of slice 1
+    again = pipeline.materializations(pipeline.run(K2))["devices"]
+    assert again["replayed"] is True and again["app_versions"] == {"1.1": 2, "2.0": 1}
+
 
 # --------------------------------------------------------------------------- zones, devices, notifications
 
@@ -437,6 +442,25 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline
         failure.step_failure_data.error)
     run_slice(pipeline, [ack("device3", upTo=samples.ACK_ALL)], K4)
     assert notifications(K4) == {"device3": ("carol", 0, FUTURE + 10, FUTURE + 10)}
+
+
+def test_app_version_counts_come_from_the_commit_before_or_from_an_older_lake_s_state(tmp_path):
+    """Each devices commit records the counts of the state it makes; a lake written before that
+    (no counts on its commits) has them counted from the state's appVersion column once."""
+    from entity_assets.assets.devices import _app_versions_before
+    from entity_assets.storage import DeltaRsEngine, FileWriter
+    from entity_assets.tables import SCHEMAS
+
+    engine = DeltaRsEngine(str(tmp_path))
+    engine.ensure("devices", SCHEMAS["devices"])
+    writer = FileWriter("devices", engine.uri("devices"), SCHEMAS["devices"], K1, stats_columns=("slice", "bucket"))
+    for device, version in (("d1", "1.0"), ("d2", "1.0"), ("d3", "2.0")):
+        writer.append({"slice": K1, "dbid": DB, "user": "u", "device": device, "appVersion": version, "bucket": 0})
+    common.commit_state(engine, "devices", K1, writer.close(), [])  # as an older release committed it
+    assert _app_versions_before(engine, K1) == {}
+    assert _app_versions_before(engine, K2) == {"1.0": 2, "2.0": 1}
+    common.commit_state(engine, "devices", K2, [], [], metadata={"app_versions": json.dumps({"1.0": 1, "2.1": 2})})
+    assert _app_versions_before(engine, K3) == {"1.0": 1, "2.1": 2}  # recorded: the state is not read
 
 
 def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):

@@ -180,11 +180,21 @@ def collect_files(df) -> dict[str, list[DataFile]]:
     return by_table
 
 
-def pop_counts(files: dict[str, list[DataFile]]) -> Counter:
-    """Removes the tasks' counters from their report and adds them up (see fold.COUNTER); a missing one is 0."""
+def counters(files: dict[str, list[DataFile]]) -> Counter:
+    """The tasks' counters in their report, added up (see fold.COUNTER); a missing one is 0."""
     from entity_assets.fold import COUNTER
 
-    return Counter({t[len(COUNTER):]: sum(f.rows for f in files.pop(t)) for t in list(files) if t.startswith(COUNTER)})
+    return Counter({t[len(COUNTER):]: sum(f.rows for f in fs) for t, fs in files.items() if t.startswith(COUNTER)})
+
+
+def pop_counts(files: dict[str, list[DataFile]]) -> Counter:
+    """`counters`, removed from the report."""
+    from entity_assets.fold import COUNTER
+
+    counts = counters(files)
+    for t in [t for t in files if t.startswith(COUNTER)]:
+        del files[t]
+    return counts
 
 
 # --------------------------------------------------------------------------- state order
@@ -224,11 +234,11 @@ def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bo
     return False, version
 
 
-def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove) -> int:
+def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove, metadata: dict | None = None) -> int:
     from entity_assets.slices import slice_seq
 
     return engine.commit(table, SCHEMAS[table], add=add, remove=remove, operation="apply",
-                         slice_key=slice_key, app_txn=(STATE_APP, slice_seq(slice_key)))
+                         slice_key=slice_key, app_txn=(STATE_APP, slice_seq(slice_key)), metadata=metadata)
 
 
 def state_as_of(engine: DeltaRsEngine, table: str, slice_key: str):
@@ -255,16 +265,16 @@ def state_snapshot(engine: DeltaRsEngine, table: str, slice_key: str):
 
 
 def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: bool, snapshot,
-                   files: dict[str, list[DataFile]]) -> dict:
-    """Replaces the state files the slice's tasks rewrote (popped from `files`), in one commit;
-    a replayed slice leaves the state as it is."""
+                   files: dict[str, list[DataFile]], metadata: dict[str, str] | None = None) -> dict:
+    """Replaces the state files the slice's tasks rewrote (popped from `files`), in one commit
+    that records `metadata`; a replayed slice leaves the state as it is."""
     from entity_assets.fold import REPLACED
 
     new_state, replaced = files.pop(table, []), {f.path for f in files.pop(REPLACED + table, [])}
     if apply:
         removed = [f for f in snapshot if f.uri in replaced]
         summary = {"rows": sum(f.rows for f in new_state), "files": len(new_state), "replaced_files": len(removed),
-                   "version": commit_state(engine, table, slice_key, new_state, removed)}
+                   "version": commit_state(engine, table, slice_key, new_state, removed, metadata)}
     else:
         summary = {"rows": 0, "files": 0, "replaced_files": 0, "version": engine.version(table)}
     summary["replayed"] = not apply
@@ -290,6 +300,7 @@ def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: C
 
 def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: DeltaRsEngine, state_table: str,
                  slice_key: str, uris: dict[str, str], state_file_rows: int, rows: int | None = None,
+                 metadata: Callable[[Counter], dict[str, str]] | None = None,
                  **task_args) -> tuple[dict[str, list[DataFile]], dict]:
     """Runs a bucketed state fold (see fold.BucketStore) over a DataFrame and commits the state table.
 
@@ -297,6 +308,7 @@ def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: D
     sorted by `order`. Returns the other tables' files (for the caller to commit) and a
     summary of the state commit. `rows`: the input's row count when the caller knows it; with
     none, no Spark job runs, and the (empty) commit still records the slice in the state's order.
+    `metadata`: what the state commit records, made from the tasks' counters (in the summary too).
     """
     from functools import partial
 
@@ -309,7 +321,9 @@ def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: D
         fn = partial(task, slice_key=slice_key, uris=uris, storage_options=engine.storage_options,
                      state_files=state_files, write_state=apply, state_file_rows=state_file_rows, **task_args)
         files = collect_files(ordered.mapInArrow(fn, FILES_DDL))
-    summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files)
+    recorded = metadata(counters(files)) if metadata else None
+    summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files, recorded)
+    summary["metadata"] = recorded
     return files, summary
 
 

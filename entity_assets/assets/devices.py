@@ -1,5 +1,8 @@
 """Devices: who connects with which device and app version."""
 
+import json
+from collections import Counter
+
 import pyarrow.compute as pc
 from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
@@ -9,6 +12,10 @@ from entity_assets.core import STATE_BUCKETS
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import slices_partitions
 from resources import LakeResource, SparkResource
+
+APP_VERSIONS = "app_versions"
+"""Metadata of each devices state commit: the app-version counts of the state it makes (JSON)."""
+APP_VERSIONS_KEY = f"entity_assets.{APP_VERSIONS}"
 
 
 @asset(
@@ -32,18 +39,43 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
     seen = read_df(spark.session(), connections, "connections").select(
         *DEVICE_KEY, "clientid", "appVersion", "begun",
         (F.crc32(F.concat_ws("\x1f", *DEVICE_KEY)) % STATE_BUCKETS).cast("int").alias("bucket"))
+    # the app-version counts of the state the slice makes: the counts recorded by the slice
+    # before it plus this slice's changes, recorded on the state commit (no read of the state)
+    before = _app_versions_before(engine, key)
+
+    def record(counts: Counter) -> dict[str, str]:
+        after = Counter(before)
+        after.update({name[len(fold.APP_VERSION):]: n for name, n in counts.items() if name.startswith(fold.APP_VERSION)})
+        return {APP_VERSIONS: json.dumps({v: n for v, n in sorted(after.items()) if n})}
+
     # most slices carry no connections: then no Spark job runs, and the state records the slice
     files, summary = fold_buckets(spark, seen, DEVICE_KEY + ("begun",), fold.devices_task, engine=engine,
-                              state_table="devices", slice_key=key, uris={"devices": engine.uri("devices")},
-                              state_file_rows=lake.state_file_rows, rows=sum(f.rows for f in connections))
-    # the state this slice made (a replay made the same): its one column, read by the driver
-    made = engine.version_after("devices", key, "apply") if summary["replayed"] else summary["version"]
-    counts = pc.value_counts(engine.read("devices", made, ["appVersion"]).column("appVersion"))
-    app_versions = {v["values"]: v["counts"] for v in counts.to_pylist()}
+                                  state_table="devices", slice_key=key, uris={"devices": engine.uri("devices")},
+                                  state_file_rows=lake.state_file_rows, rows=sum(f.rows for f in connections),
+                                  metadata=record)
+    app_versions = json.loads(summary["metadata"][APP_VERSIONS])
     summary["rows"] = sum(app_versions.values())
     meta = table_metadata(engine, "devices", summary)
-    meta.update(app_versions=MetadataValue.json(dict(sorted(app_versions.items(), key=lambda kv: str(kv[0])))),
+    meta.update(app_versions=MetadataValue.json(app_versions),
                 connections_this_slice=MetadataValue.int(sum(f.rows for f in connections)),
                 replayed=MetadataValue.bool(summary["replayed"]))
     return MaterializeResult(metadata=meta, check_results=[
         one_row_per_key(engine, "devices", key, pop_counts(files), asset_key="devices", check_name="one_row_per_device")])
+
+
+def _app_versions_before(engine, slice_key: str) -> dict[str, int]:
+    """The app-version counts of the state a slice folds over: those recorded on the commit that
+    applied the slice before it, or, for a lake written before counts were recorded, counted
+    from that state's `appVersion` column."""
+    from entity_assets.slices import slice_key as key_of, slice_seq
+
+    seq = slice_seq(slice_key)
+    if seq == 1:
+        return {}
+    commit = engine.commit_after("devices", key_of(seq - 1), "apply")
+    if commit is None:
+        return {}  # no state before: state_version refuses such a slice, naming the missing one
+    if APP_VERSIONS_KEY in commit:
+        return json.loads(commit[APP_VERSIONS_KEY])
+    counts = pc.value_counts(engine.read("devices", commit["version"], ["appVersion"]).column("appVersion"))
+    return {v["values"]: v["counts"] for v in counts.to_pylist()}
