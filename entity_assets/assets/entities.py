@@ -195,6 +195,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     yield one_row_per_key(engine, "entities", key, counts, asset_key="entities", check_name="one_row_per_entity")
     yield one_row_per_key(engine, "schemas", key, counts, asset_key="schemas", check_name="one_row_per_database")
 
+
 def _preview(engine, key: str, n: int = 5) -> str:
     cols = ["entity", "collection", "zone", "part", "action", "after"]
     files = sorted(engine.slice_files("entity_updates", [key]), key=lambda f: f.rows)
