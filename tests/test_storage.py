@@ -95,6 +95,34 @@ def test_slice_files_and_reads_pick_files_by_their_statistics(tmp_path):
     assert len(engine.files(table)) == 3 and engine.files(table)[0].min.keys() >= {"slice"}
 
 
+def test_the_state_key_check_fails_on_repeated_keys_or_overlapping_shard_files(tmp_path):
+    from collections import Counter
+
+    from entity_assets.assets.common import commit_state, one_row_per_key
+
+    engine = DeltaRsEngine(str(tmp_path))
+
+    def state_file(table, shard, **row):
+        writer = FileWriter(table, engine.uri(table), SCHEMAS[table], KEY, stats_columns=("slice", "bucket"))
+        writer.write_table(SCHEMAS[table].empty_table(), [{"slice": KEY, "bucket": 0, **row}], tag=shard.tag)
+        return writer.close()
+
+    def check(table, repeated=0):
+        return one_row_per_key(engine, table, KEY, Counter({f"check:repeated_keys:{table}": repeated}),
+                               asset_key=table, check_name="one_row_per_key")
+
+    whole, (low, high) = shards.Shard(0, 0), shards.Shard(0, 0).halves()
+    engine.ensure("devices", SCHEMAS["devices"])  # a bucket's whole range and its lower half: keys in both
+    commit_state(engine, "devices", KEY, state_file("devices", whole, device="d1") + state_file("devices", low, device="d2"), [])
+    overlapping = check("devices")
+    assert overlapping.passed is False and overlapping.metadata["files_overlapping_another"].value == 1
+
+    engine.ensure("schemas", SCHEMAS["schemas"])  # the two halves: no overlap
+    commit_state(engine, "schemas", KEY, state_file("schemas", low, dbid="a") + state_file("schemas", high, dbid="b"), [])
+    assert check("schemas").passed is True
+    assert check("schemas", repeated=2).passed is False  # a task counted repeated keys in a file it wrote
+
+
 def test_version_after_finds_old_commits_beyond_the_first_page_of_history(tmp_path):
     engine = DeltaRsEngine(str(tmp_path))
     engine.ensure("entities", SCHEMAS["entities"])
