@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from entity_assets import core
-from entity_assets.kafka_io import BatchProducer
+from entity_assets.kafka_io import SpooledProducer
 
 
 def murmur2(data: bytes) -> int:
@@ -95,12 +95,13 @@ class Publishing:
 
 
 class Publisher:
-    """Publishes rows from inside a task as they are written, so each message is encoded once."""
+    """Publishes rows from inside a task: each message is encoded once, as its row is written,
+    and sent when the task's files are (`kafka_io.SpooledProducer`)."""
 
     def __init__(self, publishing: Publishing):
         self.publishing, self.topics = publishing, publishing.topics
         self._targets = {table: (topic, partitions, STREAMS[table]) for table, (topic, partitions) in self.topics.items()}
-        self.producer: BatchProducer | None = None  # on first use: a task with nothing to send connects nowhere
+        self.producer: SpooledProducer | None = None  # on first use: a task with nothing to send connects nowhere
 
     def send(self, table: str, row: dict, value: str | None = None) -> None:
         """`value`: the message text when the caller already has it (a result shared by streams)."""
@@ -108,7 +109,7 @@ class Publisher:
         if target is None:
             return
         if self.producer is None:
-            self.producer = BatchProducer(self.publishing.kafka_config)
+            self.producer = SpooledProducer(self.publishing.kafka_config)
         topic, partitions, stream = target
         partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
         self.producer.send(topic, stream.key(row), value if value is not None else stream.encode(row), partition)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from entity_assets.kafka_io import BatchProducer, ensure_topics, end_offsets
+from entity_assets.kafka_io import BatchProducer, SpooledProducer, ensure_topics, end_offsets, read_range
+from entity_assets.slices import OffsetRange
 
 
 def test_producer_counts_what_the_broker_acknowledged(broker):
@@ -23,6 +24,27 @@ def test_an_undelivered_record_fails_the_close_loudly(broker):
     producer.send("kafka-io-failed", "k", "v", partition=7)  # the topic has one partition
     with pytest.raises(RuntimeError, match="kafka-io-failed"):
         producer.close(timeout=30)
+
+
+def test_the_spooled_producer_sends_nothing_before_close_then_every_record_as_sent(broker, monkeypatch):
+    """Keys (none, empty, text), explicit partitions and records across the spool's read chunks."""
+    monkeypatch.setattr(SpooledProducer, "_CHUNK", 1000)
+    config = {"bootstrap.servers": broker.bootstrap}
+    ensure_topics(config, ["kafka-io-spooled-a", "kafka-io-spooled-b"], 2)
+    sent = [("kafka-io-spooled-a" if i % 3 else "kafka-io-spooled-b", [None, "", f"k{i}"][i % 3],
+             "v" * (i * 37 % 2500) + str(i), i % 2) for i in range(300)]
+    producer = SpooledProducer(config)
+    for topic, key, value, partition in sent:
+        producer.send(topic, key, value, partition)
+    assert sum(end_offsets(config, ["kafka-io-spooled-a", "kafka-io-spooled-b"]).values()) == 0
+    assert producer.close() == {"kafka-io-spooled-a": 200, "kafka-io-spooled-b": 100}
+    ends = end_offsets(config, ["kafka-io-spooled-a", "kafka-io-spooled-b"])
+    received = {(topic, p): [(m.key(), m.value()) for m in read_range(config, OffsetRange(topic, p, 0, end))]
+                for (topic, p), end in ends.items()}
+    for topic in ("kafka-io-spooled-a", "kafka-io-spooled-b"):
+        for p in (0, 1):
+            assert received[(topic, p)] == [(None if k is None else k.encode(), v.encode())
+                                            for t, k, v, q in sent if t == topic and q == p]
 
 
 def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch):
