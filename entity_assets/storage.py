@@ -313,26 +313,27 @@ class DeltaRsEngine:
     def slice_files(self, table: str, slice_keys: Iterable[str], version: int | None = None) -> list[TableFile]:
         """The files holding only rows of `slice_keys`, picked in Arrow: a stream table gains files
         at every slice, and making a Python record of each costs ~0.1 ms."""
-        actions, base = self._actions(table, version)
+        actions, dt = self._actions(table, version)
         if f"min.{SLICE}" not in actions.column_names:
             return []
         low, high = actions[f"min.{SLICE}"], actions[f"max.{SLICE}"]
         keys = pa.array(sorted(set(slice_keys)), low.type)
-        return self._table_files(actions.filter(pc.and_(pc.is_in(low, value_set=keys), pc.equal(low, high))), base)
+        return self._table_files(actions.filter(pc.and_(pc.is_in(low, value_set=keys), pc.equal(low, high))), dt)
 
-    def _actions(self, table: str, version: int | None = None, layout: pa.Schema | None = None) -> tuple[pa.Table, str]:
-        """The snapshot's add actions with the statistics some file has (most columns have none)."""
+    def _actions(self, table: str, version: int | None = None, layout: pa.Schema | None = None):
+        """The snapshot's add actions with the statistics some file has (most columns have none),
+        and the snapshot's handle."""
         dt = self._open(table, version)
         if layout is not None:
             self._check_layout(table, dt, layout)
         actions = pa.table(dt.get_add_actions(flatten=True))
         stats = [c for c in actions.column_names
                  if c.startswith(("min.", "max.")) and actions[c].null_count < actions.num_rows]
-        return actions.select(["path", "size_bytes", "num_records", *stats]), dt.table_uri.rstrip("/")
+        return actions.select(["path", "size_bytes", "num_records", *stats]), dt
 
     @staticmethod
-    def _table_files(actions: pa.Table, base: str) -> list[TableFile]:
-        out = []
+    def _table_files(actions: pa.Table, dt) -> list[TableFile]:
+        base, out = dt.table_uri.rstrip("/"), []
         for a in actions.to_pylist():
             mins = {k[4:]: v for k, v in a.items() if k.startswith("min.")}
             maxs = {k[4:]: v for k, v in a.items() if k.startswith("max.")}
@@ -418,13 +419,13 @@ class DeltaRsEngine:
 
         `where` holds column equalities; files whose min/max exclude them are skipped.
         """
-        actions, base = self._actions(table, version)
+        actions, dt = self._actions(table, version)
         for k, v in (where or {}).items():  # in Arrow, as in slice_files: slice_manifests gains a file per slice
             if f"min.{k}" in actions.column_names:
                 low, high = actions[f"min.{k}"], actions[f"max.{k}"]
                 actions = actions.filter(pc.or_kleene(pc.is_null(low), pc.and_(pc.less_equal(low, v), pc.greater_equal(high, v))))
-        files = self._table_files(actions, base)
-        schema = pa.schema(self._open(table, version).schema().to_arrow())
+        files = self._table_files(actions, dt)
+        schema = pa.schema(dt.schema().to_arrow())
         if columns:
             schema = pa.schema([schema.field(c) for c in columns])
         parts = [pq.read_table(f.uri, columns=columns) for f in files]
