@@ -26,6 +26,9 @@ import pyarrow.parquet as pq
 ROW_GROUP_ROWS = 65_536
 """Readers hold a row group's column chunks at once: bounded row groups keep them small."""
 
+READ_BATCH_ROWS = 20_000
+"""Rows per Arrow batch where a reader streams a file (`read_batches`)."""
+
 SLICE = "slice"
 """Every table carries the slice key column; file statistics on it find a slice's files."""
 
@@ -177,28 +180,43 @@ def read_table(uri: str, storage_options: dict[str, str] | None = None, columns:
 
 
 def repeated_deliveries(slice_uris: Sequence[str], prior_uris: Sequence[str], identity: Sequence[str],
-                        coordinates: Sequence[str], storage_options: dict[str, str] | None = None) -> set[tuple]:
+                        coordinates: Sequence[str], storage_options: dict[str, str] | None = None, *,
+                        split_by: str | None = None, part: int = 0, parts: int = 1) -> set[tuple]:
     """The coordinates of a slice's rows whose identity came before: at lower coordinates in the
-    slice, or in the rows of `prior_uris`. Reads only identity and coordinate columns, the prior
-    files batch by batch, keeping just the identities the slice has."""
+    slice, or in the rows of `prior_uris`. Reads only identity and coordinate columns, and finds
+    repeats with Arrow's hash aggregates and joins: only the (normally few) repeated rows become
+    Python objects.
+
+    `parts` (a power of two) tasks share the work: each keeps the identities whose integer
+    column `split_by` has `part` as its low bits, so it holds 1/parts of the slice.
+    """
+    identity = list(identity)
     rows = pa.concat_tables([read_table(uri, storage_options, [*identity, *coordinates]) for uri in slice_uris])
-    deliveries = sorted(zip(*(rows.column(c).to_pylist() for c in coordinates), key_strings(rows, identity).to_pylist()))
-    first: dict[str, tuple] = {}
-    found = set()
-    for *at, key in deliveries:
-        if key in first:
-            found.add(tuple(at))
-        else:
-            first[key] = tuple(at)
-    wanted = pa.array(list(first), pa.string())
+    if parts > 1:
+        rows = rows.filter(pc.equal(pc.bit_wise_and(rows.column(split_by), parts - 1), part))
+    if not rows.num_rows:
+        return set()
+    counts = rows.group_by(identity, use_threads=False).aggregate([([], "count_all")])
+    twice = counts.filter(pc.greater(counts.column("count_all"), 1)).select(identity)
+    deliveries: dict[tuple, list[tuple]] = {}
+    for row in rows.join(twice, identity, join_type="left semi", use_threads=False).to_pylist():
+        deliveries.setdefault(tuple(row[c] for c in identity), []).append(tuple(row[c] for c in coordinates))
+    found = {at for ats in deliveries.values() for at in sorted(ats)[1:]}  # all but the first delivery
+    # seen in the window: every delivery in the slice is a redelivery. The window is read in
+    # batches of about the slice's size (not split: the join keeps only this part's identities),
+    # each probed against the slice's identities: the join builds its table on those, the
+    # driver's memory stays that of a small batch and a task's work stays linear in the window
+    keys = rows.select(identity)
     for uri in prior_uris:
-        for batch in read_batches(uri, storage_options, columns=list(identity)):
-            keys = key_strings(batch, identity)
-            found.update(first[key] for key in keys.filter(pc.is_in(keys, value_set=wanted)).to_pylist())
+        for batch in read_batches(uri, storage_options, max(READ_BATCH_ROWS, rows.num_rows), columns=identity):
+            seen = pa.Table.from_batches([batch]).join(keys, identity, join_type="left semi", use_threads=False)
+            if seen.num_rows:
+                again = rows.join(seen, identity, join_type="left semi", use_threads=False)
+                found.update(zip(*(again.column(c).to_pylist() for c in coordinates)))
     return found
 
 
-def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_size: int = 20_000,
+def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_size: int = READ_BATCH_ROWS,
                  columns: list[str] | None = None):
     """A parquet file's rows in bounded Arrow batches.
 

@@ -351,15 +351,14 @@ def snapshot(pipeline) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("driver_rows", "broadcast_rows", "state_file_rows"),
-                         [(common.DRIVER_ROWS, common.BROADCAST_ROWS, None), (0, common.BROADCAST_ROWS, None), (0, 0, 1)],
-                         ids=["driver", "window-scan", "shuffle-join-one-key-state-files"])
+@pytest.mark.parametrize(("driver_rows", "state_file_rows"), [(common.DRIVER_ROWS, None), (0, 1)],
+                         ids=["driver", "split-tasks-one-key-state-files"])
 def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipeline, monkeypatch, driver_rows,
-                                                                      broadcast_rows, state_file_rows):
-    # every way of finding earlier deliveries: in the driver, and in Spark with or without a shuffle;
-    # and state files of one key each, so every bucket is split into shards and rewritten shard by shard
+                                                                      state_file_rows):
+    # both ways of finding earlier deliveries: in the driver, and in Spark tasks that split the
+    # identities among them; and state files of one key each, so every bucket is split into
+    # shards and rewritten shard by shard
     monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
-    monkeypatch.setattr(common, "BROADCAST_ROWS", broadcast_rows)
     pipeline = make_pipeline(state_file_rows=state_file_rows)
     first, second = slice_records()
     pipeline.produce(first)

@@ -1,5 +1,5 @@
 """Task-side files: row groups per bucket, reading one bucket back, footer bounds, bucket
-rewrites by shard and small-slice redeliveries (no Spark)."""
+rewrites by shard and redeliveries, whole or split among tasks (no Spark)."""
 
 import json
 
@@ -240,7 +240,8 @@ def test_a_bucket_left_untouched_is_not_rewritten(tmp_path):
     assert rewrite.close() == []
 
 
-def test_small_slice_redeliveries_within_the_slice_and_from_the_window(tmp_path):
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_redeliveries_within_the_slice_and_from_the_window_whatever_the_split(tmp_path, parts):
     schema = pa.schema([("clientid", pa.string()), ("request", pa.int64()), ("kafka_topic", pa.string()),
                         ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64())])
 
@@ -252,14 +253,20 @@ def test_small_slice_redeliveries_within_the_slice_and_from_the_window(tmp_path)
         return {"clientid": client, "request": request, "kafka_topic": "t", "kafka_partition": partition,
                 "kafka_offset": offset}
 
-    prior = write("prior.parquet", [delivery("c1", 1, 0, 0), delivery("c2", 7, 1, 0)])
+    prior = write("prior.parquet", [delivery("c1", 1, 0, 0), delivery("c2", 7, 1, 0), delivery("c3", 3, 1, 1)])
     this = write("slice.parquet", [
         delivery("c1", 2, 0, 5), delivery("c1", 2, 1, 3),  # the same request twice: the later copy is repeated
         delivery("c2", 7, 0, 6),                           # seen in the window
         delivery("c1", 7, 0, 7),                           # another client's request id: new
+        delivery("c4", -5, 2, 9), delivery("c4", -5, 2, 1), delivery("c4", -5, 3, 0),  # three times: two repeats
+        delivery("c3", 3, 3, 4), delivery("c3", 3, 0, 8),  # in the window and twice here: both repeats
     ])
-    found = repeated_deliveries([this], [prior], ("clientid", "request"), ("kafka_topic", "kafka_partition", "kafka_offset"))
-    assert found == {("t", 1, 3), ("t", 0, 6)}
+    found = set()
+    for part in range(parts):  # the tasks' shares add up to the whole
+        found |= repeated_deliveries([this], [prior], ("clientid", "request"),
+                                     ("kafka_topic", "kafka_partition", "kafka_offset"),
+                                     split_by="request", part=part, parts=parts)
+    assert found == {("t", 1, 3), ("t", 0, 6), ("t", 2, 9), ("t", 3, 0), ("t", 3, 4), ("t", 0, 8)}
 
 
 def test_a_table_of_an_older_layout_is_refused_with_how_to_rebuild_it(tmp_path):

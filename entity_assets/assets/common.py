@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from dagster import AssetCheckResult, Failure, MetadataValue
 
@@ -55,7 +56,6 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
     writes and publishes `table`, committed here as the slice's rows (see `commit_stream`).
     """
-    from functools import partial
 
     from entity_assets.fold import over_files
 
@@ -109,11 +109,12 @@ def read_df(spark, files, table: str):
 
 COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
 DRIVER_ROWS = 10_000
-"""A slice up to this many rows looks for its redeliveries in the driver, reading identity
-columns only: cheaper than the fixed cost of Spark jobs (as every small slice of a busy
-stream would pay)."""
-BROADCAST_ROWS = 200_000
-"""A slice up to this many rows is sent whole to every task that scans the dedupe window."""
+"""A slice up to this many rows looks for its redeliveries in the driver: cheaper than the
+fixed cost of a Spark job (as every small slice of a busy stream would pay)."""
+SPLIT_BY = "request"
+"""Every identity holds the request number: its low bits split the search among tasks."""
+SPLIT_ROWS = 1_000_000
+"""Rows of the slice one redelivery task holds at most (identity and coordinates only)."""
 
 
 def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
@@ -122,12 +123,10 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
 
     A row is a redelivery when a row with the same `identity` came earlier in this slice (by
     Kafka coordinates) or in the `window` slices before it. Those slices must be ingested,
-    so a slice refuses to go before them. Only identity and coordinate columns are read: by
-    the driver for a small slice, by Spark for a larger one, from which only the (normally
-    few) redeliveries come back to the driver.
+    so a slice refuses to go before them. Only identity and coordinate columns are read
+    (`storage.repeated_deliveries`): by the driver for a small slice, else by tasks that
+    split the identities among them, from which only the redeliveries come back.
     """
-    from pyspark.sql import functions as F
-
     from entity_assets.slices import slice_key as key_of, slice_seq
 
     seq = slice_seq(slice_key)
@@ -139,26 +138,14 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     if not rows_in:  # nothing to look for: no Spark job (most slices carry no schema patches)
         return 0, frozenset()
     prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
+    find = partial(repeated_deliveries, [f.uri for f in files], [f.uri for f in prior], identity, COORDINATES,
+                   engine.storage_options, split_by=SPLIT_BY)
     if rows_in <= DRIVER_ROWS:
-        return rows_in, frozenset(repeated_deliveries([f.uri for f in files], [f.uri for f in prior], identity,
-                                                      COORDINATES, engine.storage_options))
-    rows = read_df(spark, files, table).select(*identity, *COORDINATES)
-    # repeated within the slice: a counting aggregate finds the (few) identities, then their rows;
-    # all but the first delivery of each are redeliveries
-    twice = rows.groupBy(*identity).count().filter("count > 1").drop("count")
-    deliveries: dict[tuple, list[tuple]] = defaultdict(list)
-    for r in rows.join(F.broadcast(twice), list(identity), "left_semi").collect():
-        deliveries[tuple(r[c] for c in identity)].append(tuple(r[c] for c in COORDINATES))
-    found = {at for ats in deliveries.values() for at in sorted(ats)[1:]}
-    # seen in the slices before: every delivery in this slice is a redelivery
-    if prior:
-        seen = read_df(spark, prior, table).select(*identity)
-        if rows_in <= BROADCAST_ROWS:  # a small slice: scan the window, no shuffle
-            hits = seen.join(F.broadcast(rows), list(identity)).select(*COORDINATES).distinct()
-        else:
-            hits = rows.join(seen, list(identity), "left_semi").select(*COORDINATES)
-        found.update(tuple(r) for r in hits.collect())
-    return rows_in, frozenset(found)
+        return rows_in, frozenset(find())
+    parts = max(spark.sparkContext.defaultParallelism, -(-rows_in // SPLIT_ROWS))
+    parts = 1 << (parts - 1).bit_length()  # a power of two
+    found = spark.sparkContext.parallelize(range(parts), parts).flatMap(lambda part: find(part=part, parts=parts))
+    return rows_in, frozenset(found.collect())
 
 
 def first_deliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
@@ -310,7 +297,6 @@ def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: D
     none, no Spark job runs, and the (empty) commit still records the slice in the state's order.
     `metadata`: what the state commit records, made from the tasks' counters (in the summary too).
     """
-    from functools import partial
 
     from entity_assets.fold import FILES_DDL
 
