@@ -354,11 +354,10 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
         if count_by is not None:
             for vc in pc.value_counts(batch.column(count_by)).to_pylist():
                 out.count(f"{count_by}:{vc['values']}", vc["counts"])
-        if out.publisher is None:
-            out.writer(target).write_table(pa.Table.from_batches([batch]))
-        else:
+        out.writer(target).append_table(pa.Table.from_batches([batch]))  # the rows stay in Arrow
+        if out.publisher is not None:
             for row in to_rows(batch):
-                out.emit(target, row)
+                out.publisher.send(target, row)
     yield _arrow(out.report())
 
 

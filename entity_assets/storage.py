@@ -93,12 +93,24 @@ class FileWriter:
         self._fs, self._root = _filesystem(table_uri, storage_options)
         self._struct = pa.struct(list(schema))
         self._rows: list[dict] = []
+        self._tables: list[pa.Table] = []
+        self._table_rows = 0
         self.files: list[DataFile] = []
 
     def append(self, row: dict) -> None:
         """Buffers `row` as it is (columns by name, extra keys ignored): do not change it afterwards."""
         self._rows.append(row)
-        if len(self._rows) >= self.max_rows:
+        if len(self._rows) + self._table_rows >= self.max_rows:
+            self.flush()
+
+    def append_table(self, data: pa.Table) -> None:
+        """Buffers Arrow rows (already holding the slice column): no conversion to Python objects.
+
+        A file holds the buffered tables' rows before the dicts' (`append`).
+        """
+        self._tables.append(data.select(self.schema.names).cast(self.schema))
+        self._table_rows += data.num_rows
+        if len(self._rows) + self._table_rows >= self.max_rows:
             self.flush()
 
     def write_table(self, data: pa.Table, rows: Sequence[dict] = (), tag: str | None = None) -> None:
@@ -114,8 +126,10 @@ class FileWriter:
 
     def flush(self) -> None:
         if self._rows:
-            data = pa.Table.from_batches([from_rows(self._rows, self._struct)])
-            self._rows = []
+            self._tables.append(pa.Table.from_batches([from_rows(self._rows, self._struct)]))
+        if self._tables:
+            data = pa.concat_tables(self._tables)
+            self._rows, self._tables, self._table_rows = [], [], 0
             self._write(data)
 
     def close(self) -> list[DataFile]:

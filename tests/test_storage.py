@@ -48,6 +48,20 @@ def test_patches_get_one_row_group_per_bucket_and_a_bucket_reads_back_alone(tmp_
     assert read_row_groups(uris, "bucket", 9).num_rows == 0
 
 
+def test_arrow_rows_are_buffered_into_bounded_files_like_dict_rows(tmp_path):
+    writer = FileWriter("entity_patches", str(tmp_path), SCHEMAS["entity_patches"], KEY, max_rows=50)
+    arrow = pa.Table.from_pylist([patch_row(i) for i in range(30)], SCHEMAS["entity_patches"])
+    with pytest.raises(KeyError):  # a column missing is an error, not nulls
+        writer.append_table(arrow.drop_columns(["zone"]))
+    for _ in range(3):  # 90 rows: one file at the bound, the rest at close
+        writer.append_table(arrow)
+    writer.append(patch_row(99))
+    files = writer.close()
+    assert [f.rows for f in files] == [60, 31]
+    rows = [r for f in files for r in read_table(str(tmp_path / f.path)).to_pylist()]
+    assert [r["entity"] for r in rows[-2:]] == ["e29", "e99"]  # Arrow rows, then the dicts
+
+
 def test_footer_bounds_cover_every_row_group_of_the_slice(tmp_path):
     engine = DeltaRsEngine(str(tmp_path))
     engine.ensure("entity_updates", SCHEMAS["entity_updates"])
