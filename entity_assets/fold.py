@@ -316,19 +316,20 @@ def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: di
 
 # --------------------------------------------------------------------------- learning and notifications
 
-def learn_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Partial learning summaries per (dbid, collection): small, merged on the driver."""
+def learn_task(tasks: Iterator[dict], *, storage_options) -> Iterator[dict]:
+    """Partial learning summaries per (dbid, collection) of the entity rows in each task's files
+    ({"uris"}): small, merged on the driver. The task reads its parquet itself, three columns."""
     from entity_assets.learning import Summary
 
     summaries: dict[tuple[str, str], Summary] = {}
-    for row in _rows(batches):
-        doc = core.loads(row["after"])
-        if isinstance(doc, dict):
-            summaries.setdefault((row["dbid"], row["collection"]), Summary()).observe(doc)
-    yield pa.RecordBatch.from_pylist(
-        [{"dbid": d, "collection": c, "summary": s.to_json()} for (d, c), s in summaries.items()],
-        schema=pa.schema([("dbid", pa.string()), ("collection", pa.string()), ("summary", pa.string())]),
-    )
+    for task in tasks:
+        for uri in task["uris"]:
+            for batch in read_batches(uri, storage_options, columns=["dbid", "collection", "after", "kind"]):
+                for row in to_rows(batch.filter(pc.equal(batch.column("kind"), "entity"))):
+                    doc = core.loads(row["after"])
+                    if isinstance(doc, dict):
+                        summaries.setdefault((row["dbid"], row["collection"]), Summary()).observe(doc)
+    yield from ({"dbid": d, "collection": c, "summary": s.to_json()} for (d, c), s in summaries.items())
 
 
 def over_files(tasks: Iterator[dict], *, body, storage_options, **kwargs) -> Iterator[dict]:

@@ -17,16 +17,20 @@ def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str]) -> None:
         engine.ensure(table, SCHEMAS[table])
 
 
+def collect_tasks(spark, tasks: list[dict], fn: Callable) -> list:
+    """Runs `fn` (a mapPartitions body) over `tasks` on the executors, one Spark task each; returns what it yields."""
+    if not tasks:
+        return []
+    return spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(fn).collect()
+
+
 def run_tasks(spark, tasks: list[dict], fn: Callable) -> dict[str, list[DataFile]]:
-    """Runs `fn` over `tasks` on the executors, one Spark task each; returns the files by table.
+    """`collect_tasks` whose tasks report the files they wrote; returns the files by table.
 
     Only file records come back to the driver, never rows.
     """
-    if not tasks:
-        return {}
-    rdd = spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(fn)
     by_table: dict[str, list[DataFile]] = defaultdict(list)
-    for d in rdd.collect():
+    for d in collect_tasks(spark, tasks, fn):
         by_table[d["table"]].append(DataFile(**d))
     return by_table
 

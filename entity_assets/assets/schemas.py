@@ -1,6 +1,7 @@
 """Schema learning: the entity-type schema inferred per collection from the learning stream."""
 
 import json
+from functools import partial
 
 from dagster import (
     AssetCheckResult,
@@ -13,14 +14,12 @@ from dagster import (
 )
 
 from entity_assets import fold
-from entity_assets.assets.common import commit_state, ensure_tables, read_df, state_as_of, table_metadata
+from entity_assets.assets.common import collect_tasks, commit_state, ensure_tables, file_tasks, state_as_of, table_metadata
 from entity_assets.learning import Summary, disagreements, entity_types, infer
 from entity_assets.partitions import slices_partitions
 from entity_assets.storage import FileWriter
 from entity_assets.tables import SCHEMAS
-from resources import LakeResource, SparkResource
-
-SUMMARY_DDL = "dbid string, collection string, summary string"
+from resources import LakeResource, SlicingResource, SparkResource
 
 
 @multi_asset(
@@ -33,22 +32,20 @@ SUMMARY_DDL = "dbid string, collection string, summary string"
                                 description="observed entities agree with the declared schema")],
     partitions_def=slices_partitions,
 )
-def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource):
+def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, slicing: SlicingResource):
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["learned_schemas"])
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
-    session = spark.session()
-    # each task summarizes the rows it reads where they are (no shuffle); summaries merge exactly
-    learning = read_df(session, engine.slice_files("schema_learning", [key]), "schema_learning").filter(
-        "kind = 'entity'").select("dbid", "collection", "after")
-    partials = learning.mapInArrow(fold.learn_task, SUMMARY_DDL)
+    # each task summarizes the rows of its files (no shuffle); summaries merge exactly
+    tasks = file_tasks(engine.slice_files("schema_learning", [key]), slicing.max_messages_per_task, spark.parallelism())
+    partials = collect_tasks(spark.session(), tasks, partial(fold.learn_task, storage_options=engine.storage_options))
 
     summaries: dict[tuple[str, str], Summary] = {}
     for row in engine.read("learned_schemas", version).to_pylist():
         summaries[(row["dbid"], row["collection"])] = Summary.from_json(row["summary"])
     observed_now = 0
-    for row in partials.collect():
+    for row in partials:
         part = Summary.from_json(row["summary"])
         observed_now += part.observed
         summaries.setdefault((row["dbid"], row["collection"]), Summary()).merge(part)
