@@ -318,17 +318,16 @@ def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: di
 
 def learn_task(tasks: Iterator[dict], *, storage_options) -> Iterator[dict]:
     """Partial learning summaries per (dbid, collection) of the entity rows in each task's files
-    ({"uris"}): small, merged on the driver. The task reads its parquet itself, three columns."""
+    ({"uris"}): small, merged on the driver. The task reads its parquet itself, four columns of it."""
     from entity_assets.learning import Summary
 
     summaries: dict[tuple[str, str], Summary] = {}
     for task in tasks:
-        for uri in task["uris"]:
-            for batch in read_batches(uri, storage_options, columns=["dbid", "collection", "after", "kind"]):
-                for row in to_rows(batch.filter(pc.equal(batch.column("kind"), "entity"))):
-                    doc = core.loads(row["after"])
-                    if isinstance(doc, dict):
-                        summaries.setdefault((row["dbid"], row["collection"]), Summary()).observe(doc)
+        for batch in _file_batches(task, storage_options, ["dbid", "collection", "after", "kind"]):
+            for row in to_rows(batch.filter(pc.equal(batch.column("kind"), "entity"))):
+                doc = core.loads(row["after"])
+                if isinstance(doc, dict):
+                    summaries.setdefault((row["dbid"], row["collection"]), Summary()).observe(doc)
     yield from ({"dbid": d, "collection": c, "summary": s.to_json()} for (d, c), s in summaries.items())
 
 
@@ -338,9 +337,14 @@ def over_files(tasks: Iterator[dict], *, body, storage_options, **kwargs) -> Ite
     The task reads its parquet files itself: no scan in Spark's JVM, no Arrow hand-over.
     """
     for task in tasks:
-        batches = (b for uri in task["uris"] for b in read_batches(uri, storage_options))
-        for report in body(batches, storage_options=storage_options, **kwargs):
+        for report in body(_file_batches(task, storage_options), storage_options=storage_options, **kwargs):
             yield from to_rows(report)
+
+
+def _file_batches(task: dict, storage_options, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """The rows of a task's files ({"uris"}), batch by batch."""
+    for uri in task["uris"]:
+        yield from read_batches(uri, storage_options, columns=columns)
 
 
 def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str, uris: dict[str, str],

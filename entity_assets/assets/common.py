@@ -60,7 +60,6 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
     writes and publishes `table`, committed here as the slice's rows (see `commit_stream`).
     """
-
     from entity_assets.fold import over_files
 
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
@@ -301,7 +300,6 @@ def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: D
     none, no Spark job runs, and the (empty) commit still records the slice in the state's order.
     `metadata`: what the state commit records, made from the tasks' counters (in the summary too).
     """
-
     from entity_assets.fold import FILES_DDL
 
     apply, snapshot, state_files = state_snapshot(engine, state_table, slice_key)
