@@ -108,7 +108,7 @@ class FileWriter:
 
         A file holds the buffered tables' rows before the dicts' (`append`).
         """
-        self._tables.append(data.select(self.schema.names).cast(self.schema))
+        self._tables.append(self._conform(data))
         self._table_rows += data.num_rows
         if len(self._rows) + self._table_rows >= self.max_rows:
             self.flush()
@@ -118,15 +118,21 @@ class FileWriter:
 
         `tag`: put in the file's name (a state file's shard).
         """
-        data = data.select(self.schema.names).cast(self.schema)
+        data = self._conform(data)
         if rows:
-            data = pa.concat_tables([data, pa.Table.from_batches([from_rows(list(rows), self._struct)])])
+            data = pa.concat_tables([data, self._from_dicts(list(rows))])
         if data.num_rows:
             self._write(data, tag)
 
+    def _conform(self, data: pa.Table) -> pa.Table:
+        return data.select(self.schema.names).cast(self.schema)
+
+    def _from_dicts(self, rows: list[dict]) -> pa.Table:
+        return pa.Table.from_batches([from_rows(rows, self._struct)])
+
     def flush(self) -> None:
         if self._rows:
-            self._tables.append(pa.Table.from_batches([from_rows(self._rows, self._struct)]))
+            self._tables.append(self._from_dicts(self._rows))
         if self._tables:
             data = pa.concat_tables(self._tables)
             self._rows, self._tables, self._table_rows = [], [], 0
