@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import (
     REPO, BenchEnv, Profiler, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, print_profile,
-    step_seconds,
+    step_seconds, step_windows,
 )
 
 CORE_STEPS = ["ingest", "entity_patches", "apply_patches"]
@@ -75,6 +75,14 @@ def child_reference(args) -> dict:
                           str(args.entities), "--devices", str(args.devices), "--seed", str(args.seed)]
                          + (["--graph"] if args.graph else []), check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def _sum_cpu(parts) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for part in parts:
+        for group, v in part.items():
+            total[group] = total.get(group, 0.0) + v
+    return total
 
 
 def main(argv=None) -> int:
@@ -131,6 +139,7 @@ def main(argv=None) -> int:
         per_s = reference["patches"] / run.s  # the same patches as the reference (subscriptions included)
         peak_big = driver_peak_mb()  # before the small slice, whose redelivery scan reads the window in the driver
         step_s = step_seconds(summaries)
+        step_cpu = {step: _sum_cpu(sampler.cpu_between(*w) for w in ws) for step, ws in step_windows(summaries).items()}
 
         # fixed cost: one 100-message slice through the same path
         produce(env, 100, 100, 0, learning, args.seed + 1)  # 100 entities: ~every state bucket
@@ -150,8 +159,11 @@ def main(argv=None) -> int:
           f"{start.s:.1f}s excluded)")
     print(f"reference fold     {reference['per_s']:,.0f} patches/s (one process, no storage)")
     print(f"ratio              {ratio:.2f} (target >= {target})")
+    print(f"  {'step':<27} {'wall':>6}  {'patches/s':>12}   CPU-s: {'workers':>7} {'jvm':>5} {'broker':>6} {'driver':>6}")
     for step, sec in step_s.items():
-        print(f"  step {step:<22} {sec:6.1f}s  {reference['patches'] / sec if sec else 0:>12,.0f} patches/s")
+        c = step_cpu.get(step, {})
+        print(f"  step {step:<22} {sec:6.1f}s  {reference['patches'] / sec if sec else 0:>12,.0f}          "
+              + " ".join(f"{c.get(g, 0):{w}.1f}" for g, w in (("workers", 7), ("jvm", 5), ("broker", 6), ("driver", 6))))
     print(f"100-message slice  {fixed:.1f}s (fixed cost of one slice run): "
           + ", ".join(f"{step} {sec:.1f}s" for step, sec in fixed_steps.items()))
     cpu = sampler.cpu()
@@ -162,7 +174,8 @@ def main(argv=None) -> int:
                   graph=int(args.graph), devices=args.devices, spark_start_s=round(start.s, 1),
                   fixed_100_s=round(fixed, 1), peak_driver_mb=round(driver_peak_mb()), peak_driver_big_mb=round(peak_big),
                   **{f"{k}_s": round(v, 1) for k, v in step_s.items()},
-                  **{f"cpu_{k}_s": round(v, 1) for k, v in cpu.items()}))
+                  **{f"cpu_{k}_s": round(v, 1) for k, v in cpu.items()},
+                  **{f"{step}_cpu_{g}_s": round(v, 1) for step, c in step_cpu.items() for g, v in c.items()}))
     return 0
 
 

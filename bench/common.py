@@ -69,6 +69,24 @@ def step_seconds(summaries: list[dict]) -> dict[str, float]:
     return total
 
 
+def step_windows(summaries: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """(start, end) unix times of each step's executions over slice runs, from the runs' event logs."""
+    from dagster import DagsterInstance
+
+    instance, windows = DagsterInstance.get(), {}
+    for summary in summaries:
+        started: dict[str, float] = {}
+        for entry in instance.all_logs(summary["run_id"]):
+            event = entry.dagster_event
+            if event is None or event.step_key is None:
+                continue
+            if event.event_type_value == "STEP_START":
+                started[event.step_key] = entry.timestamp
+            elif event.event_type_value == "STEP_SUCCESS" and event.step_key in started:
+                windows.setdefault(event.step_key, []).append((started.pop(event.step_key), entry.timestamp))
+    return windows
+
+
 def kv_line(**values) -> str:
     """The machine-readable last line: `k=v` pairs, floats rounded, no spaces inside values."""
     def fmt(v):
@@ -191,6 +209,8 @@ class ResourceSampler:
         self._first: dict[int, float] = {}
         self._last: dict[int, float] = {}
         self._group: dict[int, str] = {}
+        self.timeline: list[tuple[float, dict[str, float]]] = []
+        """(unix time, CPU seconds per group since the window opened) at each sample: `cpu_between`."""
         self.workers_peak_mb = 0.0
         self.workers_max = 0
         self.worker_hwm_mb: dict[int, float] = {}
@@ -231,6 +251,8 @@ class ResourceSampler:
                 hwm = vm_hwm_mb(pid)
                 if hwm is not None:
                     self.worker_hwm_mb[pid] = hwm
+        if self._started is not None:
+            self.timeline.append((time.time(), self._totals()))
         if rss > self.workers_peak_mb:
             self.workers_peak_mb = rss
             self.workers_max = sum(1 for g in pids.values() if g == "workers")
@@ -254,12 +276,27 @@ class ResourceSampler:
         self.busy_s = system_busy_s() - self._busy0
         self.wall_s = time.perf_counter() - self._started
 
-    def cpu(self) -> dict[str, float]:
+    def _totals(self) -> dict[str, float]:
         out = {"driver": 0.0, "jvm": 0.0, "workers": 0.0, "broker": 0.0}
         for pid, last in self._last.items():
             out[self._group[pid]] += last - self._first[pid]
+        return out
+
+    def cpu(self) -> dict[str, float]:
+        out = self._totals()
         out["foreign"] = max(0.0, self.busy_s - sum(out.values()))
         return out
+
+    def cpu_between(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds per group between two unix times, from the samples nearest to them.
+
+        Tells a step's JVM or broker time apart, which a Python profile cannot see.
+        """
+        def at(t: float) -> dict[str, float]:
+            return min(self.timeline, key=lambda sample: abs(sample[0] - t))[1] if self.timeline else {}
+
+        before, after = at(start), at(end)
+        return {group: after[group] - before[group] for group in after}
 
 
 # --------------------------------------------------------------------------- environment and broker
