@@ -36,9 +36,14 @@ def loads(text: str | bytes):
     return from_json(text)
 
 
+def key_bucket(key: str) -> int:
+    """The state bucket of a key's text. Stable across processes and machines (Python's hash() is
+    not); Spark's `crc32(...) % STATE_BUCKETS` gives the same."""
+    return zlib.crc32(key.encode()) % STATE_BUCKETS
+
+
 def bucket_of(dbid: str, collection: str, zone: str, entity: str) -> int:
-    """Stable across processes and machines (Python's hash() is not)."""
-    return zlib.crc32(f"{dbid}\x1f{collection}\x1f{zone}\x1f{entity}".encode()) % STATE_BUCKETS
+    return key_bucket(f"{dbid}\x1f{collection}\x1f{zone}\x1f{entity}")
 
 
 def explode_batch(batch: dict) -> Iterator[dict]:

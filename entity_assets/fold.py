@@ -1,8 +1,8 @@
 """Spark task bodies (no Dagster imported).
 
-Each reports the data files it wrote and its counters as `FILES_SCHEMA` records: Arrow
-batches from mapInArrow bodies, dicts from the bodies run over task lists (`run_tasks`),
-which read their inputs from parquet directly and so skip Spark's row shuffle. State tables (entities,
+Each reports the data files it wrote and its counters as `FILES_SCHEMA` records. Tasks
+read their inputs from parquet themselves (`over_files`, `over_buckets`, `fold_task`), so
+Spark only schedules them: no row shuffle, no JVM scan. State tables (entities,
 schemas, devices, device inboxes) are hash-bucketed: a task owns whole buckets, reads the state
 files holding the slice's keys, folds the slice's rows in order and writes back the files
 holding changed keys: a MERGE done as copy-on-write of the touched files (see `shards`),
@@ -25,8 +25,6 @@ from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
                           ("rows", pa.int64()), ("stats", pa.string())])
-FILES_DDL = "table string, path string, size long, rows long, stats string"
-"""The same schema for Spark's mapInArrow."""
 
 COUNTER = "count:"
 """Report rows whose table starts with this are counters (rows = the count), not files."""
@@ -198,6 +196,88 @@ class BucketStore:
             old = [i for i in positions if i < kept.num_rows]
             self.writer.write_table(kept.take(pa.array(old, pa.int64())), [rows[i - kept.num_rows][1] for i in positions[len(old):]],
                                     tag=part.tag)
+
+
+# --------------------------------------------------------------------------- bucketed folds over files
+
+SortKey = tuple[str, ...]
+
+
+def key_buckets(data: pa.Table, key_columns: SortKey) -> pa.Array:
+    """Each row's state bucket: `core.key_bucket` of its key columns joined by \\x1f (nulls skipped),
+    computed once per distinct key."""
+    joined = pc.binary_join_element_wise(*[pc.cast(data.column(c), pa.string()) for c in key_columns], "\x1f",
+                                         null_handling="skip")
+    keys = pc.unique(joined)
+    buckets = pa.array([core.key_bucket(k) for k in keys.to_pylist()], pa.int32())
+    return pc.take(buckets, pc.index_in(joined, value_set=keys))
+
+
+def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[str]], reader, key_columns: SortKey,
+                 order: SortKey, storage_options, **kwargs) -> Iterator[dict]:
+    """Runs a bucketed fold `body` over the rows of each task's buckets ({"buckets"}), for `run_tasks`.
+
+    The task reads every file of `sources` ({table: URIs}) itself, through `reader` (a file's
+    rows in the body's columns), keeps its buckets' rows and sorts them by (bucket, *order), as
+    the body expects. Spark only schedules the tasks: no shuffle, no JVM scan.
+    """
+    sort = [(c, "ascending", "at_start") for c in ("bucket",) + tuple(order)]  # nulls first, as Spark sorts
+    for task in tasks:
+        wanted = pa.array(task["buckets"], pa.int32())
+        parts = []
+        for table, uris in sources.items():
+            for uri in uris:
+                data = reader(table, uri, storage_options)
+                buckets = key_buckets(data, key_columns)
+                parts.append(data.append_column("bucket", buckets).filter(pc.is_in(buckets, value_set=wanted)))
+        if not parts:
+            continue
+        # permissive: a state file of an older layout lacks later columns (null, as a Spark read gives)
+        rows = pa.concat_tables(parts, promote_options="permissive").sort_by(sort)
+        for report in body(iter(rows.to_batches(max_chunksize=20_000)), storage_options=storage_options, **kwargs):
+            yield from to_rows(report)
+
+
+def connection_rows(table: str, uri: str, storage_options) -> pa.Table:
+    """`devices_task`'s input: the columns of a connections file it folds."""
+    return read_table(uri, storage_options, [*notify.DEVICE_KEY, "clientid", "appVersion", "begun"])
+
+
+INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device", pa.string()),
+                          ("kind", pa.string()), ("notification", pa.string()), ("ended", pa.int64()),
+                          ("notifications", pa.string()), ("upTo", pa.int64())])
+
+
+def inbox_events(table: str, uri: str, storage_options) -> pa.Table:
+    """`inbox_task`'s input: new notifications (changes_by_device, kind "a-notify") and acks
+    (notification_acks, kind "b-ack", at their `begun`) in one layout."""
+    if table == "changes_by_device":
+        data = read_table(uri, storage_options, ["dbid", "user", "device", "notification", "ended"])
+        kind = "a-notify"
+    else:
+        data = read_table(uri, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo"])
+        data = data.rename_columns(["dbid", "user", "device", "ended", "notifications", "upTo"])
+        kind = "b-ack"
+    columns = {name: data.column(name) if name in data.column_names else pa.nulls(data.num_rows, INBOX_EVENTS.field(name).type)
+               for name in INBOX_EVENTS.names}
+    columns["kind"] = pa.array([kind] * data.num_rows, pa.string())
+    return pa.table(columns, schema=INBOX_EVENTS)
+
+
+def multipart_parts(table: str, uri: str, storage_options) -> pa.Table:
+    """`complete_task`'s input: the parts of multi-part requests, from partial_responses files
+    (whose row groups of single-part results are skipped by their statistics) and pending_responses."""
+    return read_table(uri, storage_options, filters=[("parts", ">", 1)] if table == "partial_responses" else None)
+
+
+def schema_patch_rows(table: str, uri: str, storage_options, *, redelivered: frozenset = frozenset()) -> pa.Table:
+    """`schema_fold_task`'s input: a schema_patches file without its redeliveries (Kafka coordinates)."""
+    data = read_table(uri, storage_options)
+    if not redelivered:
+        return data
+    keep = [(t, p, o) not in redelivered for t, p, o in zip(*(data.column(c).to_pylist()
+                                                                 for c in ("kafka_topic", "kafka_partition", "kafka_offset")))]
+    return data.filter(pa.array(keep, pa.bool_()))
 
 
 # --------------------------------------------------------------------------- entity core

@@ -194,9 +194,11 @@ def key_string(key: tuple) -> str:
     return ":".join(part for v in key for part in (("", "") if v is None else (str(len(str(v))), str(v))))
 
 
-def read_table(uri: str, storage_options: dict[str, str] | None = None, columns: list[str] | None = None) -> pa.Table:
+def read_table(uri: str, storage_options: dict[str, str] | None = None, columns: list[str] | None = None,
+               filters=None) -> pa.Table:
+    """`filters` (pyarrow's): row groups whose statistics exclude them are not even decoded."""
     fs, path = _filesystem(uri, storage_options)
-    return pq.read_table(path, filesystem=fs, columns=columns)
+    return pq.read_table(path, filesystem=fs, columns=columns, filters=filters)
 
 
 def repeated_deliveries(slice_uris: Sequence[str], prior_uris: Sequence[str], identity: Sequence[str],

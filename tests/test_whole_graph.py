@@ -467,7 +467,7 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
     """A regression: device_inboxes once held device1 twice (pending 2 and 1) after slice 3.
 
     Pure Python (no broker, no Spark): one Spark task of device_notifications that owns two
-    buckets, device1's (6) and then device4's (9), as Spark's hash partitioning gave it there.
+    buckets, device1's (6) and then device4's (9).
     The driver replaces the state files a task reports as replaced by its rewrites.
     """
     import zlib

@@ -69,12 +69,13 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
 
 
 def commit_stream(engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]],
-                  slice_key: str) -> tuple[dict, Counter]:
+                  slice_key: str, counts: Counter | None = None) -> tuple[dict, Counter]:
     """Commits the slice's rows of a published table from its tasks' report.
 
-    Returns the commit summary (with `published`) and the tasks' other counters.
+    Returns the commit summary (with `published`) and the tasks' other counters, `counts`
+    (counters taken from the report already) included.
     """
-    counts = pop_counts(files)
+    counts = pop_counts(files) + (counts or Counter())
     summary = commit_slice(engine, [table], files, slice_key)[table]
     summary["published"] = counts.pop(f"published:{table}", 0)
     return summary, counts
@@ -99,16 +100,6 @@ def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- Spark reads
-
-def read_df(spark, files, table: str):
-    """A DataFrame over committed files of `table` (never the folder: it also holds removed files)."""
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    schema = from_arrow_schema(SCHEMAS[table])
-    if not files:
-        return spark.createDataFrame([], schema)
-    return spark.read.schema(schema).parquet(*[f.uri for f in files])
-
 
 COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
 DRIVER_ROWS = 10_000
@@ -149,25 +140,6 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     parts = 1 << (parts - 1).bit_length()  # a power of two
     found = spark.sparkContext.parallelize(range(parts), parts).flatMap(lambda part: find(part=part, parts=parts))
     return rows_in, frozenset(found.collect())
-
-
-def first_deliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
-                     window: int) -> tuple[int, object]:
-    """The slice's rows of an input table minus redeliveries (see `redeliveries`): (rows in, DataFrame)."""
-    rows_in, repeated = redeliveries(spark, engine, table, slice_key, identity, window)
-    rows = read_df(spark, engine.slice_files(table, [slice_key]), table)
-    if not repeated:
-        return rows_in, rows
-    schema = "kafka_topic string, kafka_partition int, kafka_offset long"
-    return rows_in, rows.join(spark.createDataFrame(list(repeated), schema), list(COORDINATES), "left_anti")
-
-
-def collect_files(df) -> dict[str, list[DataFile]]:
-    """Collects the file records a mapInArrow task body yielded (see fold.FILES_SCHEMA)."""
-    by_table: dict[str, list[DataFile]] = defaultdict(list)
-    for row in df.collect():
-        by_table[row["table"]].append(DataFile(**row.asDict()))
-    return by_table
 
 
 def counters(files: dict[str, list[DataFile]]) -> Counter:
@@ -288,30 +260,51 @@ def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: C
                                       "files_overlapping_another": overlapping})
 
 
-def fold_buckets(spark, df, order: tuple[str, ...], task: Callable, *, engine: DeltaRsEngine, state_table: str,
-                 slice_key: str, uris: dict[str, str], state_file_rows: int, rows: int | None = None,
+def bucket_tasks(spark, rows: int) -> list[dict]:
+    """Tasks owning whole state buckets ({"buckets"}): enough to use every core on a large slice,
+    one for a small one (each task has a fixed cost)."""
+    from entity_assets.core import STATE_BUCKETS
+
+    tasks = max(1, min(STATE_BUCKETS, spark.parallelism() * 2, -(-rows // SMALL_TASK_ROWS)))
+    return [{"buckets": list(range(i, STATE_BUCKETS, tasks))} for i in range(tasks)]
+
+
+def run_buckets(spark, sources: dict[str, list], reader: Callable, body: Callable, *, key_columns: tuple[str, ...],
+                order: tuple[str, ...], rows: int | None = None, **body_args) -> dict[str, list[DataFile]]:
+    """Runs `body` over the rows of `sources` ({table: files}) by hash buckets of `key_columns`
+    (see `fold.over_buckets`); `rows`: how many of the sources' rows the body gets, when fewer
+    than they hold. No Spark job without rows."""
+    from entity_assets.fold import over_buckets
+
+    rows = sum(f.rows for fs in sources.values() for f in fs) if rows is None else rows
+    if not rows:
+        return defaultdict(list)
+    fn = partial(over_buckets, body=body, sources={t: [f.uri for f in fs] for t, fs in sources.items()},
+                 reader=reader, key_columns=key_columns, order=order, **body_args)
+    return run_tasks(spark.session(), bucket_tasks(spark, rows), fn)
+
+
+def fold_buckets(spark, sources: dict[str, list[DataFile]], reader: Callable, task: Callable, *,
+                 key_columns: tuple[str, ...], order: tuple[str, ...], engine: DeltaRsEngine, state_table: str,
+                 slice_key: str, uris: dict[str, str], state_file_rows: int,
                  metadata: Callable[[Counter], dict[str, str]] | None = None,
                  **task_args) -> tuple[dict[str, list[DataFile]], dict]:
-    """Runs a bucketed state fold (see fold.BucketStore) over a DataFrame and commits the state table.
+    """Runs a bucketed state fold (see fold.BucketStore) over the rows of `sources` and commits the state table.
 
-    `df` needs a `bucket` column; Spark shuffles it so that each task gets whole buckets
-    sorted by `order`. Returns the other tables' files (for the caller to commit) and a
-    summary of the state commit. `rows`: the input's row count when the caller knows it; with
-    none, no Spark job runs, and the (empty) commit still records the slice in the state's order.
-    `metadata`: what the state commit records, made from the tasks' counters (in the summary too).
+    Each task reads the source files itself (`fold.over_buckets`, with `reader`) and keeps
+    the rows of its buckets, sorted by `order` within a bucket. With no rows no Spark job
+    runs, and the (empty) commit still records the slice in the state's order. Returns the
+    other tables' files (for the caller to commit) and a summary of the state commit, whose
+    `counts` are the tasks' counters and `metadata` what the commit records, made from them.
     """
-    from entity_assets.fold import FILES_DDL
-
     apply, snapshot, state_files = state_snapshot(engine, state_table, slice_key)
-    files: dict[str, list[DataFile]] = defaultdict(list)
-    if rows != 0:
-        ordered = df.repartition(spark.parallelism() * 2, "bucket").sortWithinPartitions("bucket", *order)
-        fn = partial(task, slice_key=slice_key, uris=uris, storage_options=engine.storage_options,
-                     state_files=state_files, write_state=apply, state_file_rows=state_file_rows, **task_args)
-        files = collect_files(ordered.mapInArrow(fn, FILES_DDL))
-    recorded = metadata(counters(files)) if metadata else None
+    files = run_buckets(spark, sources, reader, task, key_columns=key_columns, order=order, slice_key=slice_key,
+                        uris=uris, storage_options=engine.storage_options, state_files=state_files, write_state=apply,
+                        state_file_rows=state_file_rows, **task_args)
+    counts = pop_counts(files)
+    recorded = metadata(counts) if metadata else None
     summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files, recorded)
-    summary["metadata"] = recorded
+    summary.update(metadata=recorded, counts=counts)
     return files, summary
 
 

@@ -7,8 +7,7 @@ import pyarrow.compute as pc
 from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
-from entity_assets.assets.common import ensure_tables, fold_buckets, one_row_per_key, pop_counts, read_df, table_metadata
-from entity_assets.core import STATE_BUCKETS
+from entity_assets.assets.common import ensure_tables, fold_buckets, one_row_per_key, table_metadata
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import slices_partitions
 from resources import LakeResource, SparkResource
@@ -31,14 +30,9 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
 
     A bucketed state like entities: a slice rewrites only the files of the devices it saw.
     """
-    from pyspark.sql import functions as F
-
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["devices"])
     connections = engine.slice_files("connections", [key])
-    seen = read_df(spark.session(), connections, "connections").select(
-        *DEVICE_KEY, "clientid", "appVersion", "begun",
-        (F.crc32(F.concat_ws("\x1f", *DEVICE_KEY)) % STATE_BUCKETS).cast("int").alias("bucket"))
     # the app-version counts of the state the slice makes: the counts recorded by the slice
     # before it plus this slice's changes, recorded on the state commit (no read of the state)
     before = _app_versions_before(engine, key)
@@ -49,10 +43,10 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
         return {APP_VERSIONS: json.dumps({v: n for v, n in sorted(after.items()) if n})}
 
     # most slices carry no connections: then no Spark job runs, and the state records the slice
-    files, summary = fold_buckets(spark, seen, DEVICE_KEY + ("begun",), fold.devices_task, engine=engine,
-                                  state_table="devices", slice_key=key, uris={"devices": engine.uri("devices")},
-                                  state_file_rows=lake.state_file_rows, rows=sum(f.rows for f in connections),
-                                  metadata=record)
+    _, summary = fold_buckets(spark, {"connections": connections}, fold.connection_rows, fold.devices_task,
+                              key_columns=DEVICE_KEY, order=DEVICE_KEY + ("begun",), engine=engine,
+                              state_table="devices", slice_key=key, uris={"devices": engine.uri("devices")},
+                              state_file_rows=lake.state_file_rows, metadata=record)
     app_versions = json.loads(summary["metadata"][APP_VERSIONS])
     summary["rows"] = sum(app_versions.values())
     meta = table_metadata(engine, "devices", summary)
@@ -60,7 +54,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
                 connections_this_slice=MetadataValue.int(sum(f.rows for f in connections)),
                 replayed=MetadataValue.bool(summary["replayed"]))
     return MaterializeResult(metadata=meta, check_results=[
-        one_row_per_key(engine, "devices", key, pop_counts(files), asset_key="devices", check_name="one_row_per_device")])
+        one_row_per_key(engine, "devices", key, summary["counts"], asset_key="devices", check_name="one_row_per_device")])
 
 
 def _app_versions_before(engine, slice_key: str) -> dict[str, int]:

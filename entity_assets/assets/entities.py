@@ -15,27 +15,25 @@ from dagster import (
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    SMALL_TASK_ROWS,
-    collect_files,
+    bucket_tasks,
     commit_buckets,
     commit_slice,
     commit_state,
     ensure_tables,
-    first_deliveries,
     fold_buckets,
     merge_files,
     one_row_per_key,
     pop_counts,
     publishing,
-    read_df,
     redeliveries,
+    run_buckets,
     run_tasks,
     state_as_of,
     state_snapshot,
     table_metadata,
     write_stream,
 )
-from entity_assets.core import ORDER, REQUEST_ORDER, STATE_BUCKETS
+from entity_assets.core import ORDER, REQUEST_ORDER
 from entity_assets.partitions import slices_partitions
 from entity_assets.storage import read_batches
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
@@ -115,8 +113,6 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     Entity and schema results share one step because both feed partial and complete
     responses and schema learning.
     """
-    from pyspark.sql import functions as F
-
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, APPLY_TABLES)
     session = spark.session()
@@ -129,18 +125,16 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     fn = partial(fold.fold_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
                  patch_files=[f.uri for f in patch_files], state_files=state_files, write_state=apply,
                  state_file_rows=lake.state_file_rows, publishing=publish_to)
-    # enough tasks to use every core on a large slice, one for a small one (each task has a fixed cost)
-    rows = sum(f.rows for f in patch_files)
-    tasks = max(1, min(STATE_BUCKETS, spark.parallelism() * 2, -(-rows // SMALL_TASK_ROWS)))
-    entity_files = run_tasks(session, [{"buckets": list(range(i, STATE_BUCKETS, tasks))} for i in range(tasks)], fn)
+    entity_files = run_tasks(session, bucket_tasks(spark, sum(f.rows for f in patch_files)), fn)
     entities = commit_buckets(engine, "entities", key, apply, snapshot, entity_files)
 
-    schema_in, schema_patches = first_deliveries(session, engine, "schema_patches", key,
-                                                 ("clientid", "request", "part"), slicing.dedupe_window_slices)
-    schema_patches = schema_patches.withColumn("bucket", (F.crc32(F.col("dbid")) % STATE_BUCKETS).cast("int"))
-    schema_files, schemas = fold_buckets(spark, schema_patches, ("dbid",) + ORDER, fold.schema_fold_task,
+    schema_in, redelivered_parts = redeliveries(session, engine, "schema_patches", key, ("clientid", "request", "part"),
+                                                slicing.dedupe_window_slices)
+    schema_files, schemas = fold_buckets(spark, {"schema_patches": engine.slice_files("schema_patches", [key])},
+                                         partial(fold.schema_patch_rows, redelivered=redelivered_parts),
+                                         fold.schema_fold_task, key_columns=("dbid",), order=("dbid",) + ORDER,
                                          engine=engine, state_table="schemas", slice_key=key, uris=uris,
-                                         state_file_rows=lake.state_file_rows, rows=schema_in, publishing=publish_to)
+                                         state_file_rows=lake.state_file_rows, publishing=publish_to)
     pending_apply, _, pending = state_as_of(engine, "pending_responses", key)
     if entities["replayed"]:
         context.log.info(f"slice {key} is already applied: replayed against the state of the slice before it")
@@ -150,15 +144,15 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
 
     # requests of several parts: this slice's parts plus the parts still pending from earlier slices
     # (no Spark job when there are neither, as in a slice of single-part requests)
-    counts = pop_counts(entity_files) + pop_counts(schema_files)
+    counts = pop_counts(entity_files) + schemas["counts"]
     files = merge_files(entity_files, schema_files)
     if counts["multipart"] or pending:
-        parts = read_df(session, engine.slice_files("partial_responses", [key]), "partial_responses").filter(
-            "parts > 1").unionByName(read_df(session, pending, "pending_responses"))
-        grouped = parts.repartition(spark.parallelism() * 2, "clientid", "request").sortWithinPartitions(*REQUEST_ORDER)
-        fn = partial(fold.complete_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
-                     write_state=pending_apply, publishing=publish_to)
-        completed = collect_files(grouped.mapInArrow(fn, fold.FILES_DDL))
+        # tasks own hash buckets of (clientid, request): every part of a request meets in one task
+        sources = {"partial_responses": engine.slice_files("partial_responses", [key]), "pending_responses": pending}
+        completed = run_buckets(spark, sources, fold.multipart_parts, fold.complete_task,
+                                key_columns=("clientid", "request"), order=REQUEST_ORDER,
+                                rows=counts["multipart"] + sum(f.rows for f in pending), slice_key=key, uris=uris,
+                                storage_options=engine.storage_options, write_state=pending_apply, publishing=publish_to)
         counts += pop_counts(completed)
         files = merge_files(files, completed)
     new_pending = files.pop("pending_responses", [])

@@ -9,13 +9,12 @@ from entity_assets.assets.common import (
     fold_buckets,
     one_row_per_key,
     publishing,
-    read_df,
     table_metadata,
     write_stream,
 )
-from entity_assets.core import STATE_BUCKETS
 from entity_assets.notify import SUBSCRIPTIONS
 from entity_assets.partitions import slices_partitions
+from entity_assets.storage import read_row_groups, to_rows
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 KINDS = {"spark", "delta", "kafka"}
@@ -57,15 +56,14 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     """
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["changes_by_device"])
-    session = spark.session()
     version = engine.version_after("entities", key, "apply")
     if version is None:
         raise Failure(f"entities has no state for slice {key}: materialize apply_patches for it first")
-    subscriptions = [
-        (r["dbid"], r["entity"], r["document"])
-        for r in read_df(session, engine.files("entities", version), "entities")
-        .filter((f"collection = '{SUBSCRIPTIONS}'")).filter("NOT deleted").select("dbid", "entity", "document").collect()
-    ]
+    # state files hold a row group per collection: the others are skipped by their statistics
+    state = read_row_groups([f.uri for f in engine.files("entities", version)], "collection", SUBSCRIPTIONS,
+                            engine.storage_options)
+    subscriptions = [(r["dbid"], r["entity"], r["document"]) for r in to_rows(state)
+                     if not r["deleted"]] if state.num_rows else []
     summary, _ = write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
                                "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions)
     return MaterializeResult(metadata=_metadata(engine, "changes_by_device", summary,
@@ -80,28 +78,17 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                          kafka: KafkaResource) -> MaterializeResult:
     """Device inboxes are bucketed state; acks of a slice apply after its new notifications."""
-    from pyspark.sql import functions as F
-
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["device_notifications", "device_inboxes"])
-    session = spark.session()
-    columns = ("dbid", "user", "device", "kind", "notification", "ended", "notifications", "upTo")
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
-    notes = read_df(session, note_files, "changes_by_device").select(
-        "dbid", "user", "device", F.lit("a-notify").alias("kind"), "notification", "ended",
-        F.lit(None).cast("string").alias("notifications"), F.lit(None).cast("long").alias("upTo"))
-    acks = read_df(session, ack_files, "notification_acks").select(
-        "dbid", "user", "device", F.lit("b-ack").alias("kind"), F.lit(None).cast("string").alias("notification"),
-        F.col("begun").alias("ended"), "notifications", "upTo")
-    events = notes.unionByName(acks).select(*columns).withColumn(
-        "bucket", (F.crc32(F.col("device")) % STATE_BUCKETS).cast("int"))
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
-    files, inboxes = fold_buckets(spark, events, ("device", "kind", "ended", "notification"), fold.inbox_task,
-                                  engine=engine, state_table="device_inboxes", slice_key=key, uris=uris,
+    files, inboxes = fold_buckets(spark, {"changes_by_device": note_files, "notification_acks": ack_files},
+                                  fold.inbox_events, fold.inbox_task, key_columns=("device",),
+                                  order=("device", "kind", "ended", "notification"), engine=engine,
+                                  state_table="device_inboxes", slice_key=key, uris=uris,
                                   state_file_rows=lake.state_file_rows,
-                                  rows=sum(f.rows for f in note_files + ack_files),
                                   publishing=publishing(kafka, ["device_notifications"]))
-    summary, counts = commit_stream(engine, "device_notifications", files, key)
+    summary, counts = commit_stream(engine, "device_notifications", files, key, inboxes["counts"])
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),

@@ -1,0 +1,83 @@
+"""Bucketed folds whose tasks read their own input files (fold.over_buckets): pure Python."""
+
+import zlib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from entity_assets import core, fold
+from entity_assets.tables import SCHEMAS
+
+
+def test_key_buckets_are_the_crc32_of_the_joined_key_as_spark_computed_them():
+    """State written by earlier releases was bucketed by Spark's crc32(concat_ws('\\x1f', key)) % 32,
+    which skips null parts: the same rows must land in the same buckets."""
+    data = pa.table({"dbid": ["db", "db", "db", None], "user": ["u1", "u2", "u1", "u3"], "device": ["d1", "d1", "d1", "d9"]})
+    expected = [zlib.crc32(b"db\x1fu1\x1fd1") % 32, zlib.crc32(b"db\x1fu2\x1fd1") % 32,
+                zlib.crc32(b"db\x1fu1\x1fd1") % 32, zlib.crc32(b"u3\x1fd9") % 32]
+    assert fold.key_buckets(data, ("dbid", "user", "device")).to_pylist() == expected
+    assert core.key_bucket("db\x1fu1\x1fd1") == expected[0]
+
+
+def _write(path, rows, table):
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS[table]), path)
+    return str(path)
+
+
+def _connection(i: int, device: str, begun: int) -> dict:
+    return {"slice": "0000000001", "kafka_topic": "connections", "kafka_partition": 0, "kafka_offset": i,
+            "kafka_timestamp": begun, "clientid": "c", "dbid": "db", "user": f"u{i % 3}", "device": device,
+            "appVersion": "1.0", "begun": begun}
+
+
+def test_tasks_read_every_file_and_keep_their_buckets_sorted_by_the_fold_order(tmp_path):
+    rows = [_connection(i, f"d{i % 7}", 1000 - i) for i in range(60)]
+    sources = {"connections": [_write(tmp_path / "a.parquet", rows[:25], "connections"),
+                               _write(tmp_path / "b.parquet", rows[25:], "connections")]}
+    seen = []
+
+    def body(batches, *, storage_options, tag):
+        got = pa.Table.from_batches(list(batches)).to_pylist()
+        seen.append((tag, got))
+        yield pa.RecordBatch.from_pylist([{"table": "count:rows", "path": "", "size": 0, "rows": len(got), "stats": ""}],
+                                         schema=fold.FILES_SCHEMA)
+
+    order = ("dbid", "user", "device", "begun")
+    tasks = [{"buckets": list(range(i, 32, 3))} for i in range(3)]
+    reports = [r for task in tasks for r in fold.over_buckets(iter([task]), body=body, sources=sources,
+                                                             reader=fold.connection_rows,
+                                                             key_columns=("dbid", "user", "device"), order=order,
+                                                             storage_options=None, tag=task["buckets"][0])]
+    assert sum(r["rows"] for r in reports) == 60  # every row once
+    for first, got in seen:
+        assert {r["bucket"] for r in got} <= set(range(first, 32, 3))
+        keys = [(r["bucket"],) + tuple(r[c] for c in order) for r in got]
+        assert keys == sorted(keys)
+        for r in got:
+            assert r["bucket"] == core.key_bucket(f"{r['dbid']}\x1f{r['user']}\x1f{r['device']}")
+
+
+def test_inbox_events_put_notifications_and_acks_in_one_layout(tmp_path):
+    note = {"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": 1,
+            "kafka_timestamp": 5, "dbid": "db", "collection": "Contacts", "zone": "A", "entity": "e1",
+            "notification": "n1", "action": "created", "ended": 5, "device": "d1", "user": "u1"}
+    ack = {"slice": "0000000001", "kafka_topic": "notification-acks", "kafka_partition": 0, "kafka_offset": 2,
+           "kafka_timestamp": 7, "dbid": "db", "user": "u1", "device": "d1", "notifications": '["n1"]', "upTo": None,
+           "begun": 7}
+    notes = fold.inbox_events("changes_by_device", _write(tmp_path / "n.parquet", [note], "changes_by_device"), None)
+    acks = fold.inbox_events("notification_acks", _write(tmp_path / "a.parquet", [ack], "notification_acks"), None)
+    assert notes.schema == acks.schema == fold.INBOX_EVENTS
+    assert notes.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": "a-notify", "notification": "n1",
+                                  "ended": 5, "notifications": None, "upTo": None}]
+    assert acks.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": "b-ack", "notification": None,
+                                 "ended": 7, "notifications": '["n1"]', "upTo": None}]
+
+
+def test_multipart_parts_skip_single_part_results(tmp_path):
+    def result(part, parts):
+        return {"clientid": "c", "request": 1, "user": "u", "dbid": "db", "parts": parts, "part": part, "status": 1,
+                "stream": "entity-updates"}
+
+    uri = _write(tmp_path / "p.parquet", [result(1, 1), result(1, 2), result(2, 2)], "partial_responses")
+    assert [(r["part"], r["parts"]) for r in fold.multipart_parts("partial_responses", uri, None).to_pylist()] == [(1, 2), (2, 2)]
+    assert fold.multipart_parts("pending_responses", uri, None).num_rows == 3
