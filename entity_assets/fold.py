@@ -411,13 +411,15 @@ def learn_task(tasks: Iterator[dict], *, storage_options) -> Iterator[dict]:
     yield from ({"dbid": d, "collection": c, "summary": s.to_json()} for (d, c), s in summaries.items())
 
 
-def over_files(tasks: Iterator[dict], *, body, storage_options, **kwargs) -> Iterator[dict]:
-    """Runs a mapInArrow-style `body` over the rows of each task's files ({"uris"}), for `run_tasks`.
+def over_files(tasks: Iterator[dict], *, body, storage_options, columns: list[str] | None = None,
+               **kwargs) -> Iterator[dict]:
+    """Runs `body` (input batches in, report batches out) over the rows of each task's files
+    ({"uris"}; `columns` of them, None: all), for `run_tasks`.
 
     The task reads its parquet files itself: no scan in Spark's JVM, no Arrow hand-over.
     """
     for task in tasks:
-        for report in body(_file_batches(task, storage_options), storage_options=storage_options, **kwargs):
+        for report in body(_file_batches(task, storage_options, columns), storage_options=storage_options, **kwargs):
             yield from to_rows(report)
 
 
@@ -444,6 +446,11 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
             for row in to_rows(batch):
                 out.publisher.send(target, row)
     yield _arrow(out.report())
+
+
+FAN_OUT_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "clientid", "request", "part",
+                   "dbid", "collection", "zone", "entity", "status", "action", "ended"]
+"""What `fan_out_task` reads of zone_changes: not the documents, the longest columns."""
 
 
 def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,

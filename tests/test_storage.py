@@ -121,20 +121,24 @@ def test_the_state_key_check_fails_on_repeated_keys_or_overlapping_shard_files(t
         writer.write_table(SCHEMAS[table].empty_table(), [{"slice": KEY, "bucket": 0, **row}], tag=shard.tag)
         return writer.close()
 
-    def check(table, repeated=0):
+    def check(table, version, repeated=0, replayed=False):
         return one_row_per_key(engine, table, KEY, Counter({f"check:repeated_keys:{table}": repeated}),
-                               asset_key=table, check_name="one_row_per_key")
+                               {"version": version, "replayed": replayed}, asset_key=table, check_name="one_row_per_key")
 
     whole, (low, high) = shards.Shard(0, 0), shards.Shard(0, 0).halves()
     engine.ensure("devices", SCHEMAS["devices"])  # a bucket's whole range and its lower half: keys in both
-    commit_state(engine, "devices", KEY, state_file("devices", whole, device="d1") + state_file("devices", low, device="d2"), [])
-    overlapping = check("devices")
+    v = commit_state(engine, "devices", KEY, state_file("devices", whole, device="d1") + state_file("devices", low, device="d2"), [])
+    overlapping = check("devices", v)
     assert overlapping.passed is False and overlapping.metadata["files_overlapping_another"].value == 1
 
     engine.ensure("schemas", SCHEMAS["schemas"])  # the two halves: no overlap
-    commit_state(engine, "schemas", KEY, state_file("schemas", low, dbid="a") + state_file("schemas", high, dbid="b"), [])
-    assert check("schemas").passed is True
-    assert check("schemas", repeated=2).passed is False  # a task counted repeated keys in a file it wrote
+    v = commit_state(engine, "schemas", KEY, state_file("schemas", low, dbid="a") + state_file("schemas", high, dbid="b"), [])
+    assert check("schemas", v).passed is True
+    assert check("schemas", v, repeated=2).passed is False  # a task counted repeated keys in a file it wrote
+    # a replayed slice checks the version its first run made, found in the history
+    engine.commit("schemas", SCHEMAS["schemas"], add=state_file("schemas", whole, dbid="c"), remove=[], operation="write",
+                  slice_key=KEY)
+    assert check("schemas", None, replayed=True).passed is True
 
 
 def test_version_after_finds_old_commits_beyond_the_first_page_of_history(tmp_path):

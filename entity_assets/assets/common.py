@@ -243,15 +243,17 @@ def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: boo
     return summary
 
 
-def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: Counter, *, asset_key: str,
-                    check_name: str) -> AssetCheckResult:
+def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: Counter, state: dict, *,
+                    asset_key: str, check_name: str) -> AssetCheckResult:
     """Checks the state a slice made of a bucketed `table`: a key could repeat within a rewritten
     file (its task counts those) or across files of a bucket whose shards overlap (a rewrite
-    must remove the files it replaces)."""
+    must remove the files it replaces). `state`: the summary of the slice's state commit
+    (`commit_buckets`), whose version is the one to check unless the slice was replayed."""
     from entity_assets import shards
 
+    version = engine.version_after(table, slice_key, "apply") if state["replayed"] else state["version"]
     shards_of: dict[int, list] = defaultdict(list)
-    for f in engine.files(table, engine.version_after(table, slice_key, "apply")):
+    for f in engine.files(table, version):
         shards_of[f.min["bucket"]].append(shards.of_file(f.path))
     overlapping = sum(shards.overlapping(s) for s in shards_of.values())
     repeated = counts[f"check:repeated_keys:{table}"]

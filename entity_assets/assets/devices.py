@@ -54,7 +54,8 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
                 connections_this_slice=MetadataValue.int(sum(f.rows for f in connections)),
                 replayed=MetadataValue.bool(summary["replayed"]))
     return MaterializeResult(metadata=meta, check_results=[
-        one_row_per_key(engine, "devices", key, summary["counts"], asset_key="devices", check_name="one_row_per_device")])
+        one_row_per_key(engine, "devices", key, summary["counts"], summary, asset_key="devices",
+                        check_name="one_row_per_device")])
 
 
 def _app_versions_before(engine, slice_key: str) -> dict[str, int]:

@@ -186,8 +186,10 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                            metadata={"status_min_max": str(statuses), "checked": "parquet statistics of every file"})
     yield AssetCheckResult(asset_key="complete_responses", check_name="responses_have_every_part",
                            passed=counts["check:incomplete"] == 0, metadata={"incomplete": counts["check:incomplete"]})
-    yield one_row_per_key(engine, "entities", key, counts, asset_key="entities", check_name="one_row_per_entity")
-    yield one_row_per_key(engine, "schemas", key, counts, asset_key="schemas", check_name="one_row_per_database")
+    yield one_row_per_key(engine, "entities", key, counts, entities, asset_key="entities",
+                          check_name="one_row_per_entity")
+    yield one_row_per_key(engine, "schemas", key, counts, schemas, asset_key="schemas",
+                          check_name="one_row_per_database")
 
 
 def _preview(engine, key: str, n: int = 5) -> str:

@@ -65,7 +65,8 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     subscriptions = [(r["dbid"], r["entity"], r["document"]) for r in to_rows(state)
                      if not r["deleted"]] if state.num_rows else []
     summary, _ = write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
-                               "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions)
+                               "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions,
+                               columns=fold.FAN_OUT_COLUMNS)
     return MaterializeResult(metadata=_metadata(engine, "changes_by_device", summary,
                                                 subscriptions=MetadataValue.int(len(subscriptions))))
 
@@ -93,4 +94,5 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
         replayed=MetadataValue.bool(inboxes["replayed"])), check_results=[one_row_per_key(
-            engine, "device_inboxes", key, counts, asset_key="device_notifications", check_name="one_inbox_per_device")])
+            engine, "device_inboxes", key, counts, inboxes, asset_key="device_notifications",
+            check_name="one_inbox_per_device")])
