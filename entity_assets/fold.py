@@ -37,8 +37,8 @@ REPLACED = "replaced:"
 class Outputs:
     """What a task writes: one FileWriter per table, the messages it publishes, and counters.
 
-    Every row goes through `emit`, which writes it and, for a published table, sends its
-    message in the same pass.
+    Every row goes through `emit`, which writes it and, for a published table, spools its
+    message in the same pass (published by the step once the rows are committed).
     """
 
     def __init__(self, slice_key: str, uris: dict[str, str], storage_options, publishing: Publishing | None = None,
@@ -76,13 +76,11 @@ class Outputs:
         self.count(f"check:repeated_keys:{table}", store.repeated_keys)
 
     def report(self) -> list[dict]:
-        """The files written and the counters (published messages included), once every message is acked."""
+        """The files written (the outbox spool included: see publish.OUTBOX) and the counters."""
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
-        if self.publisher is not None:
-            for table, n in self.publisher.close().items():
-                self.count(f"published:{table}", n)
-        return files + self.replaced + [{"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""}
-                        for name, n in self.counts.items()]
+        spool = self.publisher.close() if self.publisher is not None else None
+        return files + ([spool] if spool else []) + self.replaced + [
+            {"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""} for name, n in self.counts.items()]
 
 
 def _arrow(report: list[dict]) -> pa.RecordBatch:

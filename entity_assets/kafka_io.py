@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 
@@ -137,69 +136,73 @@ class BatchProducer:
         return self.counts
 
 
-class SpooledProducer:
-    """Holds a task's records in a temporary file and produces them all at `close`.
+class Spool:
+    """Kafka records written to a file (`sink`, any binary output stream), produced later by `replay`.
 
-    A task's messages then go out once its rows are written, in one burst: a task that fails
-    sends nothing, and a broker is written to for the seconds of the burst, not for the whole
-    task. The embedded broker re-saves everything it holds after each second it was written
-    to (a third of a CPU-second per save at 1.3M small messages held, seconds at a few
-    million), so a trickle over a task's minute costs it up to a core; a cluster gets fuller
-    batches. Memory stays flat: the file is written as it grows.
+    A step's tasks spool their messages while they write their rows; the step replays every
+    spool in one burst once the rows are committed (see `publish`). The embedded broker
+    re-saves everything it holds after each second it was written to (about a CPU-second per
+    save at 1.5M messages held), so each separate burst costs it a save or two: a step's
+    tasks sending as each ends cost it several. Memory stays flat: the file is written as it grows.
     """
 
-    _HEADER = struct.Struct("<Hiii")  # topic index, partition (-1: by key), key length (-1: none), value length
-    _CHUNK = 1 << 22
+    HEADER = struct.Struct("<Hiii")  # topic index, partition (-1: by key), key length (-1: none), value length
+    _BLOCK = 1 << 20
 
-    def __init__(self, config: dict):
-        self._config = config
-        self._file = tempfile.TemporaryFile(buffering=1 << 20)
-        self._topics: dict[str, int] = {}
+    def __init__(self, sink, topics: list[str]):
+        self._sink, self._topics = sink, {t: i for i, t in enumerate(topics)}
+        self._parts: list[bytes] = []
+        self._pending = 0
+        self.count = 0
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
-        """As `BatchProducer.send`; the record reaches Kafka at `close`."""
-        t = self._topics.get(topic)
-        if t is None:
-            t = self._topics[topic] = len(self._topics)
+        """As `BatchProducer.send`; the record reaches Kafka at `replay`."""
         k = key.encode() if isinstance(key, str) else key
         v = value.encode() if isinstance(value, str) else value
-        write = self._file.write
-        write(self._HEADER.pack(t, -1 if partition is None else partition, -1 if k is None else len(k), len(v)))
+        header = self.HEADER.pack(self._topics[topic], -1 if partition is None else partition,
+                                  -1 if k is None else len(k), len(v))
         if k:
-            write(k)
-        write(v)
+            self._parts += (header, k, v)
+            self._pending += len(header) + len(k) + len(v)
+        else:
+            self._parts += (header, v)
+            self._pending += len(header) + len(v)
+        self.count += 1
+        if self._pending >= self._BLOCK:
+            self._flush()
 
-    def _records(self) -> Iterator[tuple[int, int, bytes | None, bytes]]:
-        header, size = self._HEADER, self._HEADER.size
-        self._file.seek(0)
-        buf, pos = b"", 0
-        while chunk := self._file.read(self._CHUNK):
-            buf, pos = buf[pos:] + chunk, 0
-            end_of_buf = len(buf)
-            while pos + size <= end_of_buf:
-                t, p, kl, vl = header.unpack_from(buf, pos)
-                start = pos + size
-                value_at = start + max(kl, 0)
-                end = value_at + vl
-                if end > end_of_buf:
-                    break
-                yield t, p, (None if kl < 0 else buf[start:value_at]), buf[value_at:end]
-                pos = end
-        if pos != len(buf):
-            raise RuntimeError("the producer's spool file ends inside a record")
+    def _flush(self) -> None:
+        self._sink.write(b"".join(self._parts))
+        self._parts, self._pending = [], 0
 
-    def close(self, timeout: float = 120) -> dict[str, int]:
-        """Produces every record, waits for all; returns the count per topic."""
-        try:
-            if not self._topics:
-                return {}
-            topics = list(self._topics)
-            producer = BatchProducer(self._config)
-            for t, p, key, value in self._records():
-                producer.send(topics[t], key, value, None if p < 0 else p)
-            return producer.close(timeout)
-        finally:
-            self._file.close()
+    def close(self) -> None:
+        self._flush()
+        self._sink.close()
+
+
+def _records(source, chunk: int = 1 << 22) -> Iterator[tuple[int, int, bytes | None, bytes]]:
+    header, size = Spool.HEADER, Spool.HEADER.size
+    buf, pos = b"", 0
+    while data := source.read(chunk):
+        buf, pos = buf[pos:] + data, 0
+        end_of_buf = len(buf)
+        while pos + size <= end_of_buf:
+            t, p, kl, vl = header.unpack_from(buf, pos)
+            start = pos + size
+            value_at = start + max(kl, 0)
+            end = value_at + vl
+            if end > end_of_buf:
+                break
+            yield t, p, (None if kl < 0 else buf[start:value_at]), buf[value_at:end]
+            pos = end
+    if pos != len(buf):
+        raise RuntimeError("a spool file ends inside a record")
+
+
+def replay_into(producer: BatchProducer, source, topics: list[str]) -> None:
+    """Sends every record of a spool (`source`: a binary input stream) through `producer`."""
+    for t, p, key, value in _records(source):
+        producer.send(topics[t], key, value, None if p < 0 else p)
 
 
 def produce(config: dict, topic: str, records: Iterable[tuple[bytes | str | None, bytes | str]]) -> int:

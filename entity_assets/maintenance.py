@@ -1,7 +1,8 @@
-"""Lake maintenance: vacuum the files that copy-on-write and re-runs leave behind."""
+"""Lake maintenance: vacuum the files that copy-on-write, re-runs and failed publishes leave behind."""
 
 from dagster import AssetKey, AssetObservation, DefaultScheduleStatus, OpExecutionContext, ScheduleDefinition, job, op
 
+from entity_assets.assets.common import OUTBOX_FOLDER
 from entity_assets.jobs import PIPELINE_TAG
 from entity_assets.manifests import TABLE as MANIFESTS
 from entity_assets.tables import SCHEMAS
@@ -26,7 +27,10 @@ def vacuum_lake(context: OpExecutionContext, lake: LakeResource):
         if table in ASSET_TABLES:
             yield AssetObservation(asset_key=AssetKey(table),
                                    metadata={"vacuumed_files": len(deleted), "retention_hours": hours})
-    context.log.info(f"vacuum: {total} file(s) deleted in {engine.root}")
+    # spools of steps that failed between their commit and their publish (a re-run publishes again)
+    stale = engine.delete_older(OUTBOX_FOLDER, hours)
+    context.log.info(f"{OUTBOX_FOLDER}: {len(stale)} unpublished spool file(s) deleted (retention {hours} h)")
+    context.log.info(f"vacuum: {total + len(stale)} file(s) deleted in {engine.root}")
 
 
 @job(

@@ -1,19 +1,28 @@
 """Publishing derived streams back to Kafka, keyed and partitioned as the seed says.
 
-Runs inside the Spark tasks that write the rows, before the driver commits them. Delivery
-is at least once: a failed or re-run slice publishes its messages again (the same bytes, as
-outputs are deterministic), and consumers dedupe on the message identity (request id and
-part for responses, entity and version-bearing fields for updates). See docs/streams.md.
+The Spark tasks that write the rows encode their messages as they go and spool them to the
+step's outbox (a folder of the lake); once the driver has committed the rows, one Spark job
+replays every spool of the step (`replay_task`), so consumers never see a message of a row
+that is not committed, and the broker takes a step's messages in one burst. Delivery is at
+least once: a failed or re-run slice publishes its messages again (the same bytes, as outputs
+are deterministic), and consumers dedupe on the message identity (request id and part for
+responses, entity and version-bearing fields for updates). See docs/streams.md.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import json
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from entity_assets import core
-from entity_assets.kafka_io import SpooledProducer
+from entity_assets.kafka_io import BatchProducer, Spool, replay_into
+from entity_assets.storage import filesystem
+
+OUTBOX = "outbox:"
+"""Report rows with this table name are a task's spool file (path: its URI, rows: its messages)."""
 
 
 def murmur2(data: bytes) -> int:
@@ -85,36 +94,62 @@ STREAMS: dict[str, Stream] = {
 
 @dataclass(frozen=True)
 class Publishing:
-    """Where a task publishes: the Kafka settings and, per table, its topic and partition count.
+    """Where a step publishes: the Kafka settings, per table its topic and partition count, and
+    the outbox folder its tasks spool to.
 
-    Built once per step on the driver (topics created there), shipped to the tasks.
+    Built once per step on the driver (topics and outbox created there), shipped to the tasks.
     """
 
     kafka_config: dict
     topics: dict[str, tuple[str, int]] = field(default_factory=dict)
+    outbox: str = ""
+    storage_options: dict | None = None
 
 
 class Publisher:
     """Publishes rows from inside a task: each message is encoded once, as its row is written,
-    and sent when the task's files are (`kafka_io.SpooledProducer`)."""
+    and spooled to a file of the outbox, which the step replays once the rows are committed."""
 
     def __init__(self, publishing: Publishing):
         self.publishing, self.topics = publishing, publishing.topics
         self._targets = {table: (topic, partitions, STREAMS[table]) for table, (topic, partitions) in self.topics.items()}
-        self.producer: SpooledProducer | None = None  # on first use: a task with nothing to send connects nowhere
+        self.spool: Spool | None = None  # on first use: a task with nothing to send writes no file
+        self.uri = ""
 
     def send(self, table: str, row: dict, value: str | None = None) -> None:
         """`value`: the message text when the caller already has it (a result shared by streams)."""
         target = self._targets.get(table)
         if target is None:
             return
-        if self.producer is None:
-            self.producer = SpooledProducer(self.publishing.kafka_config)
+        if self.spool is None:
+            self.uri = f"{self.publishing.outbox}/{uuid.uuid4().hex}.spool"
+            fs, path = filesystem(self.uri, self.publishing.storage_options)
+            self.spool = Spool(fs.open_output_stream(path), [topic for topic, _ in self.topics.values()])
         topic, partitions, stream = target
         partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
-        self.producer.send(topic, stream.key(row), value if value is not None else stream.encode(row), partition)
+        self.spool.send(topic, stream.key(row), value if value is not None else stream.encode(row), partition)
 
-    def close(self) -> dict[str, int]:
-        """Waits for every message; returns the count per table."""
-        counts = self.producer.close() if self.producer is not None else {}
-        return {table: counts.get(topic, 0) for table, (topic, _) in self.topics.items()}
+    def close(self) -> dict | None:
+        """The report row of the spool written (see OUTBOX), None when nothing was sent."""
+        if self.spool is None:
+            return None
+        self.spool.close()
+        return {"table": OUTBOX, "path": self.uri, "size": 0, "rows": self.spool.count,
+                "stats": json.dumps({"tables": list(self.topics), "topics": [t for t, _ in self.topics.values()]})}
+
+
+def replay_task(tasks: Iterator[dict], *, kafka_config: dict, storage_options) -> Iterator[dict]:
+    """Produces the spools of each task ({"spools": [{"uri", "tables", "topics"}]}) and deletes them
+    once every message is acknowledged; yields {"table", "count"} of what it published."""
+    for task in tasks:
+        producer, tables = BatchProducer(kafka_config), {}
+        for spool in task["spools"]:
+            tables.update(zip(spool["topics"], spool["tables"]))
+            fs, path = filesystem(spool["uri"], storage_options)
+            with fs.open_input_stream(path) as source:
+                replay_into(producer, source, spool["topics"])
+        counts = producer.close()
+        for spool in task["spools"]:
+            fs, path = filesystem(spool["uri"], storage_options)
+            fs.delete_file(path)
+        yield from ({"table": tables[topic], "count": n} for topic, n in counts.items())

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -59,7 +60,7 @@ class TableFile:
     max: dict = field(default_factory=dict)
 
 
-def _filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.FileSystem, str]:
+def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.FileSystem, str]:
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
@@ -90,7 +91,7 @@ class FileWriter:
         self.stats_columns = tuple(stats_columns)
         self.row_groups_by = row_groups_by
         self.max_rows = max_rows
-        self._fs, self._root = _filesystem(table_uri, storage_options)
+        self._fs, self._root = filesystem(table_uri, storage_options)
         self._struct = pa.struct(list(schema))
         self._rows: list[dict] = []
         self._tables: list[pa.Table] = []
@@ -197,7 +198,7 @@ def key_string(key: tuple) -> str:
 def read_table(uri: str, storage_options: dict[str, str] | None = None, columns: list[str] | None = None,
                filters=None) -> pa.Table:
     """`filters` (pyarrow's): row groups whose statistics exclude them are not even decoded."""
-    fs, path = _filesystem(uri, storage_options)
+    fs, path = filesystem(uri, storage_options)
     return pq.read_table(path, filesystem=fs, columns=columns, filters=filters)
 
 
@@ -245,7 +246,7 @@ def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_
     Without read-ahead buffers and decoding threads: the reader then holds about half the memory
     (16 instead of 30 MB over a 1M-row window, measured), and a task's one core gains nothing from threads.
     """
-    fs, path = _filesystem(uri, storage_options)
+    fs, path = filesystem(uri, storage_options)
     with fs.open_input_file(path) as source:
         yield from pq.ParquetFile(source, pre_buffer=False).iter_batches(batch_size=batch_size, columns=columns,
                                                                          use_threads=False)
@@ -255,7 +256,7 @@ def read_row_groups(uris: Iterable[str], column: str, value, storage_options: di
     """The rows of files written with `row_groups_by=column` whose `column` is `value`."""
     pieces = []
     for uri in uris:
-        fs, path = _filesystem(uri, storage_options)
+        fs, path = filesystem(uri, storage_options)
         with fs.open_input_file(path) as source:
             pf = pq.ParquetFile(source)
             index = pf.schema_arrow.get_field_index(column)
@@ -384,7 +385,7 @@ class DeltaRsEngine:
         """(min, max) of a column over a slice's files, from their parquet footers (no data read)."""
         lows, highs = [], []
         for f in self.slice_files(table, [slice_key]):
-            fs, path = _filesystem(f.uri, self.storage_options)
+            fs, path = filesystem(f.uri, self.storage_options)
             with fs.open_input_file(path) as source:
                 meta = pq.ParquetFile(source).metadata
             index = meta.schema.to_arrow_schema().get_field_index(column)
@@ -479,7 +480,7 @@ class DeltaRsEngine:
         files = list(files)
         if not files:
             return []
-        fs, root = _filesystem(self.uri(table), self.storage_options)  # one filesystem, not one per file
+        fs, root = filesystem(self.uri(table), self.storage_options)  # one filesystem, not one per file
         infos = fs.get_file_info([f"{root}/{f.path}" for f in files])
         return [f for f, info in zip(files, infos) if info.type == pafs.FileType.NotFound]
 
@@ -493,6 +494,19 @@ class DeltaRsEngine:
         """
         return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                                         full=True)
+
+    def delete_older(self, folder: str, hours: float) -> list[str]:
+        """Deletes the files of a lake folder (not a table: e.g. the steps' outbox) last written
+        more than `hours` ago; returns their URIs."""
+        fs, path = filesystem(self.uri(folder), self.storage_options)
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            return []
+        cutoff = datetime.now(timezone.utc) - timedelta(hours=hours)
+        old = [info.path for info in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+               if info.type == pafs.FileType.File and info.mtime is not None and info.mtime < cutoff]
+        for p in old:
+            fs.delete_file(p)
+        return old
 
     def history(self, table: str, limit: int | None = None) -> list[dict]:
         return self._open(table).history(limit)

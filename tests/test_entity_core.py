@@ -11,6 +11,7 @@ everything those slices show.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 
@@ -219,6 +220,26 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     checks = check_evaluations(result)
     for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
         assert checks.get(name) is True, (name, checks)
+    assert meta["entity_updates"]["published"] == 1 and meta["partial_responses"]["published"] == 4
+    assert not os.listdir(pipeline.engine.uri(common.OUTBOX_FOLDER))  # published spools are deleted
+
+
+def test_messages_go_out_only_once_their_rows_are_committed(pipeline, monkeypatch):
+    """A step that fails before its commit publishes nothing; its re-run publishes everything once."""
+    from entity_assets.assets import entities
+
+    pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
+    [request] = pipeline.tick()
+
+    def failing_commit(*args, **kwargs):
+        raise RuntimeError("the lake refused the commit")
+
+    monkeypatch.setattr(entities, "commit_slice", failing_commit)
+    assert not pipeline.run_request(request, raise_on_error=False).success
+    assert messages(pipeline, "entity-patches") and not messages(pipeline, "entity-updates")
+    monkeypatch.undo()
+    assert pipeline.run_request(request).success
+    assert one(messages(pipeline, "entity-updates"))["value"]["entity"] == SALLY
 
 
 # --------------------------------------------------------------------------- 2: the seed's two-part complete response

@@ -2,7 +2,8 @@
 
 import pytest
 
-from entity_assets.kafka_io import BatchProducer, SpooledProducer, ensure_topics, end_offsets, read_range
+from entity_assets import kafka_io
+from entity_assets.kafka_io import BatchProducer, Spool, ensure_topics, end_offsets, read_range, replay_into
 from entity_assets.slices import OffsetRange
 
 
@@ -26,40 +27,51 @@ def test_an_undelivered_record_fails_the_close_loudly(broker):
         producer.close(timeout=30)
 
 
-def test_the_spooled_producer_sends_nothing_before_close_then_every_record_as_sent(broker, monkeypatch):
+def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, monkeypatch, tmp_path):
     """Keys (none, empty, text), explicit partitions and records across the spool's read chunks."""
-    monkeypatch.setattr(SpooledProducer, "_CHUNK", 1000)
+    chunked = kafka_io._records
+    monkeypatch.setattr(kafka_io, "_records", lambda source: chunked(source, chunk=1000))
+    monkeypatch.setattr(Spool, "_BLOCK", 3000)
     config = {"bootstrap.servers": broker.bootstrap}
-    ensure_topics(config, ["kafka-io-spooled-a", "kafka-io-spooled-b"], 2)
-    sent = [("kafka-io-spooled-a" if i % 3 else "kafka-io-spooled-b", [None, "", f"k{i}"][i % 3],
-             "v" * (i * 37 % 2500) + str(i), i % 2) for i in range(300)]
-    producer = SpooledProducer(config)
+    topics = ["kafka-io-spooled-a", "kafka-io-spooled-b"]
+    ensure_topics(config, topics, 2)
+    sent = [(topics[0] if i % 3 else topics[1], [None, "", f"k{i}"][i % 3], "v" * (i * 37 % 2500) + str(i), i % 2)
+            for i in range(300)]
+    spool = Spool(open(tmp_path / "spool", "wb"), topics)
     for topic, key, value, partition in sent:
-        producer.send(topic, key, value, partition)
-    assert sum(end_offsets(config, ["kafka-io-spooled-a", "kafka-io-spooled-b"]).values()) == 0
-    assert producer.close() == {"kafka-io-spooled-a": 200, "kafka-io-spooled-b": 100}
-    ends = end_offsets(config, ["kafka-io-spooled-a", "kafka-io-spooled-b"])
+        spool.send(topic, key, value, partition)
+    spool.close()
+    assert spool.count == 300 and sum(end_offsets(config, topics).values()) == 0
+    producer = BatchProducer(config)
+    with open(tmp_path / "spool", "rb") as source:
+        replay_into(producer, source, topics)
+    assert producer.close() == {topics[0]: 200, topics[1]: 100}
+    ends = end_offsets(config, topics)
     received = {(topic, p): [(m.key(), m.value()) for m in read_range(config, OffsetRange(topic, p, 0, end))]
                 for (topic, p), end in ends.items()}
-    for topic in ("kafka-io-spooled-a", "kafka-io-spooled-b"):
+    for topic in topics:
         for p in (0, 1):
             assert received[(topic, p)] == [(None if k is None else k.encode(), v.encode())
                                             for t, k, v, q in sent if t == topic and q == p]
 
 
-def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch):
+def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch, tmp_path):
     """From the environment to the topic a step creates on first publish."""
     from confluent_kafka.admin import AdminClient, ConfigResource
 
     from entity_assets.assets.common import publishing
     from entity_assets.definitions import build_resources
+    from entity_assets.storage import DeltaRsEngine
 
     monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
     monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", "kafka-io-configured.")
     monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "retention.ms=86400000, cleanup.policy=delete")
     kafka = build_resources()["kafka"]
     assert kafka.new_topic_config == {"retention.ms": "86400000", "cleanup.policy": "delete"}
-    assert publishing(kafka, ["entity_updates"]).topics == {"entity_updates": ("kafka-io-configured.entity-updates", 4)}
+    engine = DeltaRsEngine(str(tmp_path / "lake"))
+    publish_to = publishing(kafka, engine, ["entity_updates"])
+    assert publish_to.topics == {"entity_updates": ("kafka-io-configured.entity-updates", 4)}
+    assert (tmp_path / "lake" / "_outbox").is_dir()
     resource = ConfigResource("topic", "kafka-io-configured.entity-updates")
     admin = AdminClient(kafka.config())  # held: a collected client cancels its futures
     described = admin.describe_configs([resource])[resource].result(30)

@@ -33,6 +33,9 @@ def test_vacuum_keeps_the_snapshot_and_deletes_what_no_version_needs(tmp_path):
                                 _write(engine, "dead_letters", "0000000001", 2), "0000000001")
     orphan = _write(engine, "dead_letters", "0000000002", 1)[0].path
     assert len(_parquet(engine, "dead_letters")) == 3
+    spool = tmp_path / "_outbox" / "failed-publish.spool"  # a step failed between its commit and its publish
+    spool.parent.mkdir()
+    spool.write_bytes(b"records")
     live = {f.path for f in engine.files("dead_letters")}
 
     result = lake_maintenance.execute_in_process(
@@ -42,6 +45,7 @@ def test_vacuum_keeps_the_snapshot_and_deletes_what_no_version_needs(tmp_path):
     kept = _parquet(engine, "dead_letters")
     assert kept == live == {f.path for f in engine.files("dead_letters")} and orphan not in kept and len(kept) == 1
     assert engine.read("dead_letters").num_rows == 2
+    assert not spool.exists()
     observed = [e.event_specific_data.asset_observation for e in result.all_events
                 if e.event_type == DagsterEventType.ASSET_OBSERVATION]
     assert [(o.asset_key.path, o.metadata["vacuumed_files"].value) for o in observed] == [(["dead_letters"], 2)]
@@ -53,8 +57,11 @@ def test_the_default_retention_keeps_recent_files(tmp_path):
         engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", "0000000001", n),
                              "0000000001")
     _write(engine, "dead_letters", "0000000002", 1)  # as a running slice's task writes before its commit
+    (tmp_path / "_outbox").mkdir()
+    (tmp_path / "_outbox" / "running.spool").write_bytes(b"records")  # a running step's, not yet published
     assert lake_maintenance.execute_in_process(resources={"lake": LakeResource(root=str(tmp_path))}).success
     assert len(_parquet(engine, "dead_letters")) == 3  # replaced or written a moment ago: all kept
+    assert (tmp_path / "_outbox" / "running.spool").exists()
 
 
 def test_observed_tables_are_the_graphs_assets():

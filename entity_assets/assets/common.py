@@ -62,22 +62,23 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     """
     from entity_assets.fold import over_files
 
+    publish_to = publishing(kafka, engine, [table])
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
-                 storage_options=engine.storage_options, publishing=publishing(kafka, [table]), **body_args)
+                 storage_options=engine.storage_options, publishing=publish_to, **body_args)
     written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn)
-    return commit_stream(engine, table, written, slice_key)
+    return commit_stream(spark, engine, table, written, slice_key, publish_to)
 
 
-def commit_stream(engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]],
-                  slice_key: str, counts: Counter | None = None) -> tuple[dict, Counter]:
-    """Commits the slice's rows of a published table from its tasks' report.
+def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str,
+                  publish_to, counts: Counter | None = None) -> tuple[dict, Counter]:
+    """Commits the slice's rows of a published table from its tasks' report, then publishes them.
 
     Returns the commit summary (with `published`) and the tasks' other counters, `counts`
     (counters taken from the report already) included.
     """
     counts = pop_counts(files) + (counts or Counter())
     summary = commit_slice(engine, [table], files, slice_key)[table]
-    summary["published"] = counts.pop(f"published:{table}", 0)
+    summary["published"] = publish_outbox(spark, files, publish_to, engine.storage_options)[table]
     return summary, counts
 
 
@@ -320,14 +321,16 @@ def merge_files(*groups: dict[str, list[DataFile]]) -> dict[str, list[DataFile]]
 
 # --------------------------------------------------------------------------- publishing
 
-def publishing(kafka, tables: Iterable[str]):
-    """Where the tasks of a step publish `tables` (None when publishing is off); creates missing topics.
+def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
+    """Where the tasks of a step publish `tables` (None when publishing is off); creates missing
+    topics and the step's outbox folder.
 
     Topics are created and their partitions looked up once per step, not once per table; the
-    tasks then publish as they write.
+    tasks then spool their messages as they write (see `publish_outbox`).
     """
     from entity_assets.kafka_io import ensure_topics, partition_counts
     from entity_assets.publish import STREAMS, Publishing
+    from entity_assets.storage import filesystem
 
     if not kafka.publish:
         return None
@@ -335,4 +338,48 @@ def publishing(kafka, tables: Iterable[str]):
     config = kafka.config()
     ensure_topics(config, topics.values(), kafka.new_topic_partitions, topic_config=kafka.new_topic_config)
     partitions = partition_counts(config, topics.values())
-    return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()})
+    outbox = engine.uri(OUTBOX_FOLDER)
+    fs, path = filesystem(outbox, engine.storage_options)
+    fs.create_dir(path, recursive=True)
+    return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()}, outbox,
+                      engine.storage_options)
+
+
+OUTBOX_FOLDER = "_outbox"
+"""The lake folder of the steps' outboxes: the messages their tasks spooled, until published."""
+DRIVER_MESSAGES = 10_000
+"""A step that spooled up to this many messages publishes them from the driver: no Spark job."""
+
+
+def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to, storage_options) -> Counter:
+    """Publishes the messages the step's tasks spooled (their OUTBOX report rows, popped from
+    `files`), once the caller has committed their rows; returns the count per table.
+
+    Every spool goes out in one Spark job of at most one task per core, together: the broker
+    takes the step's messages in one burst instead of one per task (see `kafka_io.Spool`).
+    The spools are deleted once their messages are acknowledged; a failure leaves them for
+    lake_maintenance, and a re-run of the slice publishes its messages again.
+    """
+    import json
+
+    from entity_assets.publish import OUTBOX, replay_task
+
+    spools = files.pop(OUTBOX, [])
+    if not spools or publish_to is None:
+        return Counter()
+    cores = spark.parallelism()
+    tasks: list[dict] = [{"spools": []} for _ in range(min(cores, len(spools)))]
+    loads = [0] * len(tasks)
+    for f in sorted(spools, key=lambda f: -f.rows):  # the largest first, each to the least loaded task
+        i = loads.index(min(loads))
+        tasks[i]["spools"].append({"uri": f.path, **json.loads(f.stats)})
+        loads[i] += f.rows
+    fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=storage_options)
+    if sum(loads) <= DRIVER_MESSAGES:
+        published = list(fn(iter(tasks)))
+    else:
+        published = collect_tasks(spark.session(), tasks, fn)
+    counts: Counter = Counter()
+    for row in published:
+        counts[row["table"]] += row["count"]
+    return counts

@@ -24,6 +24,7 @@ from entity_assets.assets.common import (
     merge_files,
     one_row_per_key,
     pop_counts,
+    publish_outbox,
     publishing,
     redeliveries,
     run_buckets,
@@ -117,7 +118,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     ensure_tables(engine, APPLY_TABLES)
     session = spark.session()
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
-    publish_to = publishing(kafka, PUBLISHED)
+    publish_to = publishing(kafka, engine, PUBLISHED)
 
     # entities: each task folds whole buckets, reading their row groups of the slice's patches
     apply, snapshot, state_files = state_snapshot(engine, "entities", key)
@@ -159,6 +160,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     summary.update(commit_slice(engine, ["complete_responses"], files, key))
     if pending_apply:
         commit_state(engine, "pending_responses", key, new_pending, pending)
+    published = publish_outbox(spark, files, publish_to, engine.storage_options)
 
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
 
@@ -166,7 +168,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                   "partial_responses", "complete_responses"):
         meta = table_metadata(engine, table, summary[table])
         if table in PUBLISHED:
-            meta["published"] = MetadataValue.int(counts[f"published:{table}"])
+            meta["published"] = MetadataValue.int(published[table])
         if table == "partial_responses":
             meta.update({f"{stream} status {status}": MetadataValue.int(n)
                          for (stream, status), n in sorted(by_status.items())})

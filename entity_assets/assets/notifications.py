@@ -83,13 +83,14 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     ensure_tables(engine, ["device_notifications", "device_inboxes"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
+    publish_to = publishing(kafka, engine, ["device_notifications"])
     files, inboxes = fold_buckets(spark, {"changes_by_device": note_files, "notification_acks": ack_files},
                                   fold.inbox_events, fold.inbox_task, key_columns=("device",),
                                   order=("device", "kind", "ended", "notification"), engine=engine,
                                   state_table="device_inboxes", slice_key=key, uris=uris,
                                   state_file_rows=lake.state_file_rows,
-                                  publishing=publishing(kafka, ["device_notifications"]))
-    summary, counts = commit_stream(engine, "device_notifications", files, key, inboxes["counts"])
+                                  publishing=publish_to)
+    summary, counts = commit_stream(spark, engine, "device_notifications", files, key, publish_to, inboxes["counts"])
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
