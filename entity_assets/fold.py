@@ -264,7 +264,8 @@ def inbox_events(table: str, uri: str, storage_options) -> pa.Table:
 
 def multipart_parts(table: str, uri: str, storage_options) -> pa.Table:
     """`complete_task`'s input: the parts of multi-part requests, from partial_responses files
-    (whose row groups of single-part results are skipped by their statistics) and pending_responses."""
+    (whose row groups of single-part results are skipped by their statistics: RESULT_ROW_GROUPS)
+    and pending_responses."""
     return read_table(uri, storage_options, filters=[("parts", ">", 1)] if table == "partial_responses" else None)
 
 
@@ -297,15 +298,19 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     yield _arrow(out.report())
 
 
+RESULT_ROW_GROUPS = {"entities": "collection", "partial_responses": "parts"}
+"""Row groups by value: the subscriptions in effect are read from the entity state's
+`$zoneSubscription` row groups, and the parts of multi-part requests (`multipart_parts`) from
+the partial_responses row groups of `parts` > 1, the others skipped by their statistics."""
+
+
 def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options, patch_files: list[str],
               state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
               publishing: Publishing | None = None) -> Iterator[dict]:
     """Tasks: {"buckets"}: the state buckets a task owns; it folds the slice's patches of each, in order."""
     order = [(c, "ascending") for c in core.ENTITY_KEY + core.ORDER]
     for task in tasks:
-        # a row group per collection: a read of one collection (the subscriptions in effect, by
-        # changes_by_device) skips the others' row groups by their statistics
-        out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"entities": "collection"})
+        out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS)
         store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options,
                             state_file_rows)
         for bucket in task["buckets"]:
@@ -358,7 +363,7 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
                      state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                      publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: the slice's schema patches, sorted by (bucket, dbid, core.ORDER)."""
-    out = Outputs(slice_key, uris, storage_options, publishing)
+    out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS)
     store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options, state_file_rows)
     for bucket, patches, keys in _buckets(batches, ("dbid",)):
         store.switch(bucket, keys)

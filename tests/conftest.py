@@ -26,6 +26,7 @@ import pyarrow as pa
 import pytest
 from dagster import AssetKey, DagsterInstance, Definitions, SensorResult, SkipReason, build_sensor_context
 
+from entity_assets.assets import common
 from entity_assets.broker import LocalBroker
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import ensure_topics, produce
@@ -248,7 +249,10 @@ class Pipeline:
 
 
 @pytest.fixture
-def make_pipeline(broker, spark, tmp_path):
+def make_pipeline(broker, spark, tmp_path, monkeypatch):
+    # small slices' work runs in the driver in production (assets.common.DRIVER_ROWS); tests run
+    # it in Spark tasks unless they choose the driver, so both paths are exercised
+    monkeypatch.setattr(common, "DRIVER_ROWS", 0)
     made = []
 
     def make(**kwargs) -> Pipeline:

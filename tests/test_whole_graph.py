@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pytest
 
 from entity_assets import messages, notify, samples
 from entity_assets.assets import common
@@ -135,7 +136,9 @@ BAD = [
 ]
 
 
-def test_schema_updates_learning_devices_and_dead_letters(pipeline):
+@pytest.mark.parametrize("driver_rows", [0, 10_000], ids=["spark-tasks", "small-work-in-the-driver"])
+def test_schema_updates_learning_devices_and_dead_letters(pipeline, monkeypatch, driver_rows):
+    monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
     # ---- slice 1: the declared schema, a first connection, a valid ack, and bad records in between
     good_ack = ("notification-acks", DEVICE, samples.encode({"db": DB, "user": "jsmith", "device": DEVICE,
                                                              "upTo": 1415747100000, "begun": 1415747100000}))
@@ -313,7 +316,9 @@ def ack(device: str, **what) -> tuple[str, str, bytes]:
                                                          "begun": FUTURE + 100, **what}))
 
 
-def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline):
+@pytest.mark.parametrize("driver_rows", [0, 10_000], ids=["spark-tasks", "small-work-in-the-driver"])
+def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline, monkeypatch, driver_rows):
+    monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
     created = [{"op": "add", "path": "firstName", "value": "Ann"}]
     # ---- slice 1: device1 and device2 subscribe to zone A; an entity is created in zone B
     r1 = run_slice(pipeline, [

@@ -17,20 +17,27 @@ def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str]) -> None:
         engine.ensure(table, SCHEMAS[table])
 
 
-def collect_tasks(spark, tasks: list[dict], fn: Callable) -> list:
-    """Runs `fn` (a mapPartitions body) over `tasks` on the executors, one Spark task each; returns what it yields."""
+def collect_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = None) -> list:
+    """Runs `fn` (a mapPartitions body) over `tasks` on the executors, one Spark task each; returns what it yields.
+
+    `rows`: what the tasks hold. Up to DRIVER_ROWS, the driver runs them itself, one after the
+    other: a Spark job's fixed cost (~0.2 s here) outweighs them, and most slices of a
+    sensor-driven deployment are that small.
+    """
     if not tasks:
         return []
+    if rows is not None and rows <= DRIVER_ROWS:
+        return [out for task in tasks for out in fn(iter([task]))]
     return spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(fn).collect()
 
 
-def run_tasks(spark, tasks: list[dict], fn: Callable) -> dict[str, list[DataFile]]:
+def run_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = None) -> dict[str, list[DataFile]]:
     """`collect_tasks` whose tasks report the files they wrote; returns the files by table.
 
     Only file records come back to the driver, never rows.
     """
     by_table: dict[str, list[DataFile]] = defaultdict(list)
-    for d in collect_tasks(spark, tasks, fn):
+    for d in collect_tasks(spark, tasks, fn, rows):
         by_table[d["table"]].append(DataFile(**d))
     return by_table
 
@@ -65,7 +72,8 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     publish_to = publishing(kafka, engine, [table])
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
                  storage_options=engine.storage_options, publishing=publish_to, **body_args)
-    written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn)
+    written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn,
+                        sum(f.rows for f in files))
     return commit_stream(spark, engine, table, written, slice_key, publish_to)
 
 
@@ -104,8 +112,8 @@ def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
 
 COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
 DRIVER_ROWS = 10_000
-"""A slice up to this many rows looks for its redeliveries in the driver: cheaper than the
-fixed cost of a Spark job (as every small slice of a busy stream would pay)."""
+"""Work up to this many rows (or messages) runs in the driver: cheaper than the fixed cost of a
+Spark job, as every small slice of a busy stream would pay (`collect_tasks`, redeliveries)."""
 SPLIT_BY = "request"
 """Every identity holds the request number: its low bits split the search among tasks."""
 SPLIT_ROWS = 1_000_000
@@ -284,7 +292,7 @@ def run_buckets(spark, sources: dict[str, list], reader: Callable, body: Callabl
         return defaultdict(list)
     fn = partial(over_buckets, body=body, sources={t: [f.uri for f in fs] for t, fs in sources.items()},
                  reader=reader, key_columns=key_columns, order=order, **body_args)
-    return run_tasks(spark.session(), bucket_tasks(spark, rows), fn)
+    return run_tasks(spark.session(), bucket_tasks(spark, rows), fn, rows)
 
 
 def fold_buckets(spark, sources: dict[str, list[DataFile]], reader: Callable, task: Callable, *,
@@ -347,8 +355,6 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
 
 OUTBOX_FOLDER = "_outbox"
 """The lake folder of the steps' outboxes: the messages their tasks spooled, until published."""
-DRIVER_MESSAGES = 10_000
-"""A step that spooled up to this many messages publishes them from the driver: no Spark job."""
 
 
 def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to, storage_options) -> Counter:
@@ -375,11 +381,7 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to, storage_
         tasks[i]["spools"].append({"uri": f.path, **json.loads(f.stats)})
         loads[i] += f.rows
     fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=storage_options)
-    if sum(loads) <= DRIVER_MESSAGES:
-        published = list(fn(iter(tasks)))
-    else:
-        published = collect_tasks(spark.session(), tasks, fn)
     counts: Counter = Counter()
-    for row in published:
+    for row in collect_tasks(spark.session(), tasks, fn, sum(loads)):
         counts[row["table"]] += row["count"]
     return counts

@@ -126,7 +126,8 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     fn = partial(fold.fold_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
                  patch_files=[f.uri for f in patch_files], state_files=state_files, write_state=apply,
                  state_file_rows=lake.state_file_rows, publishing=publish_to)
-    entity_files = run_tasks(session, bucket_tasks(spark, sum(f.rows for f in patch_files)), fn)
+    rows = sum(f.rows for f in patch_files)
+    entity_files = run_tasks(session, bucket_tasks(spark, rows), fn, rows)
     entities = commit_buckets(engine, "entities", key, apply, snapshot, entity_files)
 
     schema_in, redelivered_parts = redeliveries(session, engine, "schema_patches", key, ("clientid", "request", "part"),

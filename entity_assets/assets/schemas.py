@@ -38,8 +38,10 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     ensure_tables(engine, ["learned_schemas"])
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
     # each task summarizes the rows of its files (no shuffle); summaries merge exactly
-    tasks = file_tasks(engine.slice_files("schema_learning", [key]), slicing.max_messages_per_task, spark.parallelism())
-    partials = collect_tasks(spark.session(), tasks, partial(fold.learn_task, storage_options=engine.storage_options))
+    files = engine.slice_files("schema_learning", [key])
+    tasks = file_tasks(files, slicing.max_messages_per_task, spark.parallelism())
+    partials = collect_tasks(spark.session(), tasks, partial(fold.learn_task, storage_options=engine.storage_options),
+                             sum(f.rows for f in files))
 
     summaries: dict[tuple[str, str], Summary] = {}
     for row in engine.read("learned_schemas", version).to_pylist():
