@@ -142,14 +142,14 @@ def replay_task(tasks: Iterator[dict], *, kafka_config: dict, storage_options) -
     """Produces the spools of each task ({"spools": [{"uri", "tables", "topics"}]}) and deletes them
     once every message is acknowledged; yields {"table", "count"} of what it published."""
     for task in tasks:
-        producer, tables = BatchProducer(kafka_config), {}
+        producer, tables, replayed = BatchProducer(kafka_config), {}, []
         for spool in task["spools"]:
             tables.update(zip(spool["topics"], spool["tables"]))
             fs, path = filesystem(spool["uri"], storage_options)
             with fs.open_input_stream(path) as source:
                 replay_into(producer, source, spool["topics"])
+            replayed.append((fs, path))
         counts = producer.close()
-        for spool in task["spools"]:
-            fs, path = filesystem(spool["uri"], storage_options)
+        for fs, path in replayed:
             fs.delete_file(path)
         yield from ({"table": tables[topic], "count": n} for topic, n in counts.items())

@@ -86,7 +86,7 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
     """
     counts = pop_counts(files) + (counts or Counter())
     summary = commit_slice(engine, [table], files, slice_key)[table]
-    summary["published"] = publish_outbox(spark, files, publish_to, engine.storage_options)[table]
+    summary["published"] = publish_outbox(spark, files, publish_to)[table]
     return summary, counts
 
 
@@ -108,7 +108,7 @@ def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
     }
 
 
-# --------------------------------------------------------------------------- Spark reads
+# --------------------------------------------------------------------------- redeliveries
 
 COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
 DRIVER_ROWS = 10_000
@@ -357,12 +357,13 @@ OUTBOX_FOLDER = "_outbox"
 """The lake folder of the steps' outboxes: the messages their tasks spooled, until published."""
 
 
-def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to, storage_options) -> Counter:
+def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Counter:
     """Publishes the messages the step's tasks spooled (their OUTBOX report rows, popped from
     `files`), once the caller has committed their rows; returns the count per table.
 
-    Every spool goes out in one Spark job of at most one task per core, together: the broker
-    takes the step's messages in one burst instead of one per task (see `kafka_io.Spool`).
+    Every spool goes out together, in one Spark job of at most one task per core (in the driver
+    up to DRIVER_ROWS messages): the broker takes the step's messages in one burst instead of
+    one per task (see `kafka_io.Spool`).
     The spools are deleted once their messages are acknowledged; a failure leaves them for
     lake_maintenance, and a re-run of the slice publishes its messages again.
     """
@@ -380,7 +381,7 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to, storage_
         i = loads.index(min(loads))
         tasks[i]["spools"].append({"uri": f.path, **json.loads(f.stats)})
         loads[i] += f.rows
-    fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=storage_options)
+    fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=publish_to.storage_options)
     counts: Counter = Counter()
     for row in collect_tasks(spark.session(), tasks, fn, sum(loads)):
         counts[row["table"]] += row["count"]

@@ -161,7 +161,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     summary.update(commit_slice(engine, ["complete_responses"], files, key))
     if pending_apply:
         commit_state(engine, "pending_responses", key, new_pending, pending)
-    published = publish_outbox(spark, files, publish_to, engine.storage_options)
+    published = publish_outbox(spark, files, publish_to)
 
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
 
