@@ -137,7 +137,7 @@ class BatchProducer:
 
 
 class Spool:
-    """Kafka records written to a file (`sink`, any binary output stream), produced later by `replay`.
+    """Kafka records written to a file (`sink`, any binary output stream), produced later by `replay_into`.
 
     A step's tasks spool their messages while they write their rows; the step replays every
     spool in one burst once the rows are committed (see `publish`). The embedded broker

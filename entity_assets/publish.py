@@ -15,7 +15,7 @@ import functools
 import json
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from entity_assets import core
 from entity_assets.kafka_io import BatchProducer, Spool, replay_into
@@ -101,8 +101,8 @@ class Publishing:
     """
 
     kafka_config: dict
-    topics: dict[str, tuple[str, int]] = field(default_factory=dict)
-    outbox: str = ""
+    topics: dict[str, tuple[str, int]]
+    outbox: str
     storage_options: dict | None = None
 
 

@@ -497,7 +497,7 @@ class DeltaRsEngine:
 
     def delete_older(self, folder: str, hours: float) -> list[str]:
         """Deletes the files of a lake folder (not a table: e.g. the steps' outbox) last written
-        more than `hours` ago; returns their URIs."""
+        more than `hours` ago; returns their paths."""
         fs, path = filesystem(self.uri(folder), self.storage_options)
         if fs.get_file_info(path).type == pafs.FileType.NotFound:
             return []
