@@ -215,9 +215,11 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[str]], 
                  order: SortKey, storage_options, **kwargs) -> Iterator[dict]:
     """Runs a bucketed fold `body` over the rows of each task's buckets ({"buckets"}), for `run_tasks`.
 
-    The task reads every file of `sources` ({table: URIs}) itself, through `reader` (a file's
-    rows in the body's columns), keeps its buckets' rows and sorts them by (bucket, *order), as
-    the body expects. Spark only schedules the tasks: no shuffle, no JVM scan.
+    The task reads every file of `sources` ({table: URIs}) itself, through `reader(table, uri,
+    storage_options, buckets)` (a file's rows in the body's columns; `buckets`, the task's, let
+    a reader of files with row groups by bucket skip the others), keeps its buckets' rows and
+    sorts them by (bucket, *order), as the body expects. Spark only schedules the tasks: no
+    shuffle, no JVM scan.
     """
     sort = [(c, "ascending", "at_start") for c in ("bucket",) + tuple(order)]  # nulls first, as Spark sorts
     for task in tasks:
@@ -225,7 +227,7 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[str]], 
         parts = []
         for table, uris in sources.items():
             for uri in uris:
-                data = reader(table, uri, storage_options)
+                data = reader(table, uri, storage_options, task["buckets"])
                 buckets = key_buckets(data, key_columns)
                 parts.append(data.append_column("bucket", buckets).filter(pc.is_in(buckets, value_set=wanted)))
         if not parts:
@@ -236,7 +238,7 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[str]], 
             yield from to_rows(report)
 
 
-def connection_rows(table: str, uri: str, storage_options) -> pa.Table:
+def connection_rows(table: str, uri: str, storage_options, buckets: list[int]) -> pa.Table:
     """`devices_task`'s input: the columns of a connections file it folds."""
     return read_table(uri, storage_options, [*notify.DEVICE_KEY, "clientid", "appVersion", "begun"])
 
@@ -246,11 +248,16 @@ INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device
                           ("notifications", pa.string()), ("upTo", pa.int64())])
 
 
-def inbox_events(table: str, uri: str, storage_options) -> pa.Table:
+def inbox_events(table: str, uri: str, storage_options, buckets: list[int]) -> pa.Table:
     """`inbox_task`'s input: new notifications (changes_by_device, kind "a-notify") and acks
-    (notification_acks, kind "b-ack", at their `begun`) in one layout."""
+    (notification_acks, kind "b-ack", at their `begun`) in one layout.
+
+    changes_by_device files hold a row group per inbox bucket (`fan_out_task`): a task decodes
+    only its buckets' rows, so the step reads the slice's notifications once, whatever its tasks.
+    """
     if table == "changes_by_device":
-        data = read_table(uri, storage_options, ["dbid", "user", "device", "notification", "ended"])
+        data = read_table(uri, storage_options, ["dbid", "user", "device", "notification", "ended"],
+                          filters=[("bucket", "in", buckets)])
         kind = "a-notify"
     else:
         data = read_table(uri, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo"])
@@ -262,14 +269,15 @@ def inbox_events(table: str, uri: str, storage_options) -> pa.Table:
     return pa.table(columns, schema=INBOX_EVENTS)
 
 
-def multipart_parts(table: str, uri: str, storage_options) -> pa.Table:
+def multipart_parts(table: str, uri: str, storage_options, buckets: list[int]) -> pa.Table:
     """`complete_task`'s input: the parts of multi-part requests, from partial_responses files
     (whose row groups of single-part results are skipped by their statistics: RESULT_ROW_GROUPS)
     and pending_responses."""
     return read_table(uri, storage_options, filters=[("parts", ">", 1)] if table == "partial_responses" else None)
 
 
-def schema_patch_rows(table: str, uri: str, storage_options, *, redelivered: frozenset = frozenset()) -> pa.Table:
+def schema_patch_rows(table: str, uri: str, storage_options, buckets: list[int], *,
+                      redelivered: frozenset = frozenset()) -> pa.Table:
     """`schema_fold_task`'s input: a schema_patches file without its redeliveries (Kafka coordinates)."""
     data = read_table(uri, storage_options)
     if not redelivered:
@@ -463,11 +471,13 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
         (dbid, entity, sub) for dbid, entity, doc in subscriptions
         if (sub := notify.parse_subscription(core.loads(doc))) is not None
     )
-    out = Outputs(slice_key, uris, storage_options, publishing)
+    # a row group per device_inboxes bucket: each task of device_notifications reads its own (inbox_events)
+    out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"changes_by_device": "bucket"})
     lineage = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
     for change in _rows(batches):
         for row in notify.fan_out(change, index):
-            out.emit("changes_by_device", {**row, "slice": slice_key, **{c: change[c] for c in lineage}})
+            out.emit("changes_by_device", {**row, "slice": slice_key, **{c: change[c] for c in lineage},
+                                           "bucket": core.key_bucket(row["device"])})
     yield _arrow(out.report())
 
 

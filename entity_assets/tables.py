@@ -79,6 +79,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "changes_by_device": _schema(
         LINEAGE, [("dbid", STR)], TARGET,
         [("notification", STR), ("action", STR), ("ended", I64), ("device", STR), ("user", STR)],
+        [("bucket", I32)],  # the device's device_inboxes bucket
     ),
     "device_notifications": _schema(
         [("slice", STR), ("dbid", STR), ("user", STR), ("device", STR), ("count", I64), ("begun", I64), ("ended", I64)]

@@ -60,12 +60,14 @@ def test_tasks_read_every_file_and_keep_their_buckets_sorted_by_the_fold_order(t
 def test_inbox_events_put_notifications_and_acks_in_one_layout(tmp_path):
     note = {"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": 1,
             "kafka_timestamp": 5, "dbid": "db", "collection": "Contacts", "zone": "A", "entity": "e1",
-            "notification": "n1", "action": "created", "ended": 5, "device": "d1", "user": "u1"}
+            "notification": "n1", "action": "created", "ended": 5, "device": "d1", "user": "u1",
+            "bucket": core.key_bucket("d1")}
     ack = {"slice": "0000000001", "kafka_topic": "notification-acks", "kafka_partition": 0, "kafka_offset": 2,
            "kafka_timestamp": 7, "dbid": "db", "user": "u1", "device": "d1", "notifications": '["n1"]', "upTo": None,
            "begun": 7}
-    notes = fold.inbox_events("changes_by_device", _write(tmp_path / "n.parquet", [note], "changes_by_device"), None)
-    acks = fold.inbox_events("notification_acks", _write(tmp_path / "a.parquet", [ack], "notification_acks"), None)
+    notes = fold.inbox_events("changes_by_device", _write(tmp_path / "n.parquet", [note], "changes_by_device"), None,
+                              [note["bucket"]])
+    acks = fold.inbox_events("notification_acks", _write(tmp_path / "a.parquet", [ack], "notification_acks"), None, [])
     assert notes.schema == acks.schema == fold.INBOX_EVENTS
     assert notes.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": "a-notify", "notification": "n1",
                                   "ended": 5, "notifications": None, "upTo": None}]
@@ -79,5 +81,32 @@ def test_multipart_parts_skip_single_part_results(tmp_path):
                 "stream": "entity-updates"}
 
     uri = _write(tmp_path / "p.parquet", [result(1, 1), result(1, 2), result(2, 2)], "partial_responses")
-    assert [(r["part"], r["parts"]) for r in fold.multipart_parts("partial_responses", uri, None).to_pylist()] == [(1, 2), (2, 2)]
-    assert fold.multipart_parts("pending_responses", uri, None).num_rows == 3
+    assert [(r["part"], r["parts"]) for r in fold.multipart_parts("partial_responses", uri, None, []).to_pylist()] == [(1, 2), (2, 2)]
+    assert fold.multipart_parts("pending_responses", uri, None, []).num_rows == 3
+
+
+def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path):
+    """changes_by_device files hold a row group per device_inboxes bucket, so the tasks of
+    device_notifications together read the slice's notifications once."""
+    devices = [f"device{i}" for i in range(40)]
+    subscriptions = [("db", f"sub{i}", core.dumps({"subjectZone": "A", "device": d, "user": "u1"}))
+                     for i, d in enumerate(devices)]
+    change = {"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": 3,
+              "kafka_timestamp": 9, "clientid": "c", "request": 1, "part": 1, "dbid": "db", "collection": "Contacts",
+              "zone": "A", "entity": "e1", "status": 1, "action": "created", "ended": 9}
+    uri = str(tmp_path / "changes_by_device")
+    (tmp_path / "changes_by_device").mkdir()
+    [report] = fold.fan_out_task(iter([pa.RecordBatch.from_pylist([change])]), slice_key="0000000001",
+                                 uris={"changes_by_device": uri}, storage_options=None, subscriptions=subscriptions)
+    [written] = [r for r in report.to_pylist() if r["table"] == "changes_by_device"]
+    path = f"{uri}/{written['path']}"
+    metadata = pq.ParquetFile(path).metadata
+    buckets = sorted({core.key_bucket(d) for d in devices})
+    assert metadata.num_row_groups == len(buckets)  # one per bucket
+    for group in range(metadata.num_row_groups):
+        stats = metadata.row_group(group).column(SCHEMAS["changes_by_device"].get_field_index("bucket")).statistics
+        assert stats.min == stats.max
+
+    mine = buckets[::3]
+    events = fold.inbox_events("changes_by_device", path, None, mine)
+    assert sorted(events.column("device").to_pylist()) == sorted(d for d in devices if core.key_bucket(d) in mine)
