@@ -7,6 +7,7 @@ Spark jobs call these functions per row, and the tests exercise the rules withou
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Iterable
@@ -35,6 +36,8 @@ SUBSCRIPTIONS = "$zoneSubscription"
 
 NOTIFICATION_NAMESPACE = uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337")
 """Fixed uuid5 namespace of notification ids; never change it, or re-runs mint new ids."""
+_NAMESPACE_BYTES = NOTIFICATION_NAMESPACE.bytes
+_json_string = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str
 
 
 def action_of(created: bool, deleted: bool) -> str:
@@ -91,8 +94,14 @@ def notification_id(
     (clientid, request, part) identifies the patch, so a re-run of a slice yields the same ids and
     an app's acks stay valid. The fields are JSON-encoded so no separator can make two keys collide.
     """
-    key = json.dumps([device, dbid, collection, zone, entity, clientid, int(request), int(part)])
-    return str(uuid.uuid5(NOTIFICATION_NAMESPACE, key))
+    # Byte for byte str(uuid5(NOTIFICATION_NAMESPACE, json.dumps([...]))), the ids of earlier
+    # releases, at a third of the cost (one notification per device per change adds up).
+    key = "[" + ", ".join([*map(_json_string, (device, dbid, collection, zone, entity, clientid)),
+                           str(int(request)), str(int(part))]) + "]"
+    h = bytearray(hashlib.sha1(_NAMESPACE_BYTES + key.encode()).digest()[:16])
+    h[6], h[8] = (h[6] & 0x0F) | 0x50, (h[8] & 0x3F) | 0x80  # version 5, RFC 4122 variant
+    x = h.hex()
+    return f"{x[:8]}-{x[8:12]}-{x[12:16]}-{x[16:20]}-{x[20:]}"
 
 
 class SubscriptionIndex:
@@ -110,16 +119,22 @@ class SubscriptionIndex:
         for (dbid, _entity), sub in by_entity.items():
             self._by_zone.setdefault((dbid, sub.subjectZone), []).append(sub)
         self._size = len(by_entity)
+        self._devices: dict[tuple[str, str, str, str], list[tuple[str, str]]] = {}
 
     def __len__(self) -> int:
         return self._size
 
     def devices_for(self, dbid: str, collection: str, zone: str, action: str) -> list[tuple[str, str]]:
-        """Sorted unique (device, user) pairs to notify of ``action`` on ``collection`` in ``zone``."""
-        subs = self._by_zone.get((dbid, zone))
-        if not subs:
-            return []
-        return sorted({(s.device, s.user) for s in subs if s.covers(collection, action)})
+        """Sorted unique (device, user) pairs to notify of ``action`` on ``collection`` in ``zone``.
+
+        Kept per argument tuple: a slice's changes repeat a few zones, collections and actions.
+        """
+        key = (dbid, collection, zone, action)
+        pairs = self._devices.get(key)
+        if pairs is None:
+            subs = self._by_zone.get((dbid, zone), ())
+            pairs = self._devices[key] = sorted({(s.device, s.user) for s in subs if s.covers(collection, action)})
+        return pairs
 
 
 def fan_out(change: dict[str, Any], index: SubscriptionIndex) -> list[dict[str, Any]]:

@@ -180,6 +180,20 @@ def test_notification_ids_deterministic_and_distinct(seed_index):
     assert len({r["notification"] for r in first}) == 2
 
 
+def test_notification_ids_are_those_of_earlier_releases():
+    """Acks name notifications by id: the id of a change must never change across releases."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    alphabet = 'abcXYZ019-_/ "\\\u00e9\u4e2d\U0001f600\n\t'
+    for _ in range(500):
+        fields = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(6)]
+        request, part = rng.randint(0, 2**40), rng.randint(1, 50)
+        released = str(uuid.uuid5(uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337"), json.dumps([*fields, request, part])))
+        assert notification_id(*fields, request, part) == released
+
+
 # ---------------------------------------------------------------- device inbox
 
 
