@@ -5,9 +5,10 @@
     python bench/bench_pipeline.py --n 20000                    # a quick run
 
 In the same run, a single-process reference fold of the same input (parse, apply, serialize
-each update; no storage) runs in a child process, and a 100-message slice measures the fixed
-cost of one slice through the same path. Rates exclude Spark start. The last line is
-machine-readable key=value pairs.
+each update; no storage) runs in a child process before the pipeline and again after it (this
+host's speed drifts: the ratio uses both), and a 100-message slice measures the fixed cost of
+one slice through the same path. Rates exclude Spark start. The last line is machine-readable
+key=value pairs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def reference_fold(n: int, entities: int, devices: int, learning: bool, seed: in
     values = [v for stream, _, v in traffic(n, entities, devices, learning, seed).records() if stream == "entity-batches"]
     state: dict[tuple, dict] = {}
     patches = 0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for value in values:
         batch = json.loads(value)
         for patch in batch["patches"]:
@@ -56,7 +57,7 @@ def reference_fold(n: int, entities: int, devices: int, learning: bool, seed: in
                         "error": outcome.error, "after": outcome.doc})
             patches += 1
     seconds = time.perf_counter() - started
-    return {"patches": patches, "seconds": seconds, "per_s": patches / seconds}
+    return {"patches": patches, "seconds": seconds, "per_s": patches / seconds, "cpu_s": time.process_time() - cpu}
 
 
 def produce(env: BenchEnv, n: int, entities: int, devices: int, learning: bool, seed: int) -> None:
@@ -70,11 +71,14 @@ def produce(env: BenchEnv, n: int, entities: int, devices: int, learning: bool, 
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def child_reference(args) -> dict:
+def child_reference(args, when: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--reference-only", "--n", str(args.n), "--entities",
                           str(args.entities), "--devices", str(args.devices), "--seed", str(args.seed)]
                          + (["--graph"] if args.graph else []), check=True, stdout=subprocess.PIPE, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    reference = json.loads(out.strip().splitlines()[-1])
+    log(f"reference fold {when}: {reference['per_s']:,.0f} patches/s ({reference['patches']:,} in "
+        f"{reference['seconds']:.1f}s)")
+    return reference
 
 
 def _sum_cpu(parts) -> dict[str, float]:
@@ -114,8 +118,7 @@ def main(argv=None) -> int:
         with Timer() as t:
             produce(env, args.n, args.entities, args.devices, learning, args.seed)
         log(f"produced {args.n:,} patches ({args.devices:,} devices, learning {learning}) in {t.s:.1f}s")
-        reference = child_reference(args)
-        log(f"reference fold: {reference['per_s']:,.0f} patches/s ({reference['patches']:,} in {reference['seconds']:.1f}s)")
+        before = child_reference(args, "before the pipeline")
 
         from entity_assets.cli import run_pending
         from entity_assets.definitions import build_resources
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
         if not all(s["success"] for s in summaries):
             log("a slice run FAILED")
             return 1
-        per_s = reference["patches"] / run.s  # the same patches as the reference (subscriptions included)
+        per_s = before["patches"] / run.s  # the same patches as the reference (subscriptions included)
         peak_big = driver_peak_mb()  # before the small slice, whose redelivery scan reads the window in the driver
         step_s = step_seconds(summaries)
         step_cpu = {step: _sum_cpu(sampler.cpu_between(*w) for w in ws) for step, ws in step_windows(summaries).items()}
@@ -147,6 +150,10 @@ def main(argv=None) -> int:
             small_runs = run_pending(steps=steps, log=log)
         fixed = small.s if all(s["success"] for s in small_runs) else float("nan")
         fixed_steps = step_seconds(small_runs)
+    after = child_reference(args, "after the pipeline")
+    # the host's speed over the pipeline's time, as both reference runs together saw it
+    reference = {"patches": before["patches"], "per_s": 2 * before["patches"] / (before["seconds"] + after["seconds"]),
+                 "cpu_us": 1e6 * (before["cpu_s"] + after["cpu_s"]) / (2 * before["patches"])}
 
     if args.profile:
         print_profile(Path(args.profile_dir))
@@ -157,7 +164,8 @@ def main(argv=None) -> int:
           + (f"; {args.devices:,} devices subscribed, learning on" if args.graph else ""))
     print(f"pipeline           {per_s:,.0f} patches/s ({run.s:.1f}s for {len(summaries)} slice run(s), Spark start "
           f"{start.s:.1f}s excluded)")
-    print(f"reference fold     {reference['per_s']:,.0f} patches/s (one process, no storage)")
+    print(f"reference fold     {reference['per_s']:,.0f} patches/s (one process, no storage; {before['per_s']:,.0f} "
+          f"before the pipeline, {after['per_s']:,.0f} after)")
     print(f"ratio              {ratio:.2f} (target >= {target})")
     print(f"  {'step':<27} {'wall':>6}  {'patches/s':>12}   CPU-s: {'workers':>7} {'jvm':>5} {'broker':>6} {'driver':>6}")
     for step, sec in step_s.items():
@@ -167,10 +175,15 @@ def main(argv=None) -> int:
     print(f"100-message slice  {fixed:.1f}s (fixed cost of one slice run): "
           + ", ".join(f"{step} {sec:.1f}s" for step, sec in fixed_steps.items()))
     cpu = sampler.cpu()
+    cpu_us = 1e6 * sum(v for k, v in cpu.items() if k != "foreign") / reference["patches"]
     print("CPU seconds        " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
+    print(f"CPU per patch      pipeline {cpu_us:.0f} us (its processes together), reference fold "
+          f"{reference['cpu_us']:.0f} us")
     print(f"peak driver RSS    {driver_peak_mb():.0f} MB (this process; Spark's JVM and workers are children); "
           f"{peak_big:.0f} MB before the 100-message slice")
     print(kv_line(n=args.n, per_s=round(per_s), reference_per_s=round(reference["per_s"]), ratio=round(ratio, 3),
+                  reference_before_per_s=round(before["per_s"]), reference_after_per_s=round(after["per_s"]),
+                  cpu_us_per_patch=round(cpu_us), reference_cpu_us_per_patch=round(reference["cpu_us"]),
                   graph=int(args.graph), devices=args.devices, spark_start_s=round(start.s, 1),
                   fixed_100_s=round(fixed, 1), peak_driver_mb=round(driver_peak_mb()), peak_driver_big_mb=round(peak_big),
                   **{f"{k}_s": round(v, 1) for k, v in step_s.items()},
