@@ -253,6 +253,9 @@ def make_pipeline(broker, spark, tmp_path, monkeypatch):
     # small slices' work runs in the driver in production (assets.common.DRIVER_ROWS); tests run
     # it in Spark tasks unless they choose the driver, so both paths are exercised
     monkeypatch.setattr(common, "DRIVER_ROWS", 0)
+    # and, as large slices do, split each step's work over several tasks (bucket folds: up to
+    # 2 per core), so that no test passes only because one task saw every row
+    monkeypatch.setattr(common, "SMALL_TASK_ROWS", 1)
     made = []
 
     def make(**kwargs) -> Pipeline:

@@ -139,7 +139,6 @@ BAD = [
 @pytest.mark.parametrize("driver_rows", [0, 10_000], ids=["spark-tasks", "small-work-in-the-driver"])
 def test_schema_updates_learning_devices_and_dead_letters(pipeline, monkeypatch, driver_rows):
     monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
-    monkeypatch.setattr(common, "SMALL_TASK_ROWS", 1)  # every fold splits its buckets over several tasks
     # ---- slice 1: the declared schema, a first connection, a valid ack, and bad records in between
     good_ack = ("notification-acks", DEVICE, samples.encode({"db": DB, "user": "jsmith", "device": DEVICE,
                                                              "upTo": 1415747100000, "begun": 1415747100000}))
@@ -320,7 +319,6 @@ def ack(device: str, **what) -> tuple[str, str, bytes]:
 @pytest.mark.parametrize("driver_rows", [0, 10_000], ids=["spark-tasks", "small-work-in-the-driver"])
 def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline, monkeypatch, driver_rows):
     monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
-    monkeypatch.setattr(common, "SMALL_TASK_ROWS", 1)  # every fold splits its buckets over several tasks
     created = [{"op": "add", "path": "firstName", "value": "Ann"}]
     # ---- slice 1: device1 and device2 subscribe to zone A; an entity is created in zone B
     r1 = run_slice(pipeline, [
