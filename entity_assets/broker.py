@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_PORT = 39092
+DEFAULT_PORT = 29092
+"""Below Linux's ephemeral ports (32768-60999 by default), which the kernel gives to outgoing
+connections: right after a busy test run one of those may still hold a port in that range."""
 
 
 def _binary() -> Path:

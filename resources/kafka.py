@@ -5,7 +5,7 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
+DEFAULT_BOOTSTRAP = "127.0.0.1:29092"
 
 
 class KafkaResource(ConfigurableResource):
