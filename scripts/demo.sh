@@ -20,9 +20,12 @@ cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
 status=0
 .venv/bin/entity-assets demo "$@" || status=$?
 
+pid_file=$ENTITY_ASSETS_HOME/broker/broker.pid  # written by the broker's start (entity_assets/broker.py)
+if [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; then
 cat <<MSG
 
 The local broker is still running (state in $ENTITY_ASSETS_HOME). Stop it with:
     ENTITY_ASSETS_HOME=$ENTITY_ASSETS_HOME .venv/bin/entity-assets broker stop
 MSG
+fi
 exit $status
