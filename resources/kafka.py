@@ -5,7 +5,10 @@ from __future__ import annotations
 from dagster import ConfigurableResource
 from pydantic import Field
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:29092"
+from entity_assets.broker import DEFAULT_PORT
+
+DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
+"""The embedded broker (entity_assets.broker) of the demo and the scripts."""
 
 
 class KafkaResource(ConfigurableResource):
