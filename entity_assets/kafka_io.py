@@ -156,7 +156,7 @@ class Spool:
         self.count = 0
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
-        """As `BatchProducer.send`; the record reaches Kafka at `replay`."""
+        """As `BatchProducer.send`; the record reaches Kafka when `replay_into` produces the spool."""
         k = key.encode() if isinstance(key, str) else key
         v = value.encode() if isinstance(value, str) else value
         header = self.HEADER.pack(self._topics[topic], -1 if partition is None else partition,
