@@ -85,7 +85,13 @@ class LocalBroker:
         raise TimeoutError(f"broker on {self.bootstrap} not ready after {timeout}s")
 
     def stop(self, timeout: float = 30.0) -> bool:
-        """SIGTERM and wait, so the broker saves its data; returns whether one was running."""
+        """SIGTERM and wait, so the broker saves its data; returns whether one was running.
+
+        This process's idle producers end first: they would retry connecting until it exits.
+        """
+        from entity_assets.kafka_io import release_producers
+
+        release_producers()
         pid = self.pid()
         if pid is None:
             self.pid_file.unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from collections.abc import Iterable, Iterator
@@ -94,21 +95,50 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
         consumer.close()
 
 
+class _Client:
+    """A librdkafka producer and the delivery failures reported to it while one BatchProducer holds it."""
+
+    def __init__(self, settings: dict):
+        self.errors: list = []
+        self.producer = Producer({**settings, "on_delivery": self._on_delivery})
+
+    def _on_delivery(self, err, _msg) -> None:
+        if err is not None:
+            self.errors.append(err)
+
+
+_IDLE: dict[tuple, list[_Client]] = {}
+"""Producers that a BatchProducer closed cleanly, by settings, for the next one of this process."""
+os.register_at_fork(after_in_child=_IDLE.clear)  # librdkafka's threads do not survive a fork
+
+
+def release_producers() -> None:
+    """Ends the idle producers of this process (each flushed when it was closed)."""
+    for clients in _IDLE.values():
+        for client in clients:
+            client.producer.close()
+    _IDLE.clear()
+
+
 class BatchProducer:
-    """An idempotent producer that waits out full queues and fails loudly on undelivered records."""
+    """An idempotent producer that waits out full queues and fails loudly on undelivered records.
+
+    Its librdkafka producer is handed to the next BatchProducer of the same settings in this
+    process once it closed cleanly: a new idempotent producer delivers nothing before librdkafka
+    asks for its producer id, 0.5 s after start (no broker is up at its creation), a wait that
+    each step of a small slice paid for its publish.
+    """
 
     def __init__(self, config: dict):
         # the resource's settings (client_config) override the defaults; delivery reports for
         # failed records only: no Python callback per delivered record
-        self._producer = Producer({**PRODUCER_DEFAULTS, **config, "partitioner": "murmur2_random",
-                                   "delivery.report.only.error": True, "on_delivery": self._on_delivery})
-        self._errors: list = []
+        settings = {**PRODUCER_DEFAULTS, **config, "partitioner": "murmur2_random", "delivery.report.only.error": True}
+        self._settings = tuple(sorted(settings.items()))
+        idle = _IDLE.get(self._settings)
+        self._client = idle.pop() if idle else _Client(settings)
+        self._producer = self._client.producer
         self.counts: dict[str, int] = {}
         self._sent = 0
-
-    def _on_delivery(self, err, _msg) -> None:
-        if err is not None:
-            self._errors.append(err)
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
         """Without `partition`, Kafka's murmur2 of the key picks it, like the Java client. Text is sent as UTF-8."""
@@ -128,11 +158,13 @@ class BatchProducer:
             self._producer.poll(0)
 
     def close(self, timeout: float = 120) -> dict[str, int]:
-        """Waits for every record; returns the count per topic."""
+        """Waits for every record; returns the count per topic. A producer that failed is not reused."""
         remaining = self._producer.flush(timeout)
-        if remaining or self._errors:
+        errors = self._client.errors
+        if remaining or errors:
             raise RuntimeError(f"producing to {sorted(self.counts)} failed: "
-                               f"{self._errors[:3] or f'{remaining} undelivered'}")
+                               f"{errors[:3] or f'{remaining} undelivered'}")
+        _IDLE.setdefault(self._settings, []).append(self._client)
         return self.counts
 
 

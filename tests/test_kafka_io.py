@@ -27,6 +27,26 @@ def test_an_undelivered_record_fails_the_close_loudly(broker):
         producer.close(timeout=30)
 
 
+def test_a_cleanly_closed_producer_serves_the_next_one_and_a_failed_one_does_not(broker):
+    """A handed-over producer counts and reports only its new holder's records."""
+    config = {"bootstrap.servers": broker.bootstrap, "message.timeout.ms": "2000"}
+    ensure_topics(config, ["kafka-io-handed-over", "kafka-io-handed-over-failing"], 1)
+    first = BatchProducer(config)
+    first.send("kafka-io-handed-over", "k", "v")
+    assert first.close() == {"kafka-io-handed-over": 1}
+    failing = BatchProducer(config)
+    assert failing._producer is first._producer
+    failing.send("kafka-io-handed-over-failing", "k", "v", partition=3)  # the topic has one partition
+    with pytest.raises(RuntimeError, match="kafka-io-handed-over-failing"):
+        failing.close(timeout=30)
+    fresh = BatchProducer(config)
+    assert fresh._producer is not failing._producer
+    for i in range(20):
+        fresh.send("kafka-io-handed-over", f"k{i}", f"v{i}")
+    assert fresh.close() == {"kafka-io-handed-over": 20}
+    assert end_offsets(config, ["kafka-io-handed-over"]) == {("kafka-io-handed-over", 0): 21}
+
+
 def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, monkeypatch, tmp_path):
     """Keys (none, empty, text), explicit partitions and records across the spool's read chunks."""
     chunked = kafka_io._records
