@@ -47,6 +47,19 @@ def test_a_cleanly_closed_producer_serves_the_next_one_and_a_failed_one_does_not
     assert end_offsets(config, ["kafka-io-handed-over"]) == {("kafka-io-handed-over", 0): 21}
 
 
+def test_a_warmed_producer_serves_the_next_publish(broker):
+    config = {"bootstrap.servers": broker.bootstrap, "client.id": "kafka-io-warmed"}
+    ensure_topics(config, ["kafka-io-warmed"], 1)
+    kafka_io.warm_producer(config)
+    kafka_io.warm_producer(config)  # one is idle already: it stays the only one
+    (idle,) = [c for settings, clients in kafka_io._IDLE.items() if ("client.id", "kafka-io-warmed") in settings
+               for c in clients]
+    producer = BatchProducer(config)
+    assert producer._producer is idle.producer
+    producer.send("kafka-io-warmed", "k", "v")
+    assert producer.close() == {"kafka-io-warmed": 1}
+
+
 def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, monkeypatch, tmp_path):
     """Keys (none, empty, text), explicit partitions and records across the spool's read chunks."""
     chunked = kafka_io._records

@@ -7,6 +7,7 @@ from dagster import AssetExecutionContext, AssetSpec, MaterializeResult, Metadat
 
 from entity_assets.assets.common import commit_slice, ensure_tables, run_tasks, table_metadata
 from entity_assets.ingest import INPUT_STREAMS, ingest_tasks
+from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import slices_partitions
 from entity_assets.slices import split_ranges
@@ -37,6 +38,8 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
            lake: LakeResource, slicing: SlicingResource):
     """Reads exactly the manifest's offset ranges, so any re-run re-reads the same records."""
     engine = lake.open()
+    if kafka.publish:  # the later steps publish from this process: their producer starts now
+        warm_producer(kafka.config())
     manifest = ManifestStore(engine).get(context.partition_key)
     ensure_tables(engine, TABLES)
     streams_by_topic = {kafka.topic(name): name for name in INPUT_STREAMS}
