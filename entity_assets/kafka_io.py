@@ -108,8 +108,8 @@ class _Client:
 
 
 _IDLE: dict[tuple, list[_Client]] = {}
-"""Producers that a BatchProducer closed cleanly, by settings, for the next one of this process."""
-os.register_at_fork(after_in_child=_IDLE.clear)  # librdkafka's threads do not survive a fork
+"""Producers that a BatchProducer closed cleanly, by (process id, settings), for the next one of
+that process: a forked child neither takes nor ends its parent's, whose librdkafka threads it lacks."""
 
 
 def warm_producer(config: dict) -> None:
@@ -120,10 +120,10 @@ def warm_producer(config: dict) -> None:
 
 def release_producers() -> None:
     """Ends the idle producers of this process (each flushed when it was closed)."""
-    for clients in _IDLE.values():
-        for client in clients:
+    pid = os.getpid()
+    for key in [k for k in _IDLE if k[0] == pid]:
+        for client in _IDLE.pop(key):
             client.producer.close()
-    _IDLE.clear()
 
 
 class BatchProducer:
@@ -139,8 +139,8 @@ class BatchProducer:
         # the resource's settings (client_config) override the defaults; delivery reports for
         # failed records only: no Python callback per delivered record
         settings = {**PRODUCER_DEFAULTS, **config, "partitioner": "murmur2_random", "delivery.report.only.error": True}
-        self._settings = tuple(sorted(settings.items()))
-        idle = _IDLE.get(self._settings)
+        self._key = (os.getpid(), tuple(sorted(settings.items())))
+        idle = _IDLE.get(self._key)
         self._client = idle.pop() if idle else _Client(settings)
         self._producer = self._client.producer
         self.counts: dict[str, int] = {}
@@ -170,7 +170,7 @@ class BatchProducer:
         if remaining or errors:
             raise RuntimeError(f"producing to {sorted(self.counts)} failed: "
                                f"{errors[:3] or f'{remaining} undelivered'}")
-        _IDLE.setdefault(self._settings, []).append(self._client)
+        _IDLE.setdefault(self._key, []).append(self._client)
         return self.counts
 
 

@@ -52,12 +52,28 @@ def test_a_warmed_producer_serves_the_next_publish(broker):
     ensure_topics(config, ["kafka-io-warmed"], 1)
     kafka_io.warm_producer(config)
     kafka_io.warm_producer(config)  # one is idle already: it stays the only one
-    (idle,) = [c for settings, clients in kafka_io._IDLE.items() if ("client.id", "kafka-io-warmed") in settings
+    (idle,) = [c for (_, settings), clients in kafka_io._IDLE.items() if ("client.id", "kafka-io-warmed") in settings
                for c in clients]
     producer = BatchProducer(config)
     assert producer._producer is idle.producer
     producer.send("kafka-io-warmed", "k", "v")
     assert producer.close() == {"kafka-io-warmed": 1}
+
+
+def test_a_forked_child_neither_takes_nor_ends_its_parents_producers(broker, monkeypatch):
+    """A child has none of the librdkafka threads behind its parent's producers."""
+    config = {"bootstrap.servers": broker.bootstrap, "client.id": "kafka-io-forked"}
+    ensure_topics(config, ["kafka-io-forked"], 1)
+    kafka_io.warm_producer(config)
+    (key,) = [k for k in kafka_io._IDLE if ("client.id", "kafka-io-forked") in k[1]]
+    parents = list(kafka_io._IDLE[key])
+    monkeypatch.setattr(kafka_io.os, "getpid", lambda: key[0] + 1)  # as in a forked child
+    child = BatchProducer(config)
+    assert child._producer is not parents[0].producer
+    child.send("kafka-io-forked", "k", "v")
+    assert child.close() == {"kafka-io-forked": 1}
+    kafka_io.release_producers()
+    assert kafka_io._IDLE[key] == parents
 
 
 def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, monkeypatch, tmp_path):
