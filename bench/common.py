@@ -364,9 +364,18 @@ class BenchEnv:
         return json.loads(out.strip().splitlines()[-1])
 
     def stop_broker(self) -> None:
-        """SIGTERM the broker by its pid and wait for it to exit (it saves its data first)."""
+        """SIGTERM the broker by its pid and wait for it to exit (it saves its data first).
+
+        Spark stops first: its Python workers keep the producer of their last publish
+        (`kafka_io.BatchProducer`), which would retry connecting to the stopped broker (and
+        log each try) until the workers exit.
+        """
         if self.broker_pid is None:
             return
+        from pyspark.sql import SparkSession
+
+        if (session := SparkSession.getActiveSession()) is not None:
+            session.stop()
         pid, self.broker_pid = self.broker_pid, None
         with Timer() as t:
             if self.broker.pid() == pid:
