@@ -99,12 +99,16 @@ class _Client:
     """A librdkafka producer and the delivery failures reported to it while one BatchProducer holds it."""
 
     def __init__(self, settings: dict):
-        self.errors: list = []
-        self.producer = Producer({**settings, "on_delivery": self._on_delivery})
+        errors: list = []
 
-    def _on_delivery(self, err, _msg) -> None:
-        if err is not None:
-            self.errors.append(err)
+        def on_delivery(err, _msg) -> None:
+            if err is not None:
+                errors.append(err)
+
+        # a closure, not a bound method: no cycle through the producer, so a dropped (failed)
+        # one ends with its last holder instead of retrying its broker until a garbage collection
+        self.errors = errors
+        self.producer = Producer({**settings, "on_delivery": on_delivery})
 
 
 _IDLE: dict[tuple, list[_Client]] = {}

@@ -1,5 +1,7 @@
 """The producer that tasks publish through, against the real local broker."""
 
+import weakref
+
 import pytest
 
 from entity_assets import kafka_io
@@ -41,6 +43,9 @@ def test_a_cleanly_closed_producer_serves_the_next_one_and_a_failed_one_does_not
         failing.close(timeout=30)
     fresh = BatchProducer(config)
     assert fresh._producer is not failing._producer
+    dropped = weakref.ref(failing._client)
+    del first, failing  # ends the failed producer now (no reference cycle left for a garbage collection)
+    assert dropped() is None
     for i in range(20):
         fresh.send("kafka-io-handed-over", f"k{i}", f"v{i}")
     assert fresh.close() == {"kafka-io-handed-over": 20}
