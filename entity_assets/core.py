@@ -179,18 +179,15 @@ def result_json(row: dict) -> str:
     return _object(msg, documents)
 
 
-def complete_row(parts: list[dict], slice_key: str, texts: list[str] | None = None) -> dict:
-    """The complete-responses row of a request whose parts are all processed (sorted by part).
-
-    `texts`: the parts' result_json texts when the caller already has them.
-    """
+def complete_row(parts: list[dict], slice_key: str) -> dict:
+    """The complete-responses row of a request whose parts are all processed (sorted by part)."""
     first, last = parts[0], max(parts, key=lambda r: r["ended"])
     return {
         "slice": slice_key, "kafka_topic": last["kafka_topic"], "kafka_partition": last["kafka_partition"],
         "kafka_offset": last["kafka_offset"], "kafka_timestamp": last["kafka_timestamp"],
         "clientid": first["clientid"], "request": first["request"], "user": first["user"], "dbid": first["dbid"],
         "parts": first["parts"], "begun": first["begun"], "ended": last["ended"],
-        "responses": "[" + ",".join(texts or [result_json(p) for p in parts]) + "]",
+        "responses": "[" + ",".join(result_json(p) for p in parts) + "]",
     }
 
 
@@ -205,9 +202,10 @@ def patch_json(row: dict) -> str:
     return _object(msg, {"ops": row["ops"]})
 
 
-def complete_json(row: dict) -> str:
+def complete_json(row: dict, responses: str | None = None) -> str:
+    """`responses`: the JSON text of the responses when `row` is a single-part result, not a complete row."""
     return _object({k: row[k] for k in ("clientid", "request", "user", "parts", "begun", "ended")},
-                   {"responses": row["responses"]})
+                   {"responses": row["responses"] if responses is None else responses})
 
 
 REQUEST_ORDER = ("clientid", "request", "stream", "part")

@@ -20,7 +20,8 @@ import pyarrow.compute as pc
 
 from entity_assets import core, notify, shards
 from entity_assets.publish import Publisher, Publishing
-from entity_assets.storage import FileWriter, key_string, key_strings, read_batches, read_row_groups, read_table, to_rows
+from entity_assets.storage import (FileWriter, from_rows, key_string, key_strings, read_batches, read_row_groups,
+                                   read_table, to_rows)
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -37,18 +38,23 @@ REPLACED = "replaced:"
 class Outputs:
     """What a task writes: one FileWriter per table, the messages it publishes, and counters.
 
-    Every row goes through `emit`, which writes it and, for a published table, spools its
-    message in the same pass (published by the step once the rows are committed).
+    Every row goes through `emit`, or `respond` for a fold's results, which writes it and, for a
+    published table, spools its message in the same pass (published by the step once the rows
+    are committed).
     """
 
     def __init__(self, slice_key: str, uris: dict[str, str], storage_options, publishing: Publishing | None = None,
-                 row_groups_by: dict[str, str] | None = None):
+                 row_groups_by: dict[str, str] | None = None, updates: str | None = None):
+        """`updates`: the table of the status 1 results that `respond` takes (entity_updates or schema_updates)."""
         self.slice_key, self.uris, self.storage_options = slice_key, uris, storage_options
         self.row_groups_by = row_groups_by or {}
         self.writers: dict[str, FileWriter] = {}
         self.publisher = Publisher(publishing) if publishing and publishing.topics else None
         self.counts: dict[str, int] = {}
         self.replaced: list[dict] = []
+        self.updates = updates
+        self._results: list[dict] = []
+        self._responses: list[str] = []  # of the single-part results
 
     def writer(self, table: str) -> FileWriter:
         w = self.writers.get(table)
@@ -65,6 +71,42 @@ class Outputs:
         if self.publisher is not None:
             self.publisher.send(table, row, text)
 
+    def respond(self, result: dict, text: str) -> None:
+        """A processed part (`text`: its result_json): its update when its status is 1, its partial
+        response, and its complete response at once when the request has a single part.
+
+        Requests of several parts are completed by `complete_task`, which groups their parts.
+        The three tables take the rows of one Arrow conversion of the results (`_write_results`),
+        not one each.
+        """
+        self._results.append(result)
+        single = result["parts"] == 1
+        if single:
+            self._responses.append(f"[{text}]")
+        if self.publisher is not None:
+            if result["status"] == core.STATUS_OK:
+                self.publisher.send(self.updates, result, text)
+            self.publisher.send("partial_responses", result, text)
+            if single:
+                self.publisher.send("complete_responses", result, core.complete_json(result, self._responses[-1]))
+        self.count(f"status:{result['stream']}:{result['status']}")
+        if not single:
+            self.count("multipart")
+        if len(self._results) >= RESULT_BATCH_ROWS:
+            self._write_results()
+
+    def _write_results(self) -> None:
+        if not self._results:
+            return
+        data = pa.Table.from_batches([from_rows(self._results, RESULT_STRUCT)])
+        complete = data.filter(pc.equal(data.column("parts"), 1)).append_column(
+            "responses", pa.array(self._responses, pa.string()))
+        self._results, self._responses = [], []
+        updates = data.filter(pc.equal(data.column("status"), core.STATUS_OK))
+        for table, rows in (("partial_responses", data), (self.updates, updates), ("complete_responses", complete)):
+            if rows.num_rows:
+                self.writer(table).append_table(rows)
+
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
@@ -77,10 +119,16 @@ class Outputs:
 
     def report(self) -> list[dict]:
         """The files written (the outbox spool included: see publish.OUTBOX) and the counters."""
+        self._write_results()
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
         spool = self.publisher.close() if self.publisher is not None else None
         return files + ([spool] if spool else []) + self.replaced + [
             {"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""} for name, n in self.counts.items()]
+
+
+RESULT_BATCH_ROWS = 20_000
+"""Results buffered as dicts before their one conversion to Arrow (`Outputs.respond`)."""
+RESULT_STRUCT = pa.struct(list(SCHEMAS["partial_responses"]))
 
 
 def _arrow(report: list[dict]) -> pa.RecordBatch:
@@ -318,7 +366,8 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
     """Tasks: {"buckets"}: the state buckets a task owns; it folds the slice's patches of each, in order."""
     order = [(c, "ascending") for c in core.ENTITY_KEY + core.ORDER]
     for task in tasks:
-        out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS)
+        out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS,
+                      updates="entity_updates")
         store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options,
                             state_file_rows)
         for bucket in task["buckets"]:
@@ -344,34 +393,20 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                     text = core.result_json(result)
                     if result["status"] == core.STATUS_OK:
                         result["subjectZone"] = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
-                        out.emit("entity_updates", result, text)
                         if patch["learning"] and state.doc is not None:
                             out.emit("schema_learning", core.learning_row(result, state.doc),
                                      text if result["after"] is not None else None)
-                    respond(out, result, text, slice_key)
+                    out.respond(result, text)
             save()
         out.close_state("entities", store)
         yield from out.report()
-
-
-def respond(out: Outputs, result: dict, text: str, slice_key: str) -> None:
-    """The partial response of a processed part; a single-part request is complete at once.
-
-    Requests of several parts are completed by `complete_task`, which groups their parts.
-    """
-    out.emit("partial_responses", result, text)
-    out.count(f"status:{result['stream']}:{result['status']}")
-    if result["parts"] == 1:
-        out.emit("complete_responses", core.complete_row([result], slice_key, [text]))
-    else:
-        out.count("multipart")
 
 
 def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
                      state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                      publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: the slice's schema patches, sorted by (bucket, dbid, core.ORDER)."""
-    out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS)
+    out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS, updates="schema_updates")
     store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options, state_file_rows)
     for bucket, patches, keys in _buckets(batches, ("dbid",)):
         store.switch(bucket, keys)
@@ -383,11 +418,10 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
             result["stream"] = "schema-updates"
             text = core.result_json(result)
             if result["status"] == core.STATUS_OK:
-                out.emit("schema_updates", result, text)
                 for row in core.entity_type_rows(result, state.doc or {}):
                     out.emit("schema_learning", row)
                 store.put((dbid,), state.row({"dbid": dbid}, slice_key, bucket))
-            respond(out, result, text, slice_key)
+            out.respond(result, text)
     out.close_state("schemas", store)
     yield _arrow(out.report())
 

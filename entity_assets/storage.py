@@ -157,10 +157,13 @@ class FileWriter:
 
     def _write_groups(self, data: pa.Table, sink) -> None:
         """One row group per value of `row_groups_by`: readers of one value skip the rest by its statistics."""
-        data = data.sort_by(self.row_groups_by)
+        runs = pc.value_counts(data.column(self.row_groups_by))
+        if len(runs) > 1:  # one value (all parts 1, say) needs no sort: a copy of every column
+            data = data.sort_by(self.row_groups_by)
+            runs = pc.value_counts(data.column(self.row_groups_by))
         with pq.ParquetWriter(sink, data.schema, compression="snappy") as writer:
             offset = 0
-            for run in pc.value_counts(data.column(self.row_groups_by)):
+            for run in runs:
                 n = run["counts"].as_py()
                 writer.write_table(data.slice(offset, n), row_group_size=min(n, ROW_GROUP_ROWS))
                 offset += n

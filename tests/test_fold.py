@@ -110,3 +110,39 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
     mine = buckets[::3]
     events = fold.inbox_events("changes_by_device", path, None, mine)
     assert sorted(events.column("device").to_pylist()) == sorted(d for d in devices if core.key_bucket(d) in mine)
+
+
+def test_respond_fills_updates_partial_and_complete_responses_from_one_conversion(tmp_path, monkeypatch):
+    """Status 1 results are updates, every result is a partial response, and a single-part
+    request's result is its complete response at once (responses: its one text), across batches."""
+    monkeypatch.setattr(fold, "RESULT_BATCH_ROWS", 2)
+    tables = ("entity_updates", "partial_responses", "complete_responses")
+    uris = {t: str(tmp_path / t) for t in tables}
+    for t in tables:
+        (tmp_path / t).mkdir()
+    out = fold.Outputs("0000000001", uris, None, updates="entity_updates")
+
+    def result(request, part, parts, status):
+        return {"slice": "0000000001", "kafka_topic": "entity-batches", "kafka_partition": 0, "kafka_offset": request,
+                "kafka_timestamp": 5, "clientid": "c", "request": request, "user": "u", "dbid": "db",
+                "collection": "Contacts", "zone": "A", "entity": "e1", "parts": parts, "part": part, "begun": 4,
+                "ops": "[]", "learning": False, "includeBefore": False, "includeAfter": False, "ended": 5 + request,
+                "status": status, "error": None if status == 1 else "boom", "before": None, "after": None,
+                "action": "updated" if status == 1 else None, "subjectZone": "A", "stream": "entity-updates"}
+
+    results = [result(1, 1, 1, 1), result(2, 1, 1, 3), result(3, 1, 2, 1), result(3, 2, 2, 1), result(4, 1, 1, 1)]
+    for r in results:
+        out.respond(r, core.result_json(r))
+    written = {t: [] for t in tables}
+    for f in out.report():
+        if f["table"] in written:
+            written[f["table"]] += pq.read_table(f"{uris[f['table']]}/{f['path']}").to_pylist()
+
+    assert sorted((r["request"], r["part"]) for r in written["partial_responses"]) == [(1, 1), (2, 1), (3, 1), (3, 2), (4, 1)]
+    assert sorted((r["request"], r["part"]) for r in written["entity_updates"]) == [(1, 1), (3, 1), (3, 2), (4, 1)]
+    complete = sorted(written["complete_responses"], key=lambda r: r["request"])
+    assert [r["request"] for r in complete] == [1, 2, 4]
+    for row in complete:
+        [single] = [r for r in results if r["request"] == row["request"]]
+        assert row == core.complete_row([single], "0000000001")
+    assert out.counts == {"status:entity-updates:1": 4, "status:entity-updates:3": 1, "multipart": 2}
