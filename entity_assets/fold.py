@@ -486,10 +486,10 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
         if count_by is not None:
             for vc in pc.value_counts(batch.column(count_by)).to_pylist():
                 out.count(f"{count_by}:{vc['values']}", vc["counts"])
-        out.writer(target).append_table(pa.Table.from_batches([batch]))  # the rows stay in Arrow
+        rows = pa.Table.from_batches([batch])  # the rows stay in Arrow
+        out.writer(target).append_table(rows)
         if out.publisher is not None:
-            for row in to_rows(batch):
-                out.publisher.send(target, row)
+            out.publisher.send_rows(target, rows)
     yield _arrow(out.report())
 
 

@@ -17,9 +17,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from entity_assets import core
+import pyarrow as pa
+
+from entity_assets import core, encode
 from entity_assets.kafka_io import BatchProducer, Spool, replay_into
-from entity_assets.storage import filesystem
+from entity_assets.storage import filesystem, to_rows
 
 OUTBOX = "outbox:"
 """Report rows with this table name are a task's spool file (path: its URI, rows: its messages)."""
@@ -60,12 +62,21 @@ def request_key(row: dict) -> str:
 
 @dataclass(frozen=True)
 class Stream:
-    """A derived stream's topic, message key, partitioning field (None: by key) and message text."""
+    """A derived stream's topic, message key, partitioning field (None: by key) and message text.
+
+    `keys` and `texts`: the same of rows held in Arrow, a batch at a time (`Publisher.send_rows`).
+    """
 
     name: str
     key: Callable[[dict], str]
     partition_by: str | None
     encode: Callable[[dict], str]
+    keys: Callable[[pa.Table], pa.ChunkedArray] | None = None
+    texts: Callable[[pa.Table], pa.Array] | None = None
+
+
+def _by_entity(rows: pa.Table) -> pa.ChunkedArray:
+    return rows.column("entity")
 
 
 def _device_change(row: dict) -> str:
@@ -81,12 +92,14 @@ def _device_notification(row: dict) -> str:
 
 STREAMS: dict[str, Stream] = {
     "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_json),
-    "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_json),
+    "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_json, _by_entity,
+                             encode.result_texts),
     "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_json),
     "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_json),
     "partial_responses": Stream("partial-responses", request_key, "clientid", core.result_json),
     "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_json),
-    "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json),
+    "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json, _by_entity,
+                           encode.result_texts),
     "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change),
     "device_notifications": Stream("device-notifications", lambda r: r["device"], None, _device_notification),
 }
@@ -121,13 +134,35 @@ class Publisher:
         target = self._targets.get(table)
         if target is None:
             return
+        topic, partitions, stream = target
+        partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
+        self._spool().send(topic, stream.key(row), value if value is not None else stream.encode(row), partition)
+
+    def _spool(self) -> Spool:
         if self.spool is None:
             self.uri = f"{self.publishing.outbox}/{uuid.uuid4().hex}.spool"
             fs, path = filesystem(self.uri, self.publishing.storage_options)
             self.spool = Spool(fs.open_output_stream(path), [topic for topic, _ in self.topics.values()])
+        return self.spool
+
+    def send_rows(self, table: str, rows: pa.Table) -> None:
+        """Rows held in Arrow: their messages made a batch at a time when the stream can (`Stream.texts`)."""
+        target = self._targets.get(table)
+        if target is None:
+            return
         topic, partitions, stream = target
-        partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
-        self.spool.send(topic, stream.key(row), value if value is not None else stream.encode(row), partition)
+        if stream.texts is None:
+            for row in to_rows(rows):
+                self.send(table, row)
+            return
+        keys, texts = stream.keys(rows).to_pylist(), stream.texts(rows).to_pylist()
+        spool = self._spool()
+        if stream.partition_by is None:
+            for key, text in zip(keys, texts):
+                spool.send(topic, key, text)
+        else:
+            for key, text, by in zip(keys, texts, rows.column(stream.partition_by).to_pylist()):
+                spool.send(topic, key, text, partition_for(by, partitions))
 
     def close(self) -> dict | None:
         """The report row of the spool written (see OUTBOX), None when nothing was sent."""

@@ -1,0 +1,56 @@
+"""Batch message encoding gives the per-row encoder's text, byte for byte."""
+
+import itertools
+
+import pyarrow as pa
+
+from entity_assets import core, encode
+from entity_assets.tables import SCHEMAS
+
+STRINGS = [None, "abc", 'q"uote', "back\\slash", "new\nline", "é😀", "ctl\x01", "", "tab\tand\x1f"]
+
+
+def _rows():
+    flags = [True, False, None]
+    for i, (status, before, after, learning) in enumerate(itertools.product([1, 2, 3], flags, flags, flags)):
+        text = STRINGS[i % len(STRINGS)]
+        yield {"slice": "s", "kafka_topic": "entity-batches", "kafka_partition": 0, "kafka_offset": i, "kafka_timestamp": 5,
+               "clientid": text if i % 3 == 0 else f"client-{i}", "request": i, "user": text, "dbid": text or "db",
+               "collection": STRINGS[(i + 1) % len(STRINGS)], "zone": None if i % 4 else "A", "entity": f"e{i}",
+               "parts": None if i % 5 == 0 else 2, "part": 1, "begun": None if i % 7 == 0 else 10**12,
+               "ops": None if i % 6 == 0 else '[{"op":"add","path":"a","value":"x\\"y"}]',
+               "learning": learning, "includeBefore": before, "includeAfter": after, "ended": 10**12 + i,
+               "status": status, "error": None if status == 1 else STRINGS[i % 3], "before": None if i % 2 else '{"a":1}',
+               "after": None if i % 3 == 1 else '{"b":[1,2]}', "action": None, "subjectZone": "A"}
+
+
+def test_result_texts_are_result_json_of_each_row():
+    rows = list(_rows())
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["entity_updates"])
+    assert encode.result_texts(table).to_pylist() == [core.result_json(r) for r in table.to_pylist()]
+
+
+def test_result_texts_take_the_fast_path_on_clean_rows_and_read_chunked_columns():
+    rows = [{**r, "clientid": "c", "user": "u", "dbid": "db", "collection": "Contacts", "zone": "A",
+             "error": None if r["status"] == 1 else "boom"} for r in _rows()]
+    half = len(rows) // 2
+    table = pa.concat_tables([pa.Table.from_pylist(part, schema=SCHEMAS["entity_updates"])
+                              for part in (rows[:half], rows[half:])])
+    assert table.column("dbid").num_chunks == 2
+    assert encode.result_texts(table).to_pylist() == [core.result_json(r) for r in table.to_pylist()]
+
+
+def test_schema_learning_rows_always_carry_after():
+    rows = [{**r, "kind": "entity", "includeAfter": False, "status": 1} for r in _rows()]
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["schema_learning"])
+    assert encode.result_texts(table).to_pylist() == [core.result_json(r) for r in table.to_pylist()]
+
+
+def test_no_rows_no_texts():
+    assert encode.result_texts(SCHEMAS["entity_updates"].empty_table()).to_pylist() == []
+
+
+def test_complete_texts_are_complete_json_of_each_row():
+    rows = [{**r, "responses": f"[{core.result_json(r)}]"} for r in _rows()]
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["complete_responses"])
+    assert encode.complete_texts(table).to_pylist() == [core.complete_json(r) for r in table.to_pylist()]
