@@ -109,10 +109,7 @@ def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> 
 
 
 def learning_row(result: dict, doc: dict) -> dict:
-    """An entity message of schema-learning: the entity update, always with its document.
-
-    When the update carries `after` already, both messages are the same text (`result_json`).
-    """
+    """An entity message of schema-learning: the entity update, always with its document."""
     return {**result, "after": result["after"] if result["after"] is not None else dumps(doc), "kind": "entity"}
 
 
@@ -202,10 +199,9 @@ def patch_json(row: dict) -> str:
     return _object(msg, {"ops": row["ops"]})
 
 
-def complete_json(row: dict, responses: str | None = None) -> str:
-    """`responses`: the JSON text of the responses when `row` is a single-part result, not a complete row."""
+def complete_json(row: dict) -> str:
     return _object({k: row[k] for k in ("clientid", "request", "user", "parts", "begun", "ended")},
-                   {"responses": row["responses"] if responses is None else responses})
+                   {"responses": row["responses"]})
 
 
 REQUEST_ORDER = ("clientid", "request", "stream", "part")

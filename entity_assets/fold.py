@@ -18,7 +18,7 @@ from itertools import groupby
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from entity_assets import core, notify, shards
+from entity_assets import core, encode, notify, shards
 from entity_assets.publish import Publisher, Publishing
 from entity_assets.storage import (FileWriter, from_rows, key_string, key_strings, read_batches, read_row_groups,
                                    read_table, to_rows)
@@ -54,7 +54,7 @@ class Outputs:
         self.replaced: list[dict] = []
         self.updates = updates
         self._results: list[dict] = []
-        self._responses: list[str] = []  # of the single-part results
+        self._batched: dict[str, list[dict]] = {}
 
     def writer(self, table: str) -> FileWriter:
         w = self.writers.get(table)
@@ -65,47 +65,57 @@ class Outputs:
                                                  row_groups_by=self.row_groups_by.get(table))
         return w
 
-    def emit(self, table: str, row: dict, text: str | None = None) -> None:
-        """`text`: the message when the caller already encoded it."""
+    def emit(self, table: str, row: dict) -> None:
+        """Rows of a stream whose messages are made a batch at a time (`Publisher.batches`) are held
+        until `BATCH_ROWS` of them are: one conversion to Arrow then serves the file and the messages.
+        """
+        if self.publisher is not None and self.publisher.batches(table):
+            rows = self._batched.setdefault(table, [])
+            rows.append(row)
+            if len(rows) >= BATCH_ROWS:
+                self._write_batched(table)
+            return
         self.writer(table).append(row)
         if self.publisher is not None:
-            self.publisher.send(table, row, text)
+            self.publisher.send(table, row)
 
-    def respond(self, result: dict, text: str) -> None:
-        """A processed part (`text`: its result_json): its update when its status is 1, its partial
-        response, and its complete response at once when the request has a single part.
+    def _write_batched(self, table: str) -> None:
+        rows = pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)])
+        self.writer(table).append_table(rows)
+        self.publisher.send_rows(table, rows)
+
+    def respond(self, result: dict) -> None:
+        """A processed part: its update when its status is 1, its partial response, and its
+        complete response at once when the request has a single part.
 
         Requests of several parts are completed by `complete_task`, which groups their parts.
-        The three tables take the rows of one Arrow conversion of the results (`_write_results`),
-        not one each.
+        The results are held until `BATCH_ROWS` of them are; one Arrow conversion and one batch
+        of message texts (`encode`) then serve the three tables (`_write_results`).
         """
         self._results.append(result)
-        single = result["parts"] == 1
-        if single:
-            self._responses.append(f"[{text}]")
-        if self.publisher is not None:
-            if result["status"] == core.STATUS_OK:
-                self.publisher.send(self.updates, result, text)
-            self.publisher.send("partial_responses", result, text)
-            if single:
-                self.publisher.send("complete_responses", result, core.complete_json(result, self._responses[-1]))
         self.count(f"status:{result['stream']}:{result['status']}")
-        if not single:
+        if result["parts"] != 1:
             self.count("multipart")
-        if len(self._results) >= RESULT_BATCH_ROWS:
+        if len(self._results) >= BATCH_ROWS:
             self._write_results()
 
     def _write_results(self) -> None:
         if not self._results:
             return
         data = pa.Table.from_batches([from_rows(self._results, RESULT_STRUCT)])
-        complete = data.filter(pc.equal(data.column("parts"), 1)).append_column(
-            "responses", pa.array(self._responses, pa.string()))
-        self._results, self._responses = [], []
-        updates = data.filter(pc.equal(data.column("status"), core.STATUS_OK))
+        self._results = []
+        ok, single = pc.equal(data.column("status"), core.STATUS_OK), pc.equal(data.column("parts"), 1)
+        updates, complete = data.filter(ok), data.filter(single)
+        texts = encode.result_texts(data if self.publisher is not None else complete)
+        responses = texts.filter(single) if self.publisher is not None else texts
+        complete = complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", ""))
         for table, rows in (("partial_responses", data), (self.updates, updates), ("complete_responses", complete)):
             if rows.num_rows:
                 self.writer(table).append_table(rows)
+        if self.publisher is not None:
+            self.publisher.send_rows("partial_responses", data, texts)
+            self.publisher.send_rows(self.updates, updates, texts.filter(ok))
+            self.publisher.send_rows("complete_responses", complete)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -120,14 +130,17 @@ class Outputs:
     def report(self) -> list[dict]:
         """The files written (the outbox spool included: see publish.OUTBOX) and the counters."""
         self._write_results()
+        for table in list(self._batched):
+            self._write_batched(table)
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
         spool = self.publisher.close() if self.publisher is not None else None
         return files + ([spool] if spool else []) + self.replaced + [
             {"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""} for name, n in self.counts.items()]
 
 
-RESULT_BATCH_ROWS = 20_000
-"""Results buffered as dicts before their one conversion to Arrow (`Outputs.respond`)."""
+BATCH_ROWS = 20_000
+"""Results, and rows whose messages are made a batch at a time, held as dicts before their one
+conversion to Arrow (`Outputs.respond`, `Outputs.emit`)."""
 RESULT_STRUCT = pa.struct(list(SCHEMAS["partial_responses"]))
 
 
@@ -390,13 +403,11 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                     before = state.doc
                     result = core.apply_one(state, patch)
                     result["stream"] = "entity-updates"
-                    text = core.result_json(result)
                     if result["status"] == core.STATUS_OK:
                         result["subjectZone"] = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
                         if patch["learning"] and state.doc is not None:
-                            out.emit("schema_learning", core.learning_row(result, state.doc),
-                                     text if result["after"] is not None else None)
-                    out.respond(result, text)
+                            out.emit("schema_learning", core.learning_row(result, state.doc))
+                    out.respond(result)
             save()
         out.close_state("entities", store)
         yield from out.report()
@@ -416,12 +427,11 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
                 dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
             result = core.apply_one(state, patch, implicit_empty=True)
             result["stream"] = "schema-updates"
-            text = core.result_json(result)
             if result["status"] == core.STATUS_OK:
                 for row in core.entity_type_rows(result, state.doc or {}):
                     out.emit("schema_learning", row)
                 store.put((dbid,), state.row({"dbid": dbid}, slice_key, bucket))
-            out.respond(result, text)
+            out.respond(result)
     out.close_state("schemas", store)
     yield _arrow(out.report())
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from entity_assets import core, encode
 from entity_assets.kafka_io import BatchProducer, Spool, replay_into
@@ -79,6 +80,21 @@ def _by_entity(rows: pa.Table) -> pa.ChunkedArray:
     return rows.column("entity")
 
 
+def _by_dbid(rows: pa.Table) -> pa.ChunkedArray:
+    return rows.column("dbid")
+
+
+def _by_entity_or_dbid(rows: pa.Table) -> pa.Array:
+    """schema-learning: an entity message by its entity, an entity-type message (no entity) by its database."""
+    entity = rows.column("entity")
+    return pc.if_else(pc.fill_null(pc.not_equal(entity, ""), False), entity, rows.column("dbid"))
+
+
+def _by_request(rows: pa.Table) -> pa.Array:
+    """`request_key` of each row."""
+    return pc.binary_join_element_wise(rows.column("clientid"), pc.cast(rows.column("request"), pa.string()), "/")
+
+
 def _device_change(row: dict) -> str:
     """changes-by-device: the device is the key, not part of the message (the seed)."""
     return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in
@@ -94,10 +110,14 @@ STREAMS: dict[str, Stream] = {
     "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_json),
     "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_json, _by_entity,
                              encode.result_texts),
-    "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_json),
-    "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_json),
-    "partial_responses": Stream("partial-responses", request_key, "clientid", core.result_json),
-    "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_json),
+    "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_json, _by_dbid,
+                             encode.result_texts),
+    "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_json,
+                              _by_entity_or_dbid, encode.result_texts),
+    "partial_responses": Stream("partial-responses", request_key, "clientid", core.result_json, _by_request,
+                                encode.result_texts),
+    "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_json, _by_request,
+                                 encode.complete_texts),
     "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json, _by_entity,
                            encode.result_texts),
     "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change),
@@ -129,14 +149,13 @@ class Publisher:
         self.spool: Spool | None = None  # on first use: a task with nothing to send writes no file
         self.uri = ""
 
-    def send(self, table: str, row: dict, value: str | None = None) -> None:
-        """`value`: the message text when the caller already has it (a result shared by streams)."""
+    def send(self, table: str, row: dict) -> None:
         target = self._targets.get(table)
         if target is None:
             return
         topic, partitions, stream = target
         partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
-        self._spool().send(topic, stream.key(row), value if value is not None else stream.encode(row), partition)
+        self._spool().send(topic, stream.key(row), stream.encode(row), partition)
 
     def _spool(self) -> Spool:
         if self.spool is None:
@@ -145,8 +164,16 @@ class Publisher:
             self.spool = Spool(fs.open_output_stream(path), [topic for topic, _ in self.topics.values()])
         return self.spool
 
-    def send_rows(self, table: str, rows: pa.Table) -> None:
-        """Rows held in Arrow: their messages made a batch at a time when the stream can (`Stream.texts`)."""
+    def batches(self, table: str) -> bool:
+        """Whether `table` is published and its messages can be made a batch at a time (`send_rows`)."""
+        target = self._targets.get(table)
+        return target is not None and target[2].texts is not None
+
+    def send_rows(self, table: str, rows: pa.Table, texts: pa.Array | None = None) -> None:
+        """Rows held in Arrow: their messages made a batch at a time when the stream can (`Stream.texts`).
+
+        `texts`: the messages when the caller already made them.
+        """
         target = self._targets.get(table)
         if target is None:
             return
@@ -155,7 +182,8 @@ class Publisher:
             for row in to_rows(rows):
                 self.send(table, row)
             return
-        keys, texts = stream.keys(rows).to_pylist(), stream.texts(rows).to_pylist()
+        keys = stream.keys(rows).to_pylist()
+        texts = (stream.texts(rows) if texts is None else texts).to_pylist()
         spool = self._spool()
         if stream.partition_by is None:
             for key, text in zip(keys, texts):

@@ -92,7 +92,7 @@ class FileWriter:
         self.row_groups_by = row_groups_by
         self.max_rows = max_rows
         self._fs, self._root = filesystem(table_uri, storage_options)
-        self._struct = pa.struct(list(schema))
+        self.struct = pa.struct(list(schema))
         self._rows: list[dict] = []
         self._tables: list[pa.Table] = []
         self._table_rows = 0
@@ -129,7 +129,7 @@ class FileWriter:
         return data.select(self.schema.names).cast(self.schema)
 
     def _from_dicts(self, rows: list[dict]) -> pa.Table:
-        return pa.Table.from_batches([from_rows(rows, self._struct)])
+        return pa.Table.from_batches([from_rows(rows, self.struct)])
 
     def flush(self) -> None:
         if self._rows:

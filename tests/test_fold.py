@@ -5,7 +5,8 @@ import zlib
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entity_assets import core, fold
+from entity_assets import core, fold, kafka_io, publish
+from entity_assets.publish import Publishing
 from entity_assets.tables import SCHEMAS
 
 
@@ -115,12 +116,14 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
 def test_respond_fills_updates_partial_and_complete_responses_from_one_conversion(tmp_path, monkeypatch):
     """Status 1 results are updates, every result is a partial response, and a single-part
     request's result is its complete response at once (responses: its one text), across batches."""
-    monkeypatch.setattr(fold, "RESULT_BATCH_ROWS", 2)
+    monkeypatch.setattr(fold, "BATCH_ROWS", 2)
     tables = ("entity_updates", "partial_responses", "complete_responses")
     uris = {t: str(tmp_path / t) for t in tables}
     for t in tables:
         (tmp_path / t).mkdir()
-    out = fold.Outputs("0000000001", uris, None, updates="entity_updates")
+    (tmp_path / "outbox").mkdir()
+    topics = {t: (t.replace("_", "-"), 3) for t in tables}
+    out = fold.Outputs("0000000001", uris, None, Publishing({}, topics, str(tmp_path / "outbox")), updates="entity_updates")
 
     def result(request, part, parts, status):
         return {"slice": "0000000001", "kafka_topic": "entity-batches", "kafka_partition": 0, "kafka_offset": request,
@@ -132,9 +135,9 @@ def test_respond_fills_updates_partial_and_complete_responses_from_one_conversio
 
     results = [result(1, 1, 1, 1), result(2, 1, 1, 3), result(3, 1, 2, 1), result(3, 2, 2, 1), result(4, 1, 1, 1)]
     for r in results:
-        out.respond(r, core.result_json(r))
-    written = {t: [] for t in tables}
-    for f in out.report():
+        out.respond(r)
+    written, report = {t: [] for t in tables}, out.report()
+    for f in report:
         if f["table"] in written:
             written[f["table"]] += pq.read_table(f"{uris[f['table']]}/{f['path']}").to_pylist()
 
@@ -146,3 +149,16 @@ def test_respond_fills_updates_partial_and_complete_responses_from_one_conversio
         [single] = [r for r in results if r["request"] == row["request"]]
         assert row == core.complete_row([single], "0000000001")
     assert out.counts == {"status:entity-updates:1": 4, "status:entity-updates:3": 1, "multipart": 2}
+
+    # the messages made a batch at a time are the per-row encoders' (key, text, partition)
+    [spool] = [f for f in report if f["table"] == publish.OUTBOX]
+    names = [t for t, _ in topics.values()]
+    with open(spool["path"], "rb") as source:
+        sent = sorted((names[t], key.decode(), value.decode(), p) for t, p, key, value in kafka_io._records(source))
+    expected = []
+    for table, rows in written.items():
+        stream = publish.STREAMS[table]
+        for row in rows:
+            partition = publish.partition_for(row[stream.partition_by], 3) if stream.partition_by else -1
+            expected.append((topics[table][0], stream.key(row), stream.encode(row), partition))
+    assert sent == sorted(expected)
