@@ -119,3 +119,17 @@ def complete_texts(rows: pa.Table) -> pa.Array:
         '{"clientid":', *_string(col("clientid")), ',"request":', _number(col("request")),
         ',"user":', *_string(col("user")), ',"parts":', _number(col("parts")), ',"begun":', _number(col("begun")),
         ',"ended":', _number(col("ended")), ',"responses":', pc.fill_null(_array(col("responses")), "null"), "}", "")
+
+
+def patch_texts(rows: pa.Table) -> pa.Array:
+    """`core.patch_json` of every entity_patches row of `rows`."""
+    if not rows.num_rows:
+        return pa.array([], pa.string())
+    col = rows.column
+    dbid = _string(col("dbid"))
+    pieces = ['{"dbid":', *dbid, ',"db":', *dbid]
+    for name in ("clientid", "request", "user", "collection", "zone", "entity", "parts", "part", "begun"):
+        pieces += [f',"{name}":', *(_string(col(name)) if pa.types.is_string(col(name).type) else [_number(col(name))])]
+    pieces += [_flag(name, col(name)) for name in ("learning", "includeBefore", "includeAfter")]
+    pieces += [',"ops":', pc.fill_null(_array(col("ops")), "null"), "}"]
+    return pc.binary_join_element_wise(*pieces, "")

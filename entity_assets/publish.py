@@ -107,7 +107,8 @@ def _device_notification(row: dict) -> str:
 
 
 STREAMS: dict[str, Stream] = {
-    "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_json),
+    "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_json, _by_entity,
+                             encode.patch_texts),
     "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_json, _by_entity,
                              encode.result_texts),
     "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_json, _by_dbid,

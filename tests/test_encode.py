@@ -54,3 +54,9 @@ def test_complete_texts_are_complete_json_of_each_row():
     rows = [{**r, "responses": f"[{core.result_json(r)}]"} for r in _rows()]
     table = pa.Table.from_pylist(rows, schema=SCHEMAS["complete_responses"])
     assert encode.complete_texts(table).to_pylist() == [core.complete_json(r) for r in table.to_pylist()]
+
+
+def test_patch_texts_are_patch_json_of_each_row():
+    rows = [{**r, "bucket": 3} for r in _rows()]
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["entity_patches"])
+    assert encode.patch_texts(table).to_pylist() == [core.patch_json(r) for r in table.to_pylist()]
