@@ -183,15 +183,10 @@ class Publisher:
             for row in to_rows(rows):
                 self.send(table, row)
             return
-        keys = stream.keys(rows).to_pylist()
-        texts = (stream.texts(rows) if texts is None else texts).to_pylist()
-        spool = self._spool()
-        if stream.partition_by is None:
-            for key, text in zip(keys, texts):
-                spool.send(topic, key, text)
-        else:
-            for key, text, by in zip(keys, texts, rows.column(stream.partition_by).to_pylist()):
-                spool.send(topic, key, text, partition_for(by, partitions))
+        keys = stream.keys(rows)
+        by = None if stream.partition_by is None else [partition_for(v, partitions)
+                                                        for v in rows.column(stream.partition_by).to_pylist()]
+        self._spool().send_batch(topic, keys, stream.texts(rows) if texts is None else texts, by)
 
     def close(self) -> dict | None:
         """The report row of the spool written (see OUTBOX), None when nothing was sent."""

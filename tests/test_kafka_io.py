@@ -2,6 +2,7 @@
 
 import weakref
 
+import pyarrow as pa
 import pytest
 
 from entity_assets import kafka_io
@@ -82,18 +83,23 @@ def test_a_forked_child_neither_takes_nor_ends_its_parents_producers(broker, mon
 
 
 def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, monkeypatch, tmp_path):
-    """Keys (none, empty, text), explicit partitions and records across the spool's read chunks."""
-    chunked = kafka_io._records
-    monkeypatch.setattr(kafka_io, "_records", lambda source: chunked(source, chunk=1000))
-    monkeypatch.setattr(Spool, "_BLOCK", 3000)
+    """Keys (none, empty, text), explicit partitions, records sent one by one (over several of
+    the spool's blocks) and a batch at a time, in the order sent."""
+    monkeypatch.setattr(Spool, "_BLOCK", 70)
     config = {"bootstrap.servers": broker.bootstrap}
     topics = ["kafka-io-spooled-a", "kafka-io-spooled-b"]
     ensure_topics(config, topics, 2)
     sent = [(topics[0] if i % 3 else topics[1], [None, "", f"k{i}"][i % 3], "v" * (i * 37 % 2500) + str(i), i % 2)
             for i in range(300)]
     spool = Spool(open(tmp_path / "spool", "wb"), topics)
-    for topic, key, value, partition in sent:
+    for topic, key, value, partition in sent[:200]:
         spool.send(topic, key, value, partition)
+    for topic in topics:  # the rest a batch per topic, as rows held in Arrow are sent
+        batch = [r for r in sent[200:] if r[0] == topic]
+        spool.send_batch(topic, pa.array([k for _, k, _, _ in batch], pa.string()),
+                         pa.chunked_array([[v for _, _, v, _ in batch[:5]], [v for _, _, v, _ in batch[5:]]]),
+                         [p for _, _, _, p in batch])
+    sent = sent[:200] + [r for topic in topics for r in sent[200:] if r[0] == topic]
     spool.close()
     assert spool.count == 300 and sum(end_offsets(config, topics).values()) == 0
     producer = BatchProducer(config)
