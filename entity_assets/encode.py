@@ -112,24 +112,33 @@ def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 def complete_texts(rows: pa.Table) -> pa.Array:
     """`core.complete_json` of every complete_responses row of `rows`."""
-    if not rows.num_rows:
-        return pa.array([], pa.string())
-    col = rows.column
-    return pc.binary_join_element_wise(
-        '{"clientid":', *_string(col("clientid")), ',"request":', _number(col("request")),
-        ',"user":', *_string(col("user")), ',"parts":', _number(col("parts")), ',"begun":', _number(col("begun")),
-        ',"ended":', _number(col("ended")), ',"responses":', pc.fill_null(_array(col("responses")), "null"), "}", "")
+    return object_texts(rows, ("clientid", "request", "user", "parts", "begun", "ended"), documents=("responses",))
 
 
 def patch_texts(rows: pa.Table) -> pa.Array:
     """`core.patch_json` of every entity_patches row of `rows`."""
+    return object_texts(rows, ("clientid", "request", "user", "collection", "zone", "entity", "parts", "part", "begun"),
+                        flags=("learning", "includeBefore", "includeAfter"), documents=("ops",), database=True)
+
+
+def object_texts(rows: pa.Table, names: tuple[str, ...], *, flags: tuple[str, ...] = (),
+                 documents: tuple[str, ...] = (), database: bool = False) -> pa.Array:
+    """Per row, the JSON object of the columns `names` (strings and integers, null as `null`),
+    then `,"flag":true` for each of `flags` set, then `documents` (JSON text, spliced): what
+    `core.dumps` (and `core._object` for documents) gives of the same members.
+
+    `database`: `dbid` and its alias `db` come first, as in every message of a database.
+    """
     if not rows.num_rows:
         return pa.array([], pa.string())
     col = rows.column
-    dbid = _string(col("dbid"))
-    pieces = ['{"dbid":', *dbid, ',"db":', *dbid]
-    for name in ("clientid", "request", "user", "collection", "zone", "entity", "parts", "part", "begun"):
-        pieces += [f',"{name}":', *(_string(col(name)) if pa.types.is_string(col(name).type) else [_number(col(name))])]
-    pieces += [_flag(name, col(name)) for name in ("learning", "includeBefore", "includeAfter")]
-    pieces += [',"ops":', pc.fill_null(_array(col("ops")), "null"), "}"]
-    return pc.binary_join_element_wise(*pieces, "")
+    pieces, sep = [], "{"
+    for name in (("dbid", "db") if database else ()) + names:
+        values = col("dbid" if name == "db" else name)
+        pieces += [f'{sep}"{name}":', *(_string(values) if pa.types.is_string(values.type) else [_number(values)])]
+        sep = ","
+    pieces += [_flag(name, col(name)) for name in flags]
+    for name in documents:
+        pieces += [f'{sep}"{name}":', pc.fill_null(_array(col(name)), "null")]
+        sep = ","
+    return pc.binary_join_element_wise(*pieces, "}", "")

@@ -95,15 +95,21 @@ def _by_request(rows: pa.Table) -> pa.Array:
     return pc.binary_join_element_wise(rows.column("clientid"), pc.cast(rows.column("request"), pa.string()), "/")
 
 
+DEVICE_CHANGE = ("collection", "zone", "entity", "notification", "action", "ended")
+"""changes-by-device: the device is the key, not part of the message (the seed)."""
+DEVICE_NOTIFICATION = ("user", "device", "count", "begun", "ended")
+
+
+def _by_device(rows: pa.Table) -> pa.ChunkedArray:
+    return rows.column("device")
+
+
 def _device_change(row: dict) -> str:
-    """changes-by-device: the device is the key, not part of the message (the seed)."""
-    return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in
-                       ("collection", "zone", "entity", "notification", "action", "ended")}})
+    return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in DEVICE_CHANGE}})
 
 
 def _device_notification(row: dict) -> str:
-    return core.dumps({"dbid": row["dbid"], "db": row["dbid"],
-                       **{k: row[k] for k in ("user", "device", "count", "begun", "ended")}})
+    return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in DEVICE_NOTIFICATION}})
 
 
 STREAMS: dict[str, Stream] = {
@@ -121,8 +127,10 @@ STREAMS: dict[str, Stream] = {
                                  encode.complete_texts),
     "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json, _by_entity,
                            encode.result_texts),
-    "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change),
-    "device_notifications": Stream("device-notifications", lambda r: r["device"], None, _device_notification),
+    "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change, _by_device,
+                                lambda rows: encode.object_texts(rows, DEVICE_CHANGE, database=True)),
+    "device_notifications": Stream("device-notifications", lambda r: r["device"], None, _device_notification,
+                                   _by_device, lambda rows: encode.object_texts(rows, DEVICE_NOTIFICATION, database=True)),
 }
 
 

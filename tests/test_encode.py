@@ -4,7 +4,7 @@ import itertools
 
 import pyarrow as pa
 
-from entity_assets import core, encode
+from entity_assets import core, encode, publish
 from entity_assets.tables import SCHEMAS
 
 STRINGS = [None, "abc", 'q"uote', "back\\slash", "new\nline", "é😀", "ctl\x01", "", "tab\tand\x1f"]
@@ -60,3 +60,33 @@ def test_patch_texts_are_patch_json_of_each_row():
     rows = [{**r, "bucket": 3} for r in _rows()]
     table = pa.Table.from_pylist(rows, schema=SCHEMAS["entity_patches"])
     assert encode.patch_texts(table).to_pylist() == [core.patch_json(r) for r in table.to_pylist()]
+
+
+def test_device_messages_made_a_batch_at_a_time_are_the_per_row_ones():
+    changes = [{"dbid": STRINGS[i % len(STRINGS)] or "db", "collection": "Contacts", "zone": STRINGS[i % 4],
+                "entity": f"e{i}", "notification": f"n{i}", "action": ["created", None][i % 2],
+                "ended": None if i % 5 == 0 else i, "device": f"d{i}", "user": "u"} for i in range(30)]
+    notifications = [{"slice": "s", "dbid": "db", "user": STRINGS[i % len(STRINGS)], "device": f"d{i}", "count": i,
+                      "begun": None if i % 3 else i, "ended": i} for i in range(30)]
+    for table, rows in (("changes_by_device", changes), ("device_notifications", notifications)):
+        stream = publish.STREAMS[table]
+        data = pa.Table.from_pylist(rows, schema=SCHEMAS[table])
+        assert stream.texts(data).to_pylist() == [stream.encode(r) for r in data.to_pylist()]
+        assert stream.keys(data).to_pylist() == [stream.key(r) for r in data.to_pylist()]
+
+
+def test_every_batch_encoded_stream_gives_the_per_row_keys_and_texts():
+    rows = [{**r, "status": 1 if r["status"] == 1 or "kind" in r else r["status"], "kind": None if i % 2 else "entity",
+             "entity": [None, "", f"e{i}"][i % 3], "stream": "entity-updates", "bucket": 1,
+             "responses": f"[{core.result_json(r)}]"} for i, r in enumerate(_rows())]
+    for table, stream in publish.STREAMS.items():
+        if stream.texts is None or table.startswith("device") or table.startswith("changes"):
+            continue
+        data = pa.Table.from_pylist(rows, schema=SCHEMAS[table])
+        if table == "schema_learning":
+            data = data.filter(pa.compute.equal(data.column("status"), 1))
+        if stream.key is publish.request_key:  # every request has a client id (validated at ingest)
+            data = data.filter(pa.compute.is_valid(data.column("clientid")))
+        plain = data.to_pylist()
+        assert stream.keys(data).to_pylist() == [stream.key(r) for r in plain], table
+        assert stream.texts(data).to_pylist() == [stream.encode(r) for r in plain], table
