@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -167,6 +168,27 @@ class BatchProducer:
         if self._sent % 10000 == 0:
             self._producer.poll(0)
 
+    def send_spooled(self, batch: pa.RecordBatch, topics: list[str]) -> None:
+        """A batch of a spool (`Spool.SCHEMA`; topic indexes into `topics`): `send` of each record,
+        with the bookkeeping done once for the batch."""
+        produce, poll = self._producer.produce, self._producer.poll
+        for t, p, key, value in zip(*(column.to_pylist() for column in batch.columns)):
+            topic = topics[t]
+            while True:
+                try:
+                    if p < 0:
+                        produce(topic, value, key)
+                    else:
+                        produce(topic, value, key, p)
+                    break
+                except BufferError:
+                    poll(0.05)
+        for count in pc.value_counts(batch.column("topic")).to_pylist():
+            topic = topics[count["values"]]
+            self.counts[topic] = self.counts.get(topic, 0) + count["counts"]
+        self._sent += batch.num_rows
+        poll(0)
+
     def close(self, timeout: float = 120) -> dict[str, int]:
         """Waits for every record; returns the count per topic. A producer that failed is not reused."""
         remaining = self._producer.flush(timeout)
@@ -241,16 +263,15 @@ def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
 
 
-def _records(source) -> Iterator[tuple[int, int, bytes | None, bytes]]:
-    """A spool's records, a batch at a time: (topic index, partition, key, value)."""
-    for batch in pa.ipc.open_stream(source):
-        yield from zip(*(column.to_pylist() for column in batch.columns))
+def spooled(source) -> Iterator[pa.RecordBatch]:
+    """A spool's records (`source`: a binary input stream), in `Spool.SCHEMA` batches."""
+    yield from pa.ipc.open_stream(source)
 
 
 def replay_into(producer: BatchProducer, source, topics: list[str]) -> None:
     """Sends every record of a spool (`source`: a binary input stream) through `producer`."""
-    for t, p, key, value in _records(source):
-        producer.send(topics[t], key, value, None if p < 0 else p)
+    for batch in spooled(source):
+        producer.send_spooled(batch, topics)
 
 
 def produce(config: dict, topic: str, records: Iterable[tuple[bytes | str | None, bytes | str]]) -> int:

@@ -154,7 +154,8 @@ def test_respond_fills_updates_partial_and_complete_responses_from_one_conversio
     [spool] = [f for f in report if f["table"] == publish.OUTBOX]
     names = [t for t, _ in topics.values()]
     with open(spool["path"], "rb") as source:
-        sent = sorted((names[t], key.decode(), value.decode(), p) for t, p, key, value in kafka_io._records(source))
+        sent = sorted((names[t], key.decode(), value.decode(), p) for batch in kafka_io.spooled(source)
+                      for t, p, key, value in zip(*(c.to_pylist() for c in batch.columns)))
     expected = []
     for table, rows in written.items():
         stream = publish.STREAMS[table]
