@@ -46,20 +46,19 @@ def bucket_of(dbid: str, collection: str, zone: str, entity: str) -> int:
     return key_bucket(f"{dbid}\x1f{collection}\x1f{zone}\x1f{entity}")
 
 
-def explode_batch(batch: dict) -> Iterator[dict]:
-    """One entity-patches row per patch of a batch; part is 1-based in batch order."""
-    patches = loads(batch["patches"])
-    parts = len(patches)
-    for part, patch in enumerate(patches, start=1):
-        yield {
-            "slice": batch["slice"], "kafka_topic": batch["kafka_topic"], "kafka_partition": batch["kafka_partition"],
-            "kafka_offset": batch["kafka_offset"], "kafka_timestamp": batch["kafka_timestamp"],
-            "clientid": batch["clientid"], "request": batch["request"], "user": batch["user"], "dbid": batch["dbid"],
-            "collection": patch["collection"], "zone": patch["zone"], "entity": patch["entity"],
-            "parts": parts, "part": part, "begun": batch["begun"], "ops": dumps(patch["ops"]),
-            "learning": batch["learning"], "includeBefore": batch["includeBefore"], "includeAfter": batch["includeAfter"],
-            "bucket": bucket_of(batch["dbid"], patch["collection"], patch["zone"], patch["entity"]),
-        }
+BATCH_FIELDS = ("slice", "kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "clientid", "request",
+                "user", "dbid", "begun", "learning", "includeBefore", "includeAfter")
+"""The entity_patches columns a patch takes from its batch's row."""
+PATCH_FIELDS = ("collection", "zone", "entity", "parts", "part", "ops", "bucket")
+"""The entity_patches columns of each patch (`explode`)."""
+
+
+def explode(dbid: str, patches: str) -> list[tuple]:
+    """The `PATCH_FIELDS` of each patch of a batch (`patches`: its JSON text); part is 1-based in batch order."""
+    items = loads(patches)
+    parts = len(items)
+    return [(p["collection"], p["zone"], p["entity"], parts, part, dumps(p["ops"]),
+             bucket_of(dbid, p["collection"], p["zone"], p["entity"])) for part, p in enumerate(items, start=1)]
 
 
 def ended_of(row: dict) -> int:

@@ -79,10 +79,15 @@ class Outputs:
         if self.publisher is not None:
             self.publisher.send(table, row)
 
+    def emit_rows(self, table: str, rows: pa.Table) -> None:
+        """`emit` of rows held in Arrow (columns by name)."""
+        if rows.num_rows:
+            self.writer(table).append_table(rows)
+            if self.publisher is not None:
+                self.publisher.send_rows(table, rows)
+
     def _write_batched(self, table: str) -> None:
-        rows = pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)])
-        self.writer(table).append_table(rows)
-        self.publisher.send_rows(table, rows)
+        self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
 
     def respond(self, result: dict) -> None:
         """A processed part: its update when its status is 1, its partial response, and its
@@ -357,13 +362,28 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     entity_patches files get one row group per state bucket, so each fold task reads only its buckets.
     """
     out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"entity_patches": "bucket"})
-    for row in _rows(batches):
-        if (row["kafka_topic"], row["kafka_partition"], row["kafka_offset"]) in redelivered:
-            out.count("redelivered")
+    types = SCHEMAS["entity_patches"]
+    for batch in batches:
+        rows = pa.Table.from_batches([batch])
+        if redelivered:
+            coordinates = zip(*(rows.column(c).to_pylist() for c in ("kafka_topic", "kafka_partition", "kafka_offset")))
+            kept = pa.array([at not in redelivered for at in coordinates], pa.bool_())
+            if not pc.all(kept).as_py():
+                out.count("redelivered", rows.num_rows - pc.sum(kept).as_py())
+                rows = rows.filter(kept)
+        if not rows.num_rows:
             continue
-        out.count("batches")
-        for patch in core.explode_batch(row):
-            out.emit("entity_patches", patch)
+        out.count("batches", rows.num_rows)
+        at, patches = [], []
+        for i, (dbid, text) in enumerate(zip(rows.column("dbid").to_pylist(), rows.column("patches").to_pylist())):
+            exploded = core.explode(dbid, text)
+            at += [i] * len(exploded)
+            patches += exploded
+        # the batch's columns taken once per patch, the patch's own columns added: no row becomes a dict
+        exploded = rows.select(core.BATCH_FIELDS).take(pa.array(at, pa.int64()))
+        for name, values in zip(core.PATCH_FIELDS, zip(*patches) if patches else [()] * len(core.PATCH_FIELDS)):
+            exploded = exploded.append_column(name, pa.array(values, types.field(name).type))
+        out.emit_rows("entity_patches", exploded)
     yield _arrow(out.report())
 
 
@@ -496,10 +516,7 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
         if count_by is not None:
             for vc in pc.value_counts(batch.column(count_by)).to_pylist():
                 out.count(f"{count_by}:{vc['values']}", vc["counts"])
-        rows = pa.Table.from_batches([batch])  # the rows stay in Arrow
-        out.writer(target).append_table(rows)
-        if out.publisher is not None:
-            out.publisher.send_rows(target, rows)
+        out.emit_rows(target, pa.Table.from_batches([batch]))  # the rows stay in Arrow
     yield _arrow(out.report())
 
 
