@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from entity_assets import core
+from entity_assets.storage import one_array
 
 _ESCAPED = rb'[\x00-\x1f"\\]'
 _ESCAPED_RE = re.compile(_ESCAPED)
@@ -35,7 +36,7 @@ def json_strings(values: pa.Array | pa.ChunkedArray) -> pa.Array:
 def _string(values: pa.Array | pa.ChunkedArray) -> list:
     """Pieces of a join that give each string's JSON text: the quotes around the strings as they
     are when none is null or needs escaping (the rule), else the JSON texts made one by one."""
-    values = _array(values).cast(pa.string())
+    values = one_array(values).cast(pa.string())
     if not values.null_count and not _needs_escape(values):
         return ['"', values, '"']
     quoted = pc.binary_join_element_wise('"', values, '"', "")
@@ -49,7 +50,7 @@ def _string(values: pa.Array | pa.ChunkedArray) -> list:
 
 def _number(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     """Each integer as its JSON text (null: `null`)."""
-    return pc.fill_null(pc.cast(_array(values), pa.string()), "null")
+    return pc.fill_null(pc.cast(one_array(values), pa.string()), "null")
 
 
 def _member(name: str, pieces: list, where: pa.Array | None = None) -> list:
@@ -66,7 +67,7 @@ def _optional(name: str, values: pa.Array | pa.ChunkedArray, pieces: list) -> li
 
 def _flag(name: str, values: pa.Array | pa.ChunkedArray) -> pa.Array:
     """`,"name":true` where the flag is set, "" elsewhere (a false or null flag is left out)."""
-    return pc.if_else(pc.fill_null(_array(values), False), f',"{name}":true', "")
+    return pc.if_else(pc.fill_null(one_array(values), False), f',"{name}":true', "")
 
 
 def result_texts(rows: pa.Table) -> pa.Array:
@@ -92,22 +93,18 @@ def result_texts(rows: pa.Table) -> pa.Array:
     pieces += [_flag("includeBefore", col("includeBefore")), _flag("includeAfter", col("includeAfter"))]
     if "error" in names:  # schema_learning has none: its rows are all status 1
         pieces += _member("error", _string(col("error")), pc.invert(ok))
-    pieces += [*_optional("ops", col("ops"), [_array(col("ops"))]),
-               *_member("before", [pc.fill_null(_array(col("before")), "null")],
-                        pc.and_(ok, pc.fill_null(_array(col("includeBefore")), False))),
-               *_member("after", [pc.fill_null(_array(col("after")), "null")], pc.and_(ok, _after_asked(rows))),
+    pieces += [*_optional("ops", col("ops"), [one_array(col("ops"))]),
+               *_member("before", [pc.fill_null(one_array(col("before")), "null")],
+                        pc.and_(ok, pc.fill_null(one_array(col("includeBefore")), False))),
+               *_member("after", [pc.fill_null(one_array(col("after")), "null")], pc.and_(ok, _after_asked(rows))),
                "}"]
     return pc.binary_join_element_wise(*pieces, "")
 
 
 def _after_asked(rows: pa.Table) -> pa.Array:
     """Requested by the request, or a schema-learning row (a `kind`), which always carries `after`."""
-    asked = pc.fill_null(_array(rows.column("includeAfter")), False)
+    asked = pc.fill_null(one_array(rows.column("includeAfter")), False)
     return pc.or_(asked, pc.is_valid(rows.column("kind"))) if "kind" in rows.column_names else asked
-
-
-def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
 
 
 def complete_texts(rows: pa.Table) -> pa.Array:
@@ -139,6 +136,6 @@ def object_texts(rows: pa.Table, names: tuple[str, ...], *, flags: tuple[str, ..
         sep = ","
     pieces += [_flag(name, col(name)) for name in flags]
     for name in documents:
-        pieces += [f'{sep}"{name}":', pc.fill_null(_array(col(name)), "null")]
+        pieces += [f'{sep}"{name}":', pc.fill_null(one_array(col(name)), "null")]
         sep = ","
     return pc.binary_join_element_wise(*pieces, "}", "")

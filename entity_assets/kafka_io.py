@@ -12,6 +12,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from entity_assets.slices import OffsetRange
+from entity_assets.storage import one_array
 
 # zstd over whole batches: JSON messages of one stream share most of their bytes, and a broker
 # stores (and the embedded one re-saves) batches as they were compressed; the pipeline
@@ -244,7 +245,7 @@ class Spool:
         self._writer.write_batch(pa.record_batch([
             pa.repeat(pa.scalar(self._topics[topic], pa.int16()), n),
             pa.repeat(pa.scalar(-1, pa.int32()), n) if partitions is None else pa.array(partitions, pa.int32()),
-            *(_array(c).cast(pa.binary()) for c in (keys, values))], schema=self.SCHEMA))
+            *(one_array(c).cast(pa.binary()) for c in (keys, values))], schema=self.SCHEMA))
         self.count += n
 
     def _flush(self) -> None:
@@ -257,10 +258,6 @@ class Spool:
         self._flush()
         self._writer.close()
         self._sink.close()
-
-
-def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
 
 
 def spooled(source) -> Iterator[pa.RecordBatch]:

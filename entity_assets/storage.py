@@ -177,6 +177,13 @@ def from_rows(rows: list[dict], struct: pa.StructType) -> pa.RecordBatch:
     return pa.RecordBatch.from_struct_array(pa.array(rows, type=struct))
 
 
+def one_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """`values` as one array, not copied when it is one chunk already (`combine_chunks` copies it)."""
+    if isinstance(values, pa.ChunkedArray):
+        return values.chunk(0) if values.num_chunks == 1 else values.combine_chunks()
+    return values
+
+
 def to_rows(data: pa.RecordBatch | pa.Table) -> list[dict]:
     """A batch's rows as dicts: through a struct array, about half the cost of `to_pylist`."""
     if isinstance(data, pa.Table):
