@@ -38,9 +38,9 @@ REPLACED = "replaced:"
 class Outputs:
     """What a task writes: one FileWriter per table, the messages it publishes, and counters.
 
-    Every row goes through `emit`, or `respond` for a fold's results, which writes it and, for a
-    published table, spools its message in the same pass (published by the step once the rows
-    are committed).
+    Every row goes through `emit` (`emit_rows` for rows in Arrow, `respond` for a fold's results),
+    which writes it and, for a published table, spools its message (published by the step once
+    the rows are committed).
     """
 
     def __init__(self, slice_key: str, uris: dict[str, str], storage_options, publishing: Publishing | None = None,
@@ -66,18 +66,16 @@ class Outputs:
         return w
 
     def emit(self, table: str, row: dict) -> None:
-        """Rows of a stream whose messages are made a batch at a time (`Publisher.batches`) are held
-        until `BATCH_ROWS` of them are: one conversion to Arrow then serves the file and the messages.
+        """Rows of a published table are held until `BATCH_ROWS` of them are: one conversion to
+        Arrow then serves the file and the messages, made a batch at a time (`Publisher.send_rows`).
         """
-        if self.publisher is not None and self.publisher.batches(table):
+        if self.publisher is not None and self.publisher.publishes(table):
             rows = self._batched.setdefault(table, [])
             rows.append(row)
             if len(rows) >= BATCH_ROWS:
                 self._write_batched(table)
             return
         self.writer(table).append(row)
-        if self.publisher is not None:
-            self.publisher.send(table, row)
 
     def emit_rows(self, table: str, rows: pa.Table) -> None:
         """`emit` of rows held in Arrow (columns by name)."""

@@ -211,34 +211,22 @@ class Spool:
     tasks sending as each ends cost it several. Memory stays flat: the file is written as it grows.
 
     The file is an Arrow IPC stream of `SCHEMA` batches: a batch of messages made from rows in
-    Arrow (`send_batch`) is written as its columns, with no work per record.
+    Arrow is written as its columns, with no work per record.
     """
 
     SCHEMA = pa.schema([("topic", pa.int16()), ("partition", pa.int32()), ("key", pa.binary()), ("value", pa.binary())])
     """topic: index in the spool's topics; partition: -1 where Kafka's murmur2 of the key picks it."""
-    _BLOCK = 10_000
 
     def __init__(self, sink, topics: list[str]):
         self._sink, self._topics = sink, {t: i for i, t in enumerate(topics)}
         self._writer = pa.ipc.new_stream(sink, self.SCHEMA)
-        self._pending: tuple[list, list, list, list] = ([], [], [], [])
         self.count = 0
-
-    def send(self, topic: str, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
-        """As `BatchProducer.send`; the record reaches Kafka when `replay_into` produces the spool."""
-        topics, partitions, keys, values = self._pending
-        topics.append(self._topics[topic])
-        partitions.append(-1 if partition is None else partition)
-        keys.append(key.encode() if isinstance(key, str) else key)
-        values.append(value.encode() if isinstance(value, str) else value)
-        self.count += 1
-        if len(values) >= self._BLOCK:
-            self._flush()
 
     def send_batch(self, topic: str, keys: pa.Array | pa.ChunkedArray, values: pa.Array | pa.ChunkedArray,
                    partitions: list[int] | None = None) -> None:
-        """Records of one topic, in order after those sent before; `partitions` None: by key."""
-        self._flush()
+        """Records of one topic (text sent as UTF-8), after those sent before; `partitions` None:
+        Kafka's murmur2 of each key picks it, as `BatchProducer.send` does. The records reach Kafka
+        when `replay_into` produces the spool."""
         n = len(values)
         if not n:
             return
@@ -248,14 +236,7 @@ class Spool:
             *(one_array(c).cast(pa.binary()) for c in (keys, values))], schema=self.SCHEMA))
         self.count += n
 
-    def _flush(self) -> None:
-        if self._pending[0]:
-            self._writer.write_batch(pa.record_batch([pa.array(c, t) for c, t in zip(self._pending, self.SCHEMA.types)],
-                                                     schema=self.SCHEMA))
-            self._pending = ([], [], [], [])
-
     def close(self) -> None:
-        self._flush()
         self._writer.close()
         self._sink.close()
 

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from entity_assets import core, encode
 from entity_assets.kafka_io import BatchProducer, Spool, replay_into
-from entity_assets.storage import filesystem, to_rows
+from entity_assets.storage import filesystem
 
 OUTBOX = "outbox:"
 """Report rows with this table name are a task's spool file (path: its URI, rows: its messages)."""
@@ -65,15 +65,16 @@ def request_key(row: dict) -> str:
 class Stream:
     """A derived stream's topic, message key, partitioning field (None: by key) and message text.
 
-    `keys` and `texts`: the same of rows held in Arrow, a batch at a time (`Publisher.send_rows`).
+    `key` and `encode` define them for one row; tasks use `keys` and `texts`, the same of rows
+    held in Arrow a batch at a time (`Publisher.send_rows`), which tests/test_encode.py holds equal.
     """
 
     name: str
     key: Callable[[dict], str]
     partition_by: str | None
     encode: Callable[[dict], str]
-    keys: Callable[[pa.Table], pa.ChunkedArray] | None = None
-    texts: Callable[[pa.Table], pa.Array] | None = None
+    keys: Callable[[pa.Table], pa.Array | pa.ChunkedArray]
+    texts: Callable[[pa.Table], pa.Array]
 
 
 def _by_entity(rows: pa.Table) -> pa.ChunkedArray:
@@ -149,22 +150,15 @@ class Publishing:
 
 
 class Publisher:
-    """Publishes rows from inside a task: each message is encoded once, as its row is written,
-    and spooled to a file of the outbox, which the step replays once the rows are committed."""
+    """Publishes rows from inside a task: their messages are made as their rows are written, a
+    batch at a time, and spooled to a file of the outbox, which the step replays once the rows
+    are committed."""
 
     def __init__(self, publishing: Publishing):
         self.publishing, self.topics = publishing, publishing.topics
         self._targets = {table: (topic, partitions, STREAMS[table]) for table, (topic, partitions) in self.topics.items()}
         self.spool: Spool | None = None  # on first use: a task with nothing to send writes no file
         self.uri = ""
-
-    def send(self, table: str, row: dict) -> None:
-        target = self._targets.get(table)
-        if target is None:
-            return
-        topic, partitions, stream = target
-        partition = partition_for(row[stream.partition_by], partitions) if stream.partition_by else None
-        self._spool().send(topic, stream.key(row), stream.encode(row), partition)
 
     def _spool(self) -> Spool:
         if self.spool is None:
@@ -173,13 +167,11 @@ class Publisher:
             self.spool = Spool(fs.open_output_stream(path), [topic for topic, _ in self.topics.values()])
         return self.spool
 
-    def batches(self, table: str) -> bool:
-        """Whether `table` is published and its messages can be made a batch at a time (`send_rows`)."""
-        target = self._targets.get(table)
-        return target is not None and target[2].texts is not None
+    def publishes(self, table: str) -> bool:
+        return table in self._targets
 
     def send_rows(self, table: str, rows: pa.Table, texts: pa.Array | None = None) -> None:
-        """Rows held in Arrow: their messages made a batch at a time when the stream can (`Stream.texts`).
+        """Spools the messages of rows held in Arrow, made a batch at a time (`Stream.texts`).
 
         `texts`: the messages when the caller already made them.
         """
@@ -187,10 +179,6 @@ class Publisher:
         if target is None:
             return
         topic, partitions, stream = target
-        if stream.texts is None:
-            for row in to_rows(rows):
-                self.send(table, row)
-            return
         keys = stream.keys(rows)
         by = None if stream.partition_by is None else [partition_for(v, partitions)
                                                         for v in rows.column(stream.partition_by).to_pylist()]

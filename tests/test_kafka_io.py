@@ -7,6 +7,7 @@ import pytest
 
 from entity_assets import kafka_io
 from entity_assets.kafka_io import BatchProducer, Spool, ensure_topics, end_offsets, read_range, replay_into
+from entity_assets.publish import partition_for
 from entity_assets.slices import OffsetRange
 
 
@@ -82,37 +83,40 @@ def test_a_forked_child_neither_takes_nor_ends_its_parents_producers(broker, mon
     assert kafka_io._IDLE[key] == parents
 
 
-def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, monkeypatch, tmp_path):
-    """Keys (none, empty, text), explicit partitions, records sent one by one (over several of
-    the spool's blocks) and a batch at a time, in the order sent."""
-    monkeypatch.setattr(Spool, "_BLOCK", 70)
+def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, tmp_path):
+    """Keys (none, empty, text), explicit partitions or by key, one-chunk and several-chunk
+    columns, batches of two topics interleaved: every record in the order sent."""
     config = {"bootstrap.servers": broker.bootstrap}
     topics = ["kafka-io-spooled-a", "kafka-io-spooled-b"]
     ensure_topics(config, topics, 2)
-    sent = [(topics[0] if i % 3 else topics[1], [None, "", f"k{i}"][i % 3], "v" * (i * 37 % 2500) + str(i), i % 2)
-            for i in range(300)]
+    sent = []
     spool = Spool(open(tmp_path / "spool", "wb"), topics)
-    for topic, key, value, partition in sent[:200]:
-        spool.send(topic, key, value, partition)
-    for topic in topics:  # the rest a batch per topic, as rows held in Arrow are sent
-        batch = [r for r in sent[200:] if r[0] == topic]
-        spool.send_batch(topic, pa.array([k for _, k, _, _ in batch], pa.string()),
-                         pa.chunked_array([[v for _, _, v, _ in batch[:5]], [v for _, _, v, _ in batch[5:]]]),
-                         [p for _, _, _, p in batch])
-    sent = sent[:200] + [r for topic in topics for r in sent[200:] if r[0] == topic]
+    for b in range(6):
+        topic, batch = topics[b % 2], [([None, "", f"k{b}-{i}"][i % 3], "v" * (i * 37 % 2500) + f"{b}-{i}", i % 2)
+                                       for i in range(50)]
+        keys, values = pa.array([k for k, _, _ in batch], pa.string()), [v for _, v, _ in batch]
+        by_key = b == 5  # no partitions: Kafka's murmur2 of the key picks it
+        spool.send_batch(topic, keys, pa.chunked_array([values[:7], values[7:]]) if b % 3 else pa.array(values),
+                         None if by_key else [p for _, _, p in batch])
+        sent += [(topic, k, v, None if by_key else p) for k, v, p in batch]
     spool.close()
     assert spool.count == 300 and sum(end_offsets(config, topics).values()) == 0
     producer = BatchProducer(config)
     with open(tmp_path / "spool", "rb") as source:
         replay_into(producer, source, topics)
-    assert producer.close() == {topics[0]: 200, topics[1]: 100}
+    assert producer.close() == {topics[0]: 150, topics[1]: 150}
     ends = end_offsets(config, topics)
     received = {(topic, p): [(m.key(), m.value()) for m in read_range(config, OffsetRange(topic, p, 0, end))]
                 for (topic, p), end in ends.items()}
     for topic in topics:
         for p in (0, 1):
-            assert received[(topic, p)] == [(None if k is None else k.encode(), v.encode())
-                                            for t, k, v, q in sent if t == topic and q == p]
+            explicit = [(None if k is None else k.encode(), v.encode()) for t, k, v, q in sent if t == topic and q == p]
+            assert [r for r in received[(topic, p)] if r in explicit] == explicit
+    assert sorted((r for got in received.values() for r in got), key=repr) == sorted(
+        ((None if k is None else k.encode(), v.encode()) for _, k, v, _ in sent), key=repr)
+    for (topic, p), got in received.items():  # by key: where the Java client's murmur2 puts it
+        keyed = {(k.encode(), v.encode()) for t, k, v, q in sent if t == topic and q is None and k is not None}
+        assert all(partition_for(k.decode(), 2) == p for k, v in got if (k, v) in keyed)
 
 
 def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch, tmp_path):
