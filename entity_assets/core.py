@@ -107,9 +107,11 @@ def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> 
     return result
 
 
-def learning_row(result: dict, doc: dict) -> dict:
-    """An entity message of schema-learning: the entity update, always with its document."""
-    return {**result, "after": result["after"] if result["after"] is not None else dumps(doc), "kind": "entity"}
+def learned_after(result: dict, doc: dict) -> str:
+    """The `after` of an update's schema-learning message (kind "entity", otherwise the update's
+    row): the update's own when the request asked for it, else the document, which learning
+    always needs."""
+    return result["after"] if result["after"] is not None else dumps(doc)
 
 
 def entity_type_rows(result: dict, schema: dict) -> list[dict]:

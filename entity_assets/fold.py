@@ -54,6 +54,7 @@ class Outputs:
         self.replaced: list[dict] = []
         self.updates = updates
         self._results: list[dict] = []
+        self._learned: list[str | None] = []
         self._batched: dict[str, list[dict]] = {}
 
     def writer(self, table: str) -> FileWriter:
@@ -87,15 +88,17 @@ class Outputs:
     def _write_batched(self, table: str) -> None:
         self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
 
-    def respond(self, result: dict) -> None:
-        """A processed part: its update when its status is 1, its partial response, and its
-        complete response at once when the request has a single part.
+    def respond(self, result: dict, learned: str | None = None) -> None:
+        """A processed part: its update when its status is 1, its partial response, its complete
+        response at once when the request has a single part, and its schema-learning message
+        when `learned` (its `after` there: `core.learned_after`) is given.
 
         Requests of several parts are completed by `complete_task`, which groups their parts.
         The results are held until `BATCH_ROWS` of them are; one Arrow conversion and one batch
-        of message texts (`encode`) then serve the three tables (`_write_results`).
+        of message texts (`encode`) then serve the four tables (`_write_results`).
         """
         self._results.append(result)
+        self._learned.append(learned)
         self.count(f"status:{result['stream']}:{result['status']}")
         if result["parts"] != 1:
             self.count("multipart")
@@ -106,7 +109,8 @@ class Outputs:
         if not self._results:
             return
         data = pa.Table.from_batches([from_rows(self._results, RESULT_STRUCT)])
-        self._results = []
+        learned = pa.array(self._learned, pa.string())
+        self._results, self._learned = [], []
         ok, single = pc.equal(data.column("status"), core.STATUS_OK), pc.equal(data.column("parts"), 1)
         updates, complete = data.filter(ok), data.filter(single)
         texts = encode.result_texts(data if self.publisher is not None else complete)
@@ -119,6 +123,11 @@ class Outputs:
             self.publisher.send_rows("partial_responses", data, texts)
             self.publisher.send_rows(self.updates, updates, texts.filter(ok))
             self.publisher.send_rows("complete_responses", complete)
+        if learned.null_count < len(learned):  # the update's row, its document as `after`
+            learning = pc.is_valid(learned)
+            rows = data.filter(learning)
+            rows = rows.set_column(rows.schema.get_field_index("after"), "after", learned.filter(learning))
+            self.emit_rows("schema_learning", rows.append_column("kind", pa.repeat(pa.scalar("entity"), rows.num_rows)))
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -421,11 +430,12 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                     before = state.doc
                     result = core.apply_one(state, patch)
                     result["stream"] = "entity-updates"
+                    learned = None
                     if result["status"] == core.STATUS_OK:
                         result["subjectZone"] = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
                         if patch["learning"] and state.doc is not None:
-                            out.emit("schema_learning", core.learning_row(result, state.doc))
-                    out.respond(result)
+                            learned = core.learned_after(result, state.doc)
+                    out.respond(result, learned)
             save()
         out.close_state("entities", store)
         yield from out.report()

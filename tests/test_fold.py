@@ -114,10 +114,12 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
 
 
 def test_respond_fills_updates_partial_and_complete_responses_from_one_conversion(tmp_path, monkeypatch):
-    """Status 1 results are updates, every result is a partial response, and a single-part
-    request's result is its complete response at once (responses: its one text), across batches."""
+    """Status 1 results are updates, every result is a partial response, a single-part
+    request's result is its complete response at once (responses: its one text), and a learned
+    one is a schema-learning row with its document as `after`, across batches; their messages
+    are the per-row encoders'."""
     monkeypatch.setattr(fold, "BATCH_ROWS", 2)
-    tables = ("entity_updates", "partial_responses", "complete_responses")
+    tables = ("entity_updates", "partial_responses", "complete_responses", "schema_learning")
     uris = {t: str(tmp_path / t) for t in tables}
     for t in tables:
         (tmp_path / t).mkdir()
@@ -134,8 +136,9 @@ def test_respond_fills_updates_partial_and_complete_responses_from_one_conversio
                 "action": "updated" if status == 1 else None, "subjectZone": "A", "stream": "entity-updates"}
 
     results = [result(1, 1, 1, 1), result(2, 1, 1, 3), result(3, 1, 2, 1), result(3, 2, 2, 1), result(4, 1, 1, 1)]
+    learned = {1: '{"name":"learned"}', 3: '{"name":"three"}'}  # by request: their schema-learning after
     for r in results:
-        out.respond(r)
+        out.respond(r, learned.get(r["request"]))
     written, report = {t: [] for t in tables}, out.report()
     for f in report:
         if f["table"] in written:
@@ -149,6 +152,8 @@ def test_respond_fills_updates_partial_and_complete_responses_from_one_conversio
         [single] = [r for r in results if r["request"] == row["request"]]
         assert row == core.complete_row([single], "0000000001")
     assert out.counts == {"status:entity-updates:1": 4, "status:entity-updates:3": 1, "multipart": 2}
+    assert sorted((r["request"], r["part"], r["after"], r["kind"]) for r in written["schema_learning"]) == [
+        (1, 1, learned[1], "entity"), (3, 1, learned[3], "entity"), (3, 2, learned[3], "entity")]
 
     # the messages made a batch at a time are the per-row encoders' (key, text, partition)
     [spool] = [f for f in report if f["table"] == publish.OUTBOX]
