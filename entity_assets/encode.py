@@ -28,24 +28,25 @@ def _needs_escape(values: pa.Array) -> bool:
     return data is not None and _ESCAPED_RE.search(memoryview(data)) is not None
 
 
-def json_strings(values: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """Each string as its JSON text (null: `null`)."""
-    return pc.binary_join_element_wise(*_string(values), "")
-
-
 def _string(values: pa.Array | pa.ChunkedArray) -> list:
     """Pieces of a join that give each string's JSON text: the quotes around the strings as they
     are when none is null or needs escaping (the rule), else the JSON texts made one by one."""
     values = one_array(values).cast(pa.string())
-    if not values.null_count and not _needs_escape(values):
+    escaping = _needs_escape(values)
+    if not values.null_count and not escaping:
         return ['"', values, '"']
     quoted = pc.binary_join_element_wise('"', values, '"', "")
-    if _needs_escape(values):
+    if escaping:
         escape = pc.fill_null(pc.match_substring_regex(values, _ESCAPED.decode()), False)
         slow = pa.array([core.dumps(v) if e else None for v, e in zip(values.to_pylist(), escape.to_pylist())],
                         pa.string())
         quoted = pc.if_else(escape, slow, quoted)
     return [pc.fill_null(quoted, "null")]
+
+
+def _value(values: pa.Array | pa.ChunkedArray) -> list:
+    """Pieces of each value's JSON text, a string or an integer (null: `null`)."""
+    return _string(values) if pa.types.is_string(values.type) else [_number(values)]
 
 
 def _number(values: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -78,15 +79,11 @@ def result_texts(rows: pa.Table) -> pa.Array:
     if not rows.num_rows:
         return pa.array([], pa.string())
     col, names = rows.column, rows.column_names
-    dbid = _string(col("dbid"))
     ok = pc.fill_null(pc.equal(col("status"), core.STATUS_OK), False)
-    pieces = ['{"dbid":', *dbid, ',"db":', *dbid, ',"clientid":', *_string(col("clientid")),
-              ',"request":', _number(col("request")), ',"user":', *_string(col("user"))]
-    for name in ("collection", "zone", "entity"):
+    pieces = _members(rows, ("dbid", "db", "clientid", "request", "user"))
+    for name in ("collection", "zone", "entity", "parts", "part", "begun"):
         if name in names:
-            pieces += _optional(name, col(name), _string(col(name)))
-    for name in ("parts", "part", "begun"):
-        pieces += _optional(name, col(name), [_number(col(name))])
+            pieces += _optional(name, col(name), _value(col(name)))
     pieces += [',"status":', _number(col("status")), ',"ended":', _number(col("ended"))]
     if "learning" in names:
         pieces.append(_flag("learning", col("learning")))
@@ -128,14 +125,17 @@ def object_texts(rows: pa.Table, names: tuple[str, ...], *, flags: tuple[str, ..
     """
     if not rows.num_rows:
         return pa.array([], pa.string())
-    col = rows.column
-    pieces, sep = [], "{"
-    for name in (("dbid", "db") if database else ()) + names:
-        values = col("dbid" if name == "db" else name)
-        pieces += [f'{sep}"{name}":', *(_string(values) if pa.types.is_string(values.type) else [_number(values)])]
-        sep = ","
-    pieces += [_flag(name, col(name)) for name in flags]
+    pieces = _members(rows, (("dbid", "db") if database else ()) + names)
+    pieces += [_flag(name, rows.column(name)) for name in flags]
     for name in documents:
-        pieces += [f'{sep}"{name}":', pc.fill_null(one_array(col(name)), "null")]
-        sep = ","
+        pieces += [f'{"," if pieces else "{"}"{name}":', pc.fill_null(one_array(rows.column(name)), "null")]
     return pc.binary_join_element_wise(*pieces, "}", "")
+
+
+def _members(rows: pa.Table, names: tuple[str, ...]) -> list:
+    """Pieces of `{"name":<value>,...` for columns every row has a value of (null: `null`);
+    `db` is the `dbid` column under its alias."""
+    pieces = []
+    for i, name in enumerate(names):
+        pieces += [f'{"," if i else "{"}"{name}":', *_value(rows.column("dbid" if name == "db" else name))]
+    return pieces

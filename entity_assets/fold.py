@@ -78,12 +78,12 @@ class Outputs:
             return
         self.writer(table).append(row)
 
-    def emit_rows(self, table: str, rows: pa.Table) -> None:
-        """`emit` of rows held in Arrow (columns by name)."""
+    def emit_rows(self, table: str, rows: pa.Table, texts: pa.Array | None = None) -> None:
+        """`emit` of rows held in Arrow (columns by name); `texts`: their messages, when made already."""
         if rows.num_rows:
             self.writer(table).append_table(rows)
             if self.publisher is not None:
-                self.publisher.send_rows(table, rows)
+                self.publisher.send_rows(table, rows, texts)
 
     def _write_batched(self, table: str) -> None:
         self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
@@ -112,17 +112,16 @@ class Outputs:
         learned = pa.array(self._learned, pa.string())
         self._results, self._learned = [], []
         ok, single = pc.equal(data.column("status"), core.STATUS_OK), pc.equal(data.column("parts"), 1)
-        updates, complete = data.filter(ok), data.filter(single)
-        texts = encode.result_texts(data if self.publisher is not None else complete)
-        responses = texts.filter(single) if self.publisher is not None else texts
-        complete = complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", ""))
-        for table, rows in (("partial_responses", data), (self.updates, updates), ("complete_responses", complete)):
-            if rows.num_rows:
-                self.writer(table).append_table(rows)
-        if self.publisher is not None:
-            self.publisher.send_rows("partial_responses", data, texts)
-            self.publisher.send_rows(self.updates, updates, texts.filter(ok))
-            self.publisher.send_rows("complete_responses", complete)
+        complete = data.filter(single)
+        if self.publisher is None:  # only the complete responses need the texts
+            texts, responses = None, encode.result_texts(complete)
+        else:
+            texts = encode.result_texts(data)
+            responses = texts.filter(single)
+        self.emit_rows("partial_responses", data, texts)
+        self.emit_rows(self.updates, data.filter(ok), None if texts is None else texts.filter(ok))
+        self.emit_rows("complete_responses",
+                       complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", "")))
         if learned.null_count < len(learned):  # the update's row, its document as `after`
             learning = pc.is_valid(learned)
             rows = data.filter(learning)

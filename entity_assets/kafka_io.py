@@ -132,6 +132,19 @@ def release_producers() -> None:
             client.producer.close()
 
 
+def _produce(producer: Producer, topic: str, value, key, partition: int) -> None:
+    """One record (`partition` -1: Kafka's murmur2 of the key picks it), waiting out a full queue."""
+    while True:
+        try:
+            if partition < 0:
+                producer.produce(topic, value, key)
+            else:
+                producer.produce(topic, value, key, partition)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
 class BatchProducer:
     """An idempotent producer that waits out full queues and fails loudly on undelivered records.
 
@@ -154,16 +167,7 @@ class BatchProducer:
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
         """Without `partition`, Kafka's murmur2 of the key picks it, like the Java client. Text is sent as UTF-8."""
-        produce = self._producer.produce
-        while True:
-            try:
-                if partition is None:
-                    produce(topic, value, key)
-                else:
-                    produce(topic, value, key, partition)
-                break
-            except BufferError:
-                self._producer.poll(0.05)
+        _produce(self._producer, topic, value, key, -1 if partition is None else partition)
         self.counts[topic] = self.counts.get(topic, 0) + 1
         self._sent += 1
         if self._sent % 10000 == 0:
@@ -172,23 +176,14 @@ class BatchProducer:
     def send_spooled(self, batch: pa.RecordBatch, topics: list[str]) -> None:
         """A batch of a spool (`Spool.SCHEMA`; topic indexes into `topics`): `send` of each record,
         with the bookkeeping done once for the batch."""
-        produce, poll = self._producer.produce, self._producer.poll
+        producer = self._producer
         for t, p, key, value in zip(*(column.to_pylist() for column in batch.columns)):
-            topic = topics[t]
-            while True:
-                try:
-                    if p < 0:
-                        produce(topic, value, key)
-                    else:
-                        produce(topic, value, key, p)
-                    break
-                except BufferError:
-                    poll(0.05)
+            _produce(producer, topics[t], value, key, p)
         for count in pc.value_counts(batch.column("topic")).to_pylist():
             topic = topics[count["values"]]
             self.counts[topic] = self.counts.get(topic, 0) + count["counts"]
         self._sent += batch.num_rows
-        poll(0)
+        producer.poll(0)
 
     def close(self, timeout: float = 120) -> dict[str, int]:
         """Waits for every record; returns the count per topic. A producer that failed is not reused."""

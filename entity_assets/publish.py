@@ -77,12 +77,9 @@ class Stream:
     texts: Callable[[pa.Table], pa.Array]
 
 
-def _by_entity(rows: pa.Table) -> pa.ChunkedArray:
-    return rows.column("entity")
-
-
-def _by_dbid(rows: pa.Table) -> pa.ChunkedArray:
-    return rows.column("dbid")
+def _column(name: str) -> Callable[[pa.Table], pa.ChunkedArray]:
+    """Keys of rows in Arrow that are one of their columns."""
+    return lambda rows: rows.column(name)
 
 
 def _by_entity_or_dbid(rows: pa.Table) -> pa.Array:
@@ -101,10 +98,6 @@ DEVICE_CHANGE = ("collection", "zone", "entity", "notification", "action", "ende
 DEVICE_NOTIFICATION = ("user", "device", "count", "begun", "ended")
 
 
-def _by_device(rows: pa.Table) -> pa.ChunkedArray:
-    return rows.column("device")
-
-
 def _device_change(row: dict) -> str:
     return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in DEVICE_CHANGE}})
 
@@ -114,11 +107,11 @@ def _device_notification(row: dict) -> str:
 
 
 STREAMS: dict[str, Stream] = {
-    "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_json, _by_entity,
+    "entity_patches": Stream("entity-patches", lambda r: r["entity"], None, core.patch_json, _column("entity"),
                              encode.patch_texts),
-    "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_json, _by_entity,
+    "entity_updates": Stream("entity-updates", lambda r: r["entity"], None, core.result_json, _column("entity"),
                              encode.result_texts),
-    "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_json, _by_dbid,
+    "schema_updates": Stream("schema-updates", lambda r: r["dbid"], None, core.result_json, _column("dbid"),
                              encode.result_texts),
     "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_json,
                               _by_entity_or_dbid, encode.result_texts),
@@ -126,12 +119,13 @@ STREAMS: dict[str, Stream] = {
                                 encode.result_texts),
     "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_json, _by_request,
                                  encode.complete_texts),
-    "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json, _by_entity,
+    "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json, _column("entity"),
                            encode.result_texts),
-    "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change, _by_device,
+    "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change, _column("device"),
                                 lambda rows: encode.object_texts(rows, DEVICE_CHANGE, database=True)),
     "device_notifications": Stream("device-notifications", lambda r: r["device"], None, _device_notification,
-                                   _by_device, lambda rows: encode.object_texts(rows, DEVICE_NOTIFICATION, database=True)),
+                                   _column("device"),
+                                   lambda rows: encode.object_texts(rows, DEVICE_NOTIFICATION, database=True)),
 }
 
 
