@@ -6,6 +6,7 @@ from entity_assets import core
 from entity_assets.messages import CompleteResponse, EntityPatch, EntityUpdate, PartialResponse, parse_message
 from entity_assets.publish import STREAMS, murmur2, partition_for
 from entity_assets.samples import SEED_ENTITY_BATCH
+from entity_assets.tables import SCHEMAS
 
 SALLY = "400cb092-00af-4e44-bdcb-1a0c536692bf"
 WILLIAM = "101c3c90-e304-4279-b6a0-020363c925c6"
@@ -133,3 +134,9 @@ def test_every_derived_stream_has_a_publisher():
     assert {s.name for s in STREAMS.values()} == {
         "entity-patches", "entity-updates", "schema-updates", "schema-learning", "partial-responses",
         "complete-responses", "zone-changes", "changes-by-device", "device-notifications"}
+
+
+def test_a_patch_row_is_its_batch_fields_and_its_own():
+    """Every entity_patches column comes from the batch row or from the patch (`core.explode`), once."""
+    assert sorted(core.BATCH_FIELDS + core.PATCH_FIELDS) == sorted(SCHEMAS["entity_patches"].names)
+    assert set(core.BATCH_FIELDS) <= set(SCHEMAS["entity_batches"].names)
