@@ -108,7 +108,8 @@ class Outputs:
     def _write_results(self) -> None:
         if not self._results:
             return
-        data = pa.Table.from_batches([from_rows(self._results, RESULT_STRUCT)])
+        # the partial_responses layout holds every result column (updates and complete responses select theirs)
+        data = pa.Table.from_batches([from_rows(self._results, self.writer("partial_responses").struct)])
         learned = pa.array(self._learned, pa.string())
         self._results, self._learned = [], []
         ok, single = pc.equal(data.column("status"), core.STATUS_OK), pc.equal(data.column("parts"), 1)
@@ -152,7 +153,6 @@ class Outputs:
 BATCH_ROWS = 20_000
 """Results, and rows whose messages are made a batch at a time, held as dicts before their one
 conversion to Arrow (`Outputs.respond`, `Outputs.emit`)."""
-RESULT_STRUCT = pa.struct(list(SCHEMAS["partial_responses"]))
 
 
 def _arrow(report: list[dict]) -> pa.RecordBatch:
@@ -382,9 +382,9 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
         out.count("batches", rows.num_rows)
         at, patches = [], []
         for i, (dbid, text) in enumerate(zip(rows.column("dbid").to_pylist(), rows.column("patches").to_pylist())):
-            exploded = core.explode(dbid, text)
-            at += [i] * len(exploded)
-            patches += exploded
+            own = core.explode(dbid, text)
+            at += [i] * len(own)
+            patches += own
         # the batch's columns taken once per patch, the patch's own columns added: no row becomes a dict
         exploded = rows.select(core.BATCH_FIELDS).take(pa.array(at, pa.int64()))
         for name, values in zip(core.PATCH_FIELDS, zip(*patches) if patches else [()] * len(core.PATCH_FIELDS)):
