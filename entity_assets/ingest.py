@@ -10,26 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel
 
 from entity_assets import messages as m
+from entity_assets.core import dumps
 from entity_assets.kafka_io import read_range
 from entity_assets.slices import OffsetRange
 from entity_assets.storage import FileWriter
 from entity_assets.tables import SCHEMAS
 
-_PATCHES = TypeAdapter(list[m.PatchSpec])
-_OPS = TypeAdapter(list[m.PatchOp])
-
-
-def _json_text(adapter: TypeAdapter, value) -> str:
-    return adapter.serializer.to_json(value, by_alias=True, exclude_unset=True).decode()
-
-
 def _batch_row(b: m.EntityBatch) -> dict:
     return {
         "clientid": b.clientid, "request": b.request, "user": b.user, "dbid": b.dbid, "begun": b.begun,
-        "parts": len(b.patches), "patches": _json_text(_PATCHES, b.patches),
+        "parts": len(b.patches), "patches": dumps(b.patches),
         "learning": b.learning, "includeBefore": b.includeBefore, "includeAfter": b.includeAfter,
     }
 
@@ -37,7 +30,7 @@ def _batch_row(b: m.EntityBatch) -> dict:
 def _schema_patch_row(p: m.SchemaPatch) -> dict:
     return {
         "clientid": p.clientid, "request": p.request, "user": p.user, "dbid": p.dbid, "parts": p.parts,
-        "part": p.part, "begun": p.begun, "ops": _json_text(_OPS, p.ops),
+        "part": p.part, "begun": p.begun, "ops": dumps(p.ops),
         "includeBefore": p.includeBefore, "includeAfter": p.includeAfter,
     }
 

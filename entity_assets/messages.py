@@ -14,16 +14,18 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeVar
 
+from typing_extensions import TypedDict
+
 import pydantic_core
 from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     StringConstraints,
     computed_field,
     ValidationError,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -37,6 +39,10 @@ __all__ = [
     "to_json",
     "TOPIC_MODELS",
     "PatchOp",
+    "ValueOp",
+    "RemoveOp",
+    "FromOp",
+    "OP_NAMES",
     "PatchSpec",
     "EntityBatch",
     "EntityPatch",
@@ -139,53 +145,45 @@ def _dbid() -> Any:
 
 # --------------------------------------------------------------------------- patches
 
-_NEEDS_VALUE = frozenset(("add", "replace", "test"))
-_NEEDS_FROM = frozenset(("move", "copy"))
+# Ops are TypedDicts in a union tagged by ``op``: pydantic-core validates them without calling
+# Python and yields the wire-form dicts the patch engine applies, which ingest stores as they
+# are. Per op, a model with a Python validator and serializer cost more than the rest of a
+# batch message.
 
 
-class PatchOp(_Model):
-    """One JSON-Patch-like operation.
+class ValueOp(TypedDict):
+    """add, replace, test: ``value`` must be present; null is a value."""
 
-    ``value`` is tri-state: absent (not in ``model_fields_set``), null, or a value; add/replace/
-    test need the key present (null is a legal value), move/copy need ``from``. Serialization
-    is the wire form (``from``, ``value`` only when present) whatever dump options are used.
-    """
-
-    op: Literal["add", "remove", "replace", "move", "copy", "test"]
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    op: Literal["add", "replace", "test"]
     path: str
-    value: Any = None
-    from_: str | None = Field(default=None, alias="from")
-
-    @model_validator(mode="after")
-    def _operands_present(self) -> PatchOp:
-        op = self.op
-        if op in _NEEDS_VALUE:
-            if "value" not in self.__pydantic_fields_set__:
-                raise PydanticCustomError(
-                    "op_field_missing", "field required for op '{op}'", {"op": op, "field": "value"}
-                )
-        elif op in _NEEDS_FROM and self.from_ is None:
-            raise PydanticCustomError(
-                "op_field_missing", "field required for op '{op}'", {"op": op, "field": "from"}
-            )
-        return self
-
-    @model_serializer(mode="plain")
-    def _wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"op": self.op, "path": self.path}
-        if "value" in self.__pydantic_fields_set__:
-            out["value"] = self.value
-        if self.from_ is not None:
-            out["from"] = self.from_
-        return out
+    value: Any
 
 
-Ops = Annotated[list[PatchOp], Field(min_length=1)]
+class RemoveOp(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    op: Literal["remove"]
+    path: str
 
 
-class PatchSpec(_Model):
+# ``from`` is a Python keyword, hence the functional form.
+FromOp = TypedDict("FromOp", {"op": Literal["move", "copy"], "path": str, "from": str})
+FromOp.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
+
+PatchOp = Annotated[ValueOp | RemoveOp | FromOp, Field(discriminator="op")]
+"""One JSON-Patch-like operation, as a dict in the wire form (members other than the op's own
+are dropped)."""
+
+OP_NAMES = ("add", "remove", "replace", "move", "copy", "test")
+
+# Serialized as the dicts they are: exclude_none must not drop a null ``value``.
+Ops = Annotated[list[PatchOp], Field(min_length=1), PlainSerializer(list, return_type=list[Any])]
+
+
+class PatchSpec(TypedDict):
     """One patch inside an entity batch (the seed's "raw patch document")."""
 
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
     collection: Name
     zone: Name
     entity: Name
@@ -478,16 +476,35 @@ T = TypeVar("T", bound=BaseModel)
 
 _MAX_REASONS = 3
 # Our own errors raised at model level name their field in ctx, so the reason can point at it.
-_OWN_ERROR_TYPES = frozenset(("op_field_missing", "db_conflict", "missing"))
+_OWN_ERROR_TYPES = frozenset(("db_conflict", "missing"))
 _NOT_OBJECT_TYPES = frozenset(("model_type", "model_attributes_type", "dict_type"))
 
 
-def _location(err: Any) -> str:
-    loc = err["loc"]
-    ctx = err.get("ctx")
-    if ctx and "field" in ctx and err["type"] in _OWN_ERROR_TYPES:
-        loc = (*loc, ctx["field"])
+def _path(loc: tuple) -> str:
     return ".".join(str(part) for part in loc) or "message"
+
+
+def _reason(err: Any) -> str:
+    """``loc: message``, with PatchOp's union tag read as the op it names.
+
+    pydantic puts the tag into the location (``ops.1.add.value``) and words a bad tag as a
+    union error; the client wrote ``ops.1.value`` of an ``add`` and ``ops.1.op``.
+    """
+    loc, kind, msg = err["loc"], err["type"], err["msg"]
+    ctx = err.get("ctx") or {}
+    if kind == "union_tag_invalid":
+        return f"{_path((*loc, 'op'))}: input should be {ctx['expected_tags']}"
+    if kind == "union_tag_not_found":
+        return f"{_path((*loc, 'op'))}: field required"
+    for i in range(1, len(loc) - 1):
+        if loc[i] in OP_NAMES and isinstance(loc[i - 1], int):
+            if kind == "missing":
+                msg = f"field required for op '{loc[i]}'"
+            loc = (*loc[:i], *loc[i + 1:])
+            break
+    if "field" in ctx and kind in _OWN_ERROR_TYPES:
+        loc = (*loc, ctx["field"])
+    return f"{_path(loc)}: {msg[:1].lower()}{msg[1:]}"
 
 
 def _is_bad_uuid(err: Any) -> bool:
@@ -512,8 +529,7 @@ def _classify(exc: ValidationError) -> InvalidMessage:
         if _is_bad_uuid(err):
             parts.append("clientid: not a UUID (8-4-4-4-12 hex)")
             continue
-        msg = err["msg"]
-        parts.append(f"{_location(err)}: {msg[:1].lower()}{msg[1:]}")
+        parts.append(_reason(err))
     reason = "; ".join(parts)
     if len(errors) > _MAX_REASONS:
         reason += f" (+{len(errors) - _MAX_REASONS} more)"

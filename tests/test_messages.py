@@ -6,6 +6,7 @@ import json
 import pickle
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 
 from entity_assets.messages import (
     MAX_MESSAGE_BYTES,
@@ -500,7 +501,7 @@ def test_reason_lists_first_three_errors():
 def test_accepts_bytearray_memoryview_and_str():
     raw = ENTITY_BATCH.encode()
     for value in (bytearray(raw), memoryview(raw), ENTITY_BATCH):
-        assert parse_message(EntityBatch, value).patches[0].ops[2].path == "phone/home"
+        assert parse_message(EntityBatch, value).patches[0]["ops"][2]["path"] == "phone/home"
 
 
 def test_invalid_message_pickles():
@@ -526,14 +527,17 @@ def test_status_is_a_strict_int():
 # ---------------------------------------------------------------- patch ops
 
 
-def test_patch_op_value_absent_vs_null():
-    null = PatchOp.model_validate({"op": "add", "path": "a", "value": None})
-    assert to_message(null) == {"op": "add", "path": "a", "value": None}
-    removed = PatchOp.model_validate({"op": "remove", "path": "a"})
-    assert to_message(removed) == {"op": "remove", "path": "a"}
-    moved = PatchOp(op="move", path="b", from_="a")
-    assert moved.model_dump() == {"op": "move", "path": "b", "from": "a"}
-    assert PatchOp.model_validate({"op": "copy", "path": "b", "from": "a"}).from_ == "a"
+_OP = TypeAdapter(PatchOp)
+
+
+def test_patch_op_is_its_wire_form():
+    assert _OP.validate_python({"op": "add", "path": "a", "value": None}) == {"op": "add", "path": "a", "value": None}
+    assert _OP.validate_python({"op": "remove", "path": "a", "value": 1}) == {"op": "remove", "path": "a"}
+    moved = _OP.validate_json('{"op": "move", "path": "b", "from": "a", "extra": true}')
+    assert moved == {"op": "move", "path": "b", "from": "a"}
+    assert _OP.validate_python({"op": "test", "path": "b", "value": [1]}) == {"op": "test", "path": "b", "value": [1]}
+    with pytest.raises(ValidationError):
+        _OP.validate_python({"op": "copy", "path": "b"})
 
 
 def test_null_value_survives_batch_output():
@@ -543,8 +547,8 @@ def test_null_value_survives_batch_output():
 
 
 def test_patch_spec_requires_ops():
-    with pytest.raises(ValueError):
-        PatchSpec(collection="C", zone="z", entity="e", ops=[])
+    with pytest.raises(ValidationError):
+        TypeAdapter(PatchSpec).validate_python({"collection": "C", "zone": "z", "entity": "e", "ops": []})
 
 
 # ---------------------------------------------------------------- project-defined shapes
