@@ -61,9 +61,9 @@ def explode(dbid: str, patches: str) -> list[tuple]:
              bucket_of(dbid, p["collection"], p["zone"], p["entity"])) for part, p in enumerate(items, start=1)]
 
 
-def ended_of(row: dict) -> int:
+def ended_of(kafka_timestamp: int | None, begun: int) -> int:
     """Completion time from the message itself (its Kafka timestamp), never the wall clock."""
-    return max(row["kafka_timestamp"] or 0, row["begun"])
+    return max(kafka_timestamp or 0, begun)
 
 
 class DocState:
@@ -84,34 +84,44 @@ class DocState:
                 "document": None if self.doc is None else dumps(self.doc), "ended": self.ended, "bucket": bucket}
 
 
-def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> dict:
-    """Applies one patch row to `state`; returns its result row (every status).
+def apply(state: DocState, ops: str, ended: int, include_before: bool, include_after: bool, *,
+          implicit_empty: bool = False) -> tuple[int, str | None, str | None, str | None, str | None]:
+    """Applies one patch's ops (JSON text) to `state`: (status, error, before, after, action).
 
+    `before`/`after` are JSON texts, given only where asked for (`before` None on a creation).
     `implicit_empty`: a missing document counts as `{}` (every database has a schema), so
     schema patches end with status 1 or 3, never 2.
     """
-    ops = loads(patch["ops"])
     before = state.doc
-    outcome = apply_patch({} if implicit_empty and before is None else before, ops)
-    ended = ended_of(patch)
+    outcome = apply_patch({} if implicit_empty and before is None else before, loads(ops))
+    if outcome.status != STATUS_OK:
+        return outcome.status, outcome.error, None, None, None
+    state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
+    return (STATUS_OK, None, dumps(before) if include_before and before is not None else None,
+            dumps(outcome.doc) if include_after and outcome.doc is not None else None,
+            "created" if before is None else ("deleted" if outcome.deleted else "updated"))
+
+
+RESULT_FIELDS = ("status", "error", "before", "after", "action")
+"""What `apply` gives, in its order: a result row is the patch's row, `ended` and these."""
+
+
+def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> dict:
+    """`apply` of one patch row; returns its result row (every status)."""
+    ended = ended_of(patch["kafka_timestamp"], patch["begun"])
     result = dict(patch)
     result.pop("bucket", None)
-    result.update(ended=ended, status=outcome.status, error=outcome.error, before=None, after=None, action=None)
-    if outcome.status == STATUS_OK:
-        state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
-        result["action"] = "created" if before is None else ("deleted" if outcome.deleted else "updated")
-        if patch["includeBefore"] and before is not None:
-            result["before"] = dumps(before)
-        if patch["includeAfter"] and outcome.doc is not None:
-            result["after"] = dumps(outcome.doc)
+    result["ended"] = ended
+    result.update(zip(RESULT_FIELDS, apply(state, patch["ops"], ended, patch["includeBefore"], patch["includeAfter"],
+                                           implicit_empty=implicit_empty)))
     return result
 
 
-def learned_after(result: dict, doc: dict) -> str:
+def learned_after(after: str | None, doc: dict) -> str:
     """The `after` of an update's schema-learning message (kind "entity", otherwise the update's
     row): the update's own when the request asked for it, else the document, which learning
     always needs."""
-    return result["after"] if result["after"] is not None else dumps(doc)
+    return after if after is not None else dumps(doc)
 
 
 def entity_type_rows(result: dict, schema: dict) -> list[dict]:

@@ -54,7 +54,6 @@ class Outputs:
         self.replaced: list[dict] = []
         self.updates = updates
         self._results: list[dict] = []
-        self._learned: list[str | None] = []
         self._batched: dict[str, list[dict]] = {}
 
     def writer(self, table: str) -> FileWriter:
@@ -88,31 +87,35 @@ class Outputs:
     def _write_batched(self, table: str) -> None:
         self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
 
-    def respond(self, result: dict, learned: str | None = None) -> None:
-        """A processed part: its update when its status is 1, its partial response, its complete
-        response at once when the request has a single part, and its schema-learning message
-        when `learned` (its `after` there: `core.learned_after`) is given.
+    def respond(self, result: dict) -> None:
+        """A processed part, as a result row (`respond_rows` of those held, per `BATCH_ROWS`)."""
+        self._results.append(result)
+        if len(self._results) >= BATCH_ROWS:
+            self._respond_held()
+
+    def _respond_held(self) -> None:
+        if self._results:
+            rows, self._results = self._results, []
+            self.respond_rows(pa.Table.from_batches([from_rows(rows, self.writer("partial_responses").struct)]))
+
+    def respond_rows(self, data: pa.Table, learned: pa.Array | None = None) -> None:
+        """Processed parts, as result rows in Arrow: their updates (status 1), their partial
+        responses, the complete responses of single-part requests, and the schema-learning
+        messages of the rows where `learned` (their `after` there: `core.learned_after`) is set.
 
         Requests of several parts are completed by `complete_task`, which groups their parts.
-        The results are held until `BATCH_ROWS` of them are; one Arrow conversion and one batch
-        of message texts (`encode`) then serve the four tables (`_write_results`).
+        One batch of message texts (`encode`) serves the four tables.
         """
-        self._results.append(result)
-        self._learned.append(learned)
-        self.count(f"status:{result['stream']}:{result['status']}")
-        if result["parts"] != 1:
-            self.count("multipart")
-        if len(self._results) >= BATCH_ROWS:
-            self._write_results()
-
-    def _write_results(self) -> None:
-        if not self._results:
+        if not data.num_rows:
             return
-        # the partial_responses layout holds every result column (updates and complete responses select theirs)
-        data = pa.Table.from_batches([from_rows(self._results, self.writer("partial_responses").struct)])
-        learned = pa.array(self._learned, pa.string())
-        self._results, self._learned = [], []
-        ok, single = pc.equal(data.column("status"), core.STATUS_OK), pc.equal(data.column("parts"), 1)
+        status, parts = data.column("status"), data.column("parts")
+        stream = data.column("stream")[0].as_py()
+        for count in pc.value_counts(status).to_pylist():
+            self.count(f"status:{stream}:{count['values']}", count["counts"])
+        single = pc.equal(parts, 1)
+        if (multipart := data.num_rows - pc.sum(single).as_py()):
+            self.count("multipart", multipart)
+        ok = pc.equal(status, core.STATUS_OK)
         complete = data.filter(single)
         if self.publisher is None:  # only the complete responses need the texts
             texts, responses = None, encode.result_texts(complete)
@@ -123,7 +126,7 @@ class Outputs:
         self.emit_rows(self.updates, data.filter(ok), None if texts is None else texts.filter(ok))
         self.emit_rows("complete_responses",
                        complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", "")))
-        if learned.null_count < len(learned):  # the update's row, its document as `after`
+        if learned is not None and learned.null_count < len(learned):  # the update's row, its document as `after`
             learning = pc.is_valid(learned)
             rows = data.filter(learning)
             rows = rows.set_column(rows.schema.get_field_index("after"), "after", learned.filter(learning))
@@ -141,7 +144,7 @@ class Outputs:
 
     def report(self) -> list[dict]:
         """The files written (the outbox spool included: see publish.OUTBOX) and the counters."""
-        self._write_results()
+        self._respond_held()
         for table in list(self._batched):
             self._write_batched(table)
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
@@ -152,7 +155,7 @@ class Outputs:
 
 BATCH_ROWS = 20_000
 """Results, and rows whose messages are made a batch at a time, held as dicts before their one
-conversion to Arrow (`Outputs.respond`, `Outputs.emit`)."""
+conversion to Arrow (`Outputs.respond`, `Outputs.emit`); the entity fold's batches of patches."""
 
 
 def _arrow(report: list[dict]) -> pa.RecordBatch:
@@ -393,6 +396,10 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     yield _arrow(out.report())
 
 
+_FOLD_READS = (*core.ENTITY_KEY, "kafka_timestamp", "begun", "ops", "includeBefore", "includeAfter", "learning")
+_FOLD_ADDS = ("ended", *core.RESULT_FIELDS, "subjectZone")
+_RESULT_TYPES = SCHEMAS["partial_responses"]
+
 RESULT_ROW_GROUPS = {"entities": "collection", "partial_responses": "parts"}
 """Row groups by value: the subscriptions in effect are read from the entity state's
 `$zoneSubscription` row groups, and the parts of multi-part requests (`multipart_parts`) from
@@ -420,21 +427,32 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                 if state.changed:
                     store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
 
-            for batch in patches.sort_by(order).to_batches(max_chunksize=20_000):
-                for patch in to_rows(batch):
-                    k = (patch["dbid"], patch["collection"], patch["zone"], patch["entity"])
+            for batch in patches.sort_by(order).to_batches(max_chunksize=BATCH_ROWS):
+                # results stay in Arrow: the patch's columns, and the columns the fold adds
+                c = {name: batch.column(name).to_pylist() for name in _FOLD_READS}
+                added = {name: [] for name in _FOLD_ADDS}
+                learned = []
+                for i, k in enumerate(zip(*(c[name] for name in core.ENTITY_KEY))):
                     if k != key:
                         save()
                         key, state = k, core.DocState(store.get(k))
                     before = state.doc
-                    result = core.apply_one(state, patch)
-                    result["stream"] = "entity-updates"
-                    learned = None
-                    if result["status"] == core.STATUS_OK:
-                        result["subjectZone"] = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
-                        if patch["learning"] and state.doc is not None:
-                            learned = core.learned_after(result, state.doc)
-                    out.respond(result, learned)
+                    ended = core.ended_of(c["kafka_timestamp"][i], c["begun"][i])
+                    status, error, before_text, after, action = core.apply(
+                        state, c["ops"][i], ended, c["includeBefore"][i], c["includeAfter"][i])
+                    zone = learn = None
+                    if status == core.STATUS_OK:
+                        zone = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
+                        if c["learning"][i] and state.doc is not None:
+                            learn = core.learned_after(after, state.doc)
+                    for name, value in zip(_FOLD_ADDS, (ended, status, error, before_text, after, action, zone)):
+                        added[name].append(value)
+                    learned.append(learn)
+                results = pa.Table.from_batches([batch])
+                for name, values in added.items():
+                    results = results.append_column(name, pa.array(values, _RESULT_TYPES.field(name).type))
+                results = results.append_column("stream", pa.repeat(pa.scalar("entity-updates"), batch.num_rows))
+                out.respond_rows(results, pa.array(learned, pa.string()))
             save()
         out.close_state("entities", store)
         yield from out.report()

@@ -60,7 +60,7 @@ def test_learning_message_is_the_update_with_its_document_whether_asked_for_or_n
     result = core.apply_one(state, patch)
 
     def learning(result):  # the schema-learning row of an update, as fold.Outputs makes it in Arrow
-        return {**result, "after": core.learned_after(result, state.doc), "kind": "entity"}
+        return {**result, "after": core.learned_after(result["after"], state.doc), "kind": "entity"}
 
     assert core.result_json(learning(result)) == core.result_json(result)  # after asked for
     quiet = core.apply_one(core.DocState(), {**patch, "includeAfter": False})
