@@ -116,14 +116,15 @@ class Outputs:
         if (multipart := data.num_rows - pc.sum(single).as_py()):
             self.count("multipart", multipart)
         ok = pc.equal(status, core.STATUS_OK)
-        complete = data.filter(single)
+        all_ok = pc.all(ok).as_py()
+        complete = _where(data, single, not multipart)
         if self.publisher is None:  # only the complete responses need the texts
             texts, responses = None, encode.result_texts(complete)
         else:
             texts = encode.result_texts(data)
-            responses = texts.filter(single)
+            responses = _where(texts, single, not multipart)
         self.emit_rows("partial_responses", data, texts)
-        self.emit_rows(self.updates, data.filter(ok), None if texts is None else texts.filter(ok))
+        self.emit_rows(self.updates, _where(data, ok, all_ok), None if texts is None else _where(texts, ok, all_ok))
         self.emit_rows("complete_responses",
                        complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", "")))
         if learned is not None and learned.null_count < len(learned):  # the update's row, its document as `after`
@@ -156,6 +157,11 @@ class Outputs:
 BATCH_ROWS = 20_000
 """Results, and rows whose messages are made a batch at a time, held as dicts before their one
 conversion to Arrow (`Outputs.respond`, `Outputs.emit`); the entity fold's batches of patches."""
+
+
+def _where(values, mask, every: bool):
+    """`values.filter(mask)`, or `values` itself when `every` row is kept: a filter copies them all."""
+    return values if every else values.filter(mask)
 
 
 def _arrow(report: list[dict]) -> pa.RecordBatch:
@@ -548,22 +554,39 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
 FAN_OUT_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "clientid", "request", "part",
                    "dbid", "collection", "zone", "entity", "status", "action", "ended"]
 """What `fan_out_task` reads of zone_changes: not the documents, the longest columns."""
+_CHANGE_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "dbid", "collection", "zone",
+                   "entity", "action", "ended"]
+"""The columns a changes_by_device row takes from its zone change."""
 
 
 def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
                  subscriptions: list[tuple[str, str, str]], publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Input: the slice's zone changes; subscriptions: (dbid, entity, document JSON) in effect."""
+    """Input: the slice's zone changes; subscriptions: (dbid, entity, document JSON) in effect.
+
+    A change's rows are its columns, taken once per device to notify, with the device's own.
+    """
     index = notify.SubscriptionIndex(
         (dbid, entity, sub) for dbid, entity, doc in subscriptions
         if (sub := notify.parse_subscription(core.loads(doc))) is not None
     )
     # a row group per device_inboxes bucket: each task of device_notifications reads its own (inbox_events)
     out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"changes_by_device": "bucket"})
-    lineage = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")
-    for change in _rows(batches):
-        for row in notify.fan_out(change, index):
-            out.emit("changes_by_device", {**row, "slice": slice_key, **{c: change[c] for c in lineage},
-                                           "bucket": core.key_bucket(row["device"])})
+    types = SCHEMAS["changes_by_device"]
+    for batch in batches:
+        at, added = [], ([], [], [])
+        changes = zip(*(batch.column(name).to_pylist() for name in notify.RECIPIENT_INPUTS))
+        for i, change in enumerate(changes):
+            for recipient in notify.recipients(index, *change):
+                at.append(i)
+                for values, value in zip(added, recipient):
+                    values.append(value)
+        if not at:
+            continue
+        rows = pa.Table.from_batches([batch]).select(_CHANGE_COLUMNS).take(pa.array(at, pa.int64()))
+        for name, values in zip(("device", "user", "notification"), added):
+            rows = rows.append_column(name, pa.array(values, types.field(name).type))
+        rows = rows.append_column("bucket", pa.array([core.key_bucket(d) for d in added[0]], types.field("bucket").type))
+        out.emit_rows("changes_by_device", rows.append_column("slice", pa.repeat(pa.scalar(slice_key), len(at))))
     yield _arrow(out.report())
 
 

@@ -25,7 +25,8 @@ __all__ = [
     "parse_subscription",
     "notification_id",
     "SubscriptionIndex",
-    "fan_out",
+    "recipients",
+    "RECIPIENT_INPUTS",
     "DeviceInbox",
     "DEVICE_KEY",
     "seen",
@@ -137,45 +138,29 @@ class SubscriptionIndex:
         return pairs
 
 
-def fan_out(change: dict[str, Any], index: SubscriptionIndex) -> list[dict[str, Any]]:
-    """changes-by-device rows of one entity update: one per subscribed device.
+RECIPIENT_INPUTS = ("dbid", "collection", "zone", "entity", "action", "status", "clientid", "request", "part")
+"""The fields of an entity update that `recipients` takes, in its order."""
+
+
+def recipients(index: SubscriptionIndex, dbid: str, collection: str, zone: str, entity: str, action: str,
+               status: int, clientid: str, request: int, part: int) -> list[tuple[str, str, str]]:
+    """(device, user, notification id) of each device to notify of one entity update: its
+    changes-by-device rows are the update's fields with these.
 
     The device is the Kafka key and the notification id is per device, so a device subscribed
     under several users (a shared device token) gets one row, carrying the lowest user in sort
     order (deterministic across re-runs). Changes of ``$zoneSubscription`` entities notify nobody,
     and neither do failed updates (entity-updates should hold only status 1; this is a guard).
     """
-    collection = change["collection"]
-    if collection == SUBSCRIPTIONS or change.get("status", 1) != 1:
+    if collection == SUBSCRIPTIONS or status != 1:
         return []
-    dbid, zone, action = change["dbid"], change["zone"], change["action"]
-    pairs = index.devices_for(dbid, collection, zone, action)
-    if not pairs:
-        return []
-    entity, ended = change["entity"], change["ended"]
-    rows: list[dict[str, Any]] = []
+    out: list[tuple[str, str, str]] = []
     seen: set[str] = set()
-    for device, user in pairs:  # sorted, so the first pair of a device has its lowest user
-        if device in seen:
-            continue
-        seen.add(device)
-        rows.append(
-            {
-                "dbid": dbid,
-                "collection": collection,
-                "zone": zone,
-                "entity": entity,
-                "notification": notification_id(
-                    device, dbid, collection, zone, entity,
-                    change["clientid"], change["request"], change["part"],
-                ),
-                "action": action,
-                "ended": ended,
-                "device": device,
-                "user": user,
-            }
-        )
-    return rows
+    for device, user in index.devices_for(dbid, collection, zone, action):  # sorted: a device's lowest user first
+        if device not in seen:
+            seen.add(device)
+            out.append((device, user, notification_id(device, dbid, collection, zone, entity, clientid, request, part)))
+    return out
 
 
 class DeviceInbox:

@@ -5,7 +5,7 @@ import zlib
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entity_assets import core, fold, kafka_io, publish
+from entity_assets import core, fold, kafka_io, notify, publish
 from entity_assets.publish import Publishing
 from entity_assets.storage import from_rows
 from entity_assets.tables import SCHEMAS
@@ -102,6 +102,12 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
                                  uris={"changes_by_device": uri}, storage_options=None, subscriptions=subscriptions)
     [written] = [r for r in report.to_pylist() if r["table"] == "changes_by_device"]
     path = f"{uri}/{written['path']}"
+    rows = pq.read_table(path).to_pylist()
+    assert sorted(r["device"] for r in rows) == sorted(devices)
+    for row in rows:  # the change's fields, the device's own, its bucket
+        assert {k: row[k] for k in fold._CHANGE_COLUMNS} == {k: change[k] for k in fold._CHANGE_COLUMNS}
+        assert row["user"] == "u1" and row["slice"] == "0000000001" and row["bucket"] == core.key_bucket(row["device"])
+        assert row["notification"] == notify.notification_id(row["device"], "db", "Contacts", "A", "e1", "c", 1, 1)
     metadata = pq.ParquetFile(path).metadata
     buckets = sorted({core.key_bucket(d) for d in devices})
     assert metadata.num_row_groups == len(buckets)  # one per bucket

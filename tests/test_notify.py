@@ -7,13 +7,14 @@ import uuid
 
 import pytest
 
-from entity_assets.messages import DeviceChange, DeviceNotification, NotificationAck, ZoneSubscription
+from entity_assets.messages import DeviceNotification, NotificationAck, ZoneSubscription
 from entity_assets.notify import (
     SUBSCRIPTIONS,
     DeviceInbox,
     SubscriptionIndex,
     action_of,
-    fan_out,
+    RECIPIENT_INPUTS,
+    recipients,
     notification_id,
     parse_subscription,
     seen,
@@ -39,7 +40,7 @@ def index_of(*docs: dict, dbid: str = DB) -> SubscriptionIndex:
 def change(action: str, *, collection: str = "Contacts", zone: str = "A", request: int = 1, part: int = 1, **kw) -> dict:
     row = {
         "dbid": DB, "collection": collection, "zone": zone, "entity": ENTITY,
-        "clientid": CLIENT, "request": request, "part": part, "ended": 1415747086328, "action": action,
+        "clientid": CLIENT, "request": request, "part": part, "ended": 1415747086328, "action": action, "status": 1,
     }
     row.update(kw)
     return row
@@ -114,19 +115,18 @@ def test_later_version_of_a_subscription_replaces_earlier():
 # ---------------------------------------------------------------- fan-out
 
 
+def fan_out(row: dict, index: SubscriptionIndex) -> list[tuple[str, str, str]]:
+    """(device, user, notification) of each device the change `row` notifies."""
+    return recipients(index, *(row[name] for name in RECIPIENT_INPUTS))
+
+
 def test_seed_example_two_devices(seed_index):
     created = fan_out(change("created"), seed_index)
-    assert [r["device"] for r in created] == ["device1", "device2"]
-    assert [r["user"] for r in created] == ["jsmith", "jdoe"]
+    assert [(device, user) for device, user, _ in created] == [("device1", "jsmith"), ("device2", "jdoe")]
     updated = fan_out(change("updated", request=2), seed_index)
-    assert [r["device"] for r in updated] == ["device2"]
+    assert [device for device, _, _ in updated] == ["device2"]
     deleted = fan_out(change("deleted", request=3), seed_index)
-    assert [r["device"] for r in deleted] == ["device1", "device2"]
-    for row in created + updated + deleted:
-        assert set(row) == {"dbid", "collection", "zone", "entity", "notification", "action", "ended", "device", "user"}
-        # the wire message omits device/user (the device is the Kafka key)
-        msg = DeviceChange.model_validate({k: v for k, v in row.items() if k not in ("device", "user")})
-        assert msg.dbid == DB and msg.action == row["action"]
+    assert [device for device, _, _ in deleted] == ["device1", "device2"]
 
 
 def test_subject_collection_filter():
@@ -134,8 +134,8 @@ def test_subject_collection_filter():
         sub("A", "contacts-only", ["created"], collection="Contacts"),
         sub("A", "everything", ["created"]),
     )
-    assert [r["device"] for r in fan_out(change("created"), index)] == ["contacts-only", "everything"]
-    assert [r["device"] for r in fan_out(change("created", collection="Orders"), index)] == ["everything"]
+    assert [device for device, _, _ in fan_out(change("created"), index)] == ["contacts-only", "everything"]
+    assert [device for device, _, _ in fan_out(change("created", collection="Orders"), index)] == ["everything"]
 
 
 def test_subscription_change_notifies_nobody():
@@ -153,13 +153,13 @@ def test_invalid_subscription_document_is_ignored():
     docs = [sub("A", "good", ["created"]), {"subjectZone": "A", "device": "bad"}, None, {"actions": "created"}]
     valid = [(DB, f"s{i}", s) for i, d in enumerate(docs) if (s := parse_subscription(d)) is not None]
     index = SubscriptionIndex(valid)
-    assert [r["device"] for r in fan_out(change("created"), index)] == ["good"]
+    assert [device for device, _, _ in fan_out(change("created"), index)] == ["good"]
 
 
 def test_device_under_two_users_gets_one_row():
     index = index_of(sub("A", "shared", ["created"], user="zoe"), sub("A", "shared", ["created"], user="amy"))
     rows = fan_out(change("created"), index)
-    assert [(r["device"], r["user"]) for r in rows] == [("shared", "amy")]
+    assert [(device, user) for device, user, _ in rows] == [("shared", "amy")]
 
 
 # ---------------------------------------------------------------- notification ids
@@ -176,8 +176,8 @@ def test_notification_ids_deterministic_and_distinct(seed_index):
     # a re-run of the same slice mints the same ids
     first = fan_out(change("created"), seed_index)
     again = fan_out(change("created"), seed_index)
-    assert [r["notification"] for r in first] == [r["notification"] for r in again]
-    assert len({r["notification"] for r in first}) == 2
+    assert first == again
+    assert len({notification for _, _, notification in first}) == 2
 
 
 def test_notification_ids_are_those_of_earlier_releases():
