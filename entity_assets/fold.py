@@ -510,10 +510,11 @@ def learn_task(tasks: Iterator[dict], *, storage_options) -> Iterator[dict]:
     summaries: dict[tuple[str, str], Summary] = {}
     for task in tasks:
         for batch in _file_batches(task, storage_options, ["dbid", "collection", "after", "kind"]):
-            for row in to_rows(batch.filter(pc.equal(batch.column("kind"), "entity"))):
-                doc = core.loads(row["after"])
+            entity = batch.filter(pc.equal(batch.column("kind"), "entity"))
+            for dbid, collection, after in zip(*(entity.column(c).to_pylist() for c in ("dbid", "collection", "after"))):
+                doc = core.loads(after)
                 if isinstance(doc, dict):
-                    summaries.setdefault((row["dbid"], row["collection"]), Summary()).observe(doc)
+                    summaries.setdefault((dbid, collection), Summary()).observe(doc)
     yield from ({"dbid": d, "collection": c, "summary": s.to_json()} for (d, c), s in summaries.items())
 
 
