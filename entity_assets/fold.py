@@ -99,7 +99,7 @@ class Outputs:
             self.respond_rows(pa.Table.from_batches([from_rows(rows, self.writer("partial_responses").struct)]))
 
     def respond_rows(self, data: pa.Table, learned: pa.Array | None = None) -> None:
-        """Processed parts, as result rows in Arrow: their updates (status 1), their partial
+        """Processed parts of one stream, as result rows in Arrow: their updates (status 1), their partial
         responses, the complete responses of single-part requests, and the schema-learning
         messages of the rows where `learned` (their `after` there: `core.learned_after`) is set.
 
@@ -128,9 +128,9 @@ class Outputs:
         self.emit_rows("complete_responses",
                        complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", "")))
         if learned is not None and learned.null_count < len(learned):  # the update's row, its document as `after`
-            learning = pc.is_valid(learned)
-            rows = data.filter(learning)
-            rows = rows.set_column(rows.schema.get_field_index("after"), "after", learned.filter(learning))
+            learning, every = pc.is_valid(learned), not learned.null_count
+            rows = _where(data, learning, every)
+            rows = rows.set_column(rows.schema.get_field_index("after"), "after", _where(learned, learning, every))
             self.emit_rows("schema_learning", rows.append_column("kind", pa.repeat(pa.scalar("entity"), rows.num_rows)))
 
     def count(self, name: str, n: int = 1) -> None:
@@ -552,12 +552,11 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
     yield _arrow(out.report())
 
 
-FAN_OUT_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "clientid", "request", "part",
-                   "dbid", "collection", "zone", "entity", "status", "action", "ended"]
-"""What `fan_out_task` reads of zone_changes: not the documents, the longest columns."""
 _CHANGE_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "dbid", "collection", "zone",
                    "entity", "action", "ended"]
 """The columns a changes_by_device row takes from its zone change."""
+FAN_OUT_COLUMNS = list(dict.fromkeys([*_CHANGE_COLUMNS, *notify.RECIPIENT_INPUTS]))
+"""What `fan_out_task` reads of zone_changes: not the documents, the longest columns."""
 
 
 def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
