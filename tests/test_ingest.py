@@ -15,6 +15,7 @@ from dagster import AssetKey, DagsterRunStatus, Definitions
 from entity_assets import samples
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.slices import slice_key
+from entity_assets.tables import SCHEMAS
 
 STREAM = "entity-batches"
 K1, K2 = slice_key(1), slice_key(2)
@@ -71,6 +72,13 @@ def test_definitions_load():
     sensor = defs.resolve_sensor_def("kafka_offsets_sensor")
     assert sensor.job_name == "slice_job"
     assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
+
+
+def test_each_input_stream_fills_every_column_of_its_table():
+    lineage = {"slice", "kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp"}
+    for stream in INPUT_STREAMS.values():
+        assert len(set(stream.fields)) == len(stream.fields)
+        assert lineage | set(stream.fields) == set(SCHEMAS[stream.table].names), stream.name
 
 
 def test_spark_settings_come_from_the_environment(monkeypatch):
