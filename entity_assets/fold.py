@@ -402,7 +402,8 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     yield _arrow(out.report())
 
 
-_FOLD_READS = (*core.ENTITY_KEY, "kafka_timestamp", "begun", "ops", "includeBefore", "includeAfter", "learning")
+_FOLD_READS = ("dbid", "collection", "zone", "entity", "kafka_timestamp", "begun", "ops", "includeBefore", "includeAfter",
+               "learning")
 _FOLD_ADDS = ("ended", *core.RESULT_FIELDS, "subjectZone")
 _RESULT_TYPES = SCHEMAS["partial_responses"]
 
@@ -434,28 +435,28 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                     store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
 
             for batch in patches.sort_by(order).to_batches(max_chunksize=BATCH_ROWS):
+                if not batch.num_rows:
+                    continue
                 # results stay in Arrow: the patch's columns, and the columns the fold adds
-                c = {name: batch.column(name).to_pylist() for name in _FOLD_READS}
-                added = {name: [] for name in _FOLD_ADDS}
-                learned = []
-                for i, k in enumerate(zip(*(c[name] for name in core.ENTITY_KEY))):
+                added, learned = [], []
+                for dbid, collection, zone, entity, timestamp, begun, ops, include_before, include_after, learning in zip(
+                        *(batch.column(name).to_pylist() for name in _FOLD_READS)):
+                    k = (dbid, collection, zone, entity)
                     if k != key:
                         save()
                         key, state = k, core.DocState(store.get(k))
                     before = state.doc
-                    ended = core.ended_of(c["kafka_timestamp"][i], c["begun"][i])
-                    status, error, before_text, after, action = core.apply(
-                        state, c["ops"][i], ended, c["includeBefore"][i], c["includeAfter"][i])
-                    zone = learn = None
+                    ended = core.ended_of(timestamp, begun)
+                    status, error, before_text, after, action = core.apply(state, ops, ended, include_before, include_after)
+                    subject = learn = None
                     if status == core.STATUS_OK:
-                        zone = notify.subject_zone(k[1], k[2], state.doc if state.doc is not None else before)
-                        if c["learning"][i] and state.doc is not None:
+                        subject = notify.subject_zone(collection, zone, state.doc if state.doc is not None else before)
+                        if learning and state.doc is not None:
                             learn = core.learned_after(after, state.doc)
-                    for name, value in zip(_FOLD_ADDS, (ended, status, error, before_text, after, action, zone)):
-                        added[name].append(value)
+                    added.append((ended, status, error, before_text, after, action, subject))
                     learned.append(learn)
                 results = pa.Table.from_batches([batch])
-                for name, values in added.items():
+                for name, values in zip(_FOLD_ADDS, zip(*added)):
                     results = results.append_column(name, pa.array(values, _RESULT_TYPES.field(name).type))
                 results = results.append_column("stream", pa.repeat(pa.scalar("entity-updates"), batch.num_rows))
                 out.respond_rows(results, pa.array(learned, pa.string()))
