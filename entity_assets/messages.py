@@ -12,7 +12,7 @@ Python validators are one call per model, not per field).
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_type_hints
 
 from typing_extensions import TypedDict
 
@@ -42,7 +42,6 @@ __all__ = [
     "ValueOp",
     "RemoveOp",
     "FromOp",
-    "OP_NAMES",
     "PatchSpec",
     "EntityBatch",
     "EntityPatch",
@@ -174,7 +173,7 @@ PatchOp = Annotated[ValueOp | RemoveOp | FromOp, Field(discriminator="op")]
 """One JSON-Patch-like operation, as a dict in the wire form (members other than the op's own
 are dropped)."""
 
-OP_NAMES = ("add", "remove", "replace", "move", "copy", "test")
+_OP_NAMES = frozenset(name for op in (ValueOp, RemoveOp, FromOp) for name in get_args(get_type_hints(op)["op"]))
 
 # Serialized as the dicts they are: exclude_none must not drop a null ``value``.
 Ops = Annotated[list[PatchOp], Field(min_length=1), PlainSerializer(list, return_type=list[Any])]
@@ -497,7 +496,7 @@ def _reason(err: Any) -> str:
     if kind == "union_tag_not_found":
         return f"{_path((*loc, 'op'))}: field required"
     for i in range(1, len(loc) - 1):
-        if loc[i] in OP_NAMES and isinstance(loc[i - 1], int):
+        if loc[i] in _OP_NAMES and isinstance(loc[i - 1], int):
             if kind == "missing":
                 msg = f"field required for op '{loc[i]}'"
             loc = (*loc[:i], *loc[i + 1:])

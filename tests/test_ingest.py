@@ -14,6 +14,7 @@ from dagster import AssetKey, DagsterRunStatus, Definitions
 
 from entity_assets import samples
 from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.messages import parse_message
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
 
@@ -79,6 +80,24 @@ def test_each_input_stream_fills_every_column_of_its_table():
     for stream in INPUT_STREAMS.values():
         assert len(set(stream.fields)) == len(stream.fields)
         assert lineage | set(stream.fields) == set(SCHEMAS[stream.table].names), stream.name
+
+
+def test_input_stream_values_are_in_the_order_of_their_fields():
+    """`values` gives a tuple, not a dict: each value must sit under its own field's name."""
+    ack = {"db": "my-db", "user": "jsmith", "device": "d1", "begun": 5, "upTo": 9, "notifications": ["n1"]}
+    messages = {"entity-batches": samples.SEED_ENTITY_BATCH, "schema-patches": samples.SEED_SCHEMA_PATCH,
+                "connections": samples.SEED_CONNECTION, "notification-acks": ack}
+    computed = {"parts": lambda m: len(m.patches) if hasattr(m, "patches") else m.parts,
+                "patches": lambda m: json.loads(json.dumps(m.patches)), "ops": lambda m: m.ops,
+                "notifications": lambda m: m.notifications}
+    for name, stream in INPUT_STREAMS.items():
+        model = parse_message(stream.model, json.dumps(messages[name]).encode())
+        row = dict(zip(stream.fields, stream.values(model)))
+        for field, value in row.items():
+            if field in ("patches", "ops", "notifications"):
+                value = json.loads(value)
+            assert value == (computed[field](model) if field in computed else getattr(model, field)), (name, field)
+        assert row["dbid"] != row["user"]  # two strings a swap would exchange
 
 
 def test_spark_settings_come_from_the_environment(monkeypatch):
