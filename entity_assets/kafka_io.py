@@ -136,10 +136,7 @@ def _produce(producer: Producer, topic: str, value, key, partition: int) -> None
     """One record (`partition` -1: Kafka's murmur2 of the key picks it), waiting out a full queue."""
     while True:
         try:
-            if partition < 0:
-                producer.produce(topic, value, key)
-            else:
-                producer.produce(topic, value, key, partition)
+            producer.produce(topic, value, key, partition)
             return
         except BufferError:
             producer.poll(0.05)
@@ -183,19 +180,11 @@ class BatchProducer:
         keys, values = batch.column("key").to_pylist(), batch.column("value").to_pylist()
         producer = self._producer
         produce = producer.produce  # the loops call it straight: a Python call per record is a sixth of a replay
-        partitions = batch.column("partition")
-        if pc.max(partitions).as_py() < 0:
-            for key, value in zip(keys, values):
-                try:
-                    produce(topic, value, key)
-                except BufferError:
-                    _produce(producer, topic, value, key, -1)
-        else:
-            for key, value, partition in zip(keys, values, partitions.to_pylist()):
-                try:
-                    produce(topic, value, key, partition)
-                except BufferError:
-                    _produce(producer, topic, value, key, partition)
+        for key, value, partition in zip(keys, values, batch.column("partition").to_pylist()):
+            try:
+                produce(topic, value, key, partition)  # partition -1: librdkafka's murmur2 of the key
+            except BufferError:
+                _produce(producer, topic, value, key, partition)
         self.counts[topic] = self.counts.get(topic, 0) + batch.num_rows
         self._sent += batch.num_rows
         producer.poll(0)
