@@ -181,7 +181,7 @@ class BatchProducer:
         topic = topics[span["min"]]
         keys, values = batch.column("key").to_pylist(), batch.column("value").to_pylist()
         producer = self._producer
-        produce = producer.produce  # the loops call it straight: a Python call per record is a sixth of a replay
+        produce = producer.produce  # the loop calls it straight: a Python call per record is a sixth of a replay
         for key, value, partition in zip(keys, values, batch.column("partition").to_pylist()):
             try:
                 produce(topic, value, key, partition)  # partition -1: librdkafka's murmur2 of the key
