@@ -11,6 +11,7 @@ committed by the driver in one Delta transaction.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterator
 from itertools import groupby
@@ -166,6 +167,20 @@ def _where(values, mask, every: bool):
 
 def _arrow(report: list[dict]) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist(report, schema=FILES_SCHEMA)
+
+
+def released(body, tasks: Iterator) -> Iterator:
+    """Runs a task body (any mapPartitions function), then returns the heap it freed to the OS.
+
+    glibc keeps freed heap for the process's next allocations, so a Spark worker that runs one
+    task after another kept the peak of each and grew from task to task (bench/README.md,
+    bench_ingest memory). `malloc_trim` exists on glibc only: elsewhere this does nothing.
+    """
+    yield from body(tasks)
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _rows(batches: Iterator[pa.RecordBatch]) -> Iterator[dict]:

@@ -178,3 +178,15 @@ def test_respond_fills_updates_partial_and_complete_responses(tmp_path, monkeypa
             partition = publish.partition_for(row[stream.partition_by], 3) if stream.partition_by else -1
             expected.append((topics[table][0], stream.key(row), stream.encode(row), partition))
     assert sent == sorted(expected)
+
+
+def test_a_released_task_yields_every_output_of_its_body_in_order_and_finishes_it():
+    finished = []
+
+    def body(tasks):
+        for task in tasks:
+            yield {"table": task, "rows": 1}
+        finished.append(True)
+
+    assert list(fold.released(body, iter(["a", "b"]))) == [{"table": "a", "rows": 1}, {"table": "b", "rows": 1}]
+    assert finished == [True]

@@ -28,7 +28,9 @@ def collect_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = Non
         return []
     if rows is not None and rows <= DRIVER_ROWS:
         return [out for task in tasks for out in fn(iter([task]))]
-    return spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(fn).collect()
+    from entity_assets.fold import released
+
+    return spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(partial(released, fn)).collect()
 
 
 def run_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = None) -> dict[str, list[DataFile]]:
