@@ -14,6 +14,10 @@ that pass and fail, removes of missing paths (status 3), updates of entities tha
 (status 2), deletions and re-creations, multi-part batches, `begun` out of offset order, and
 redeliveries within and across slices. The default size runs in the suite; the bench-sized one
 (`-m slow`) runs production's task layout (large slices in Spark, the driver only for small ones).
+
+The second test adds zone subscriptions that are created, changed, deleted and malformed from
+slice to slice, and acknowledgements, and checks the fan-out (`zone_changes`, `changes_by_device`)
+and the inboxes (`device_notifications`) against docs/streams.md the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
+from collections import defaultdict
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,6 +35,9 @@ from entity_assets import samples
 from entity_assets.assets import common
 from entity_assets.patch import STATUS_OK, apply_patch
 
+SUBSCRIPTIONS = "$zoneSubscription"
+ACTIONS = ("created", "updated", "deleted")
+NOTIFICATION_NAMESPACE = uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337")  # docs/streams.md: ids never change
 PRODUCTION_LAYOUT = {"DRIVER_ROWS": common.DRIVER_ROWS, "SMALL_TASK_ROWS": common.SMALL_TASK_ROWS}
 DBID = "my-db"
 BEGUN = samples.SEED_ENTITY_BATCH["begun"]
@@ -43,13 +51,14 @@ class MixedTraffic:
     seed: int
     clients: int = 5
     redeliver: float = 0.02
+    zones: tuple[str, ...] = ("default", "A", "B")
     _rng: random.Random = field(init=False)
 
     def __post_init__(self):
         self._rng = random.Random(self.seed)
         rng = self._rng
         self.client_ids = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(self.clients)]
-        self.targets = [(("Contacts", "Groups")[i % 2], ("default", "A", "B")[i % 3],
+        self.targets = [(("Contacts", "Groups")[i % 2], self.zones[i % len(self.zones)],
                          str(uuid.UUID(int=rng.getrandbits(128), version=4))) for i in range(self.entities)]
         self.requests = [0] * self.clients
         self.sent: list[tuple[str, str, bytes]] = []
@@ -191,3 +200,240 @@ def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pip
     for table, stream in (("entity_patches", "entity-patches"), ("entity_updates", "entity-updates"),
                           ("partial_responses", "partial-responses"), ("complete_responses", "complete-responses")):
         assert sum(pipeline.end_offsets(stream).values()) == pipeline.read(table).num_rows, stream
+
+
+# --------------------------------------------------------------------------- subscriptions and inboxes
+
+@dataclass
+class SubscriptionTraffic:
+    """Batches of `$zoneSubscription` patches and notification acks, from an admin client."""
+
+    devices: int
+    seed: int
+    zones: tuple[str, ...] = ("default", "A", "B")
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self):
+        self._rng = random.Random(self.seed)
+        self.client = str(uuid.UUID(int=self.seed, version=4))
+        self.request = 0
+        self.made = 0
+        self.live: set[str] = set()
+
+    def subscription(self, i: int) -> dict:
+        """A valid subscription document; every tenth one the docs' shape rejects."""
+        rng = self._rng
+        # half the time the device's own zone, so its subscriptions under other users overlap
+        zone = self.zones[i % self.devices % len(self.zones)] if rng.random() < 0.5 else rng.choice(self.zones)
+        doc = {"subjectZone": zone, "device": f"device-{i % self.devices:04d}",
+               "user": f"user{i // self.devices}"}  # a device may be subscribed under several users
+        if rng.random() < 0.7:
+            doc["actions"] = sorted(rng.sample(ACTIONS, rng.randrange(1, 4)))
+        if rng.random() < 0.3:
+            doc["subjectCollection"] = rng.choice(("Contacts", "Groups"))
+        self.made += 1
+        if self.made % 10 == 0:
+            doc.pop("device") if self.made % 20 == 0 else doc.update(actions=[])
+        return doc
+
+    def records(self, creations: int, changes: int) -> list[tuple[str, str, bytes]]:
+        rng, patches = self._rng, []
+        for _ in range(creations):
+            i = rng.randrange(self.devices * 3)
+            self.live.add(f"sub-{i}")
+            patches.append((f"sub-{i}", [{"op": "add", "path": "", "value": self.subscription(i)}]))
+        for entity in rng.sample(sorted(self.live), min(changes, len(self.live))):
+            kind = rng.random()
+            if kind < 0.3:
+                self.live.discard(entity)
+                ops = [{"op": "remove", "path": ""}]
+            elif kind < 0.6:
+                ops = [{"op": "replace", "path": "subjectZone", "value": rng.choice(self.zones)}]
+            else:
+                ops = [{"op": "add", "path": "actions", "value": sorted(rng.sample(ACTIONS, rng.randrange(1, 4)))}]
+            patches.append((entity, ops))
+        out = []
+        for start in range(0, len(patches), 50):
+            self.request += 1
+            message = {"dbid": DBID, "clientid": self.client, "request": self.request, "user": "admin",
+                       "begun": BEGUN + rng.randrange(0, 400_000), "includeBefore": True, "includeAfter": True,
+                       "patches": [{"collection": SUBSCRIPTIONS, "zone": "default", "entity": entity, "ops": ops}
+                                   for entity, ops in patches[start:start + 50]]}
+            out.append(("entity-batches", samples.request_key(self.client, self.request), samples.encode(message)))
+        return out
+
+    def acks(self, pending: dict[str, set[str]]) -> list[tuple[str, str, bytes]]:
+        """Acks for some devices: listed ids (with one nobody knows), everything, or nothing.
+
+        `upTo` is all or nothing, so the model needs no notification's `ended` in advance.
+        """
+        rng, out = self._rng, []
+        for device in sorted(pending):
+            if rng.random() < 0.5:
+                continue
+            ack = {"dbid": DBID, "user": "user0", "device": device, "begun": BEGUN}
+            kind = rng.random()
+            if kind < 0.6:
+                ids = sorted(pending[device])
+                ack["notifications"] = rng.sample(ids, rng.randrange(0, len(ids) + 1)) + [str(uuid.uuid4())]
+            elif kind < 0.85:
+                ack["upTo"] = samples.ACK_ALL
+            else:
+                ack["upTo"] = 0  # nothing ended that early
+            out.append(("notification-acks", device, samples.encode(ack)))
+        return out
+
+
+def notification_id(device, dbid, collection, zone, entity, clientid, request, part) -> str:
+    return str(uuid.uuid5(NOTIFICATION_NAMESPACE, json.dumps([device, dbid, collection, zone, entity, clientid,
+                                                              request, part])))
+
+
+def subscription_of(doc) -> dict | None:
+    """docs/streams.md's `$zoneSubscription` shape; anything else subscribes nobody."""
+    if not isinstance(doc, dict) or not all(isinstance(doc.get(f), str) and doc[f]
+                                            for f in ("subjectZone", "device", "user")):
+        return None
+    actions = doc.get("actions", list(ACTIONS))
+    if not actions or not set(actions) <= set(ACTIONS):
+        return None
+    return {**doc, "actions": actions}
+
+
+@dataclass
+class Inboxes:
+    """The fan-out and the inboxes as docs/streams.md states them, slice by slice."""
+
+    pending: dict = field(default_factory=lambda: defaultdict(set))  # device -> unacknowledged notification ids
+    shared: int = 0  # notifications of a device subscribed under several users
+    malformed: int = 0  # subscriptions in effect that subscribe nobody
+
+    def notifications(self, model: Model, updates: list[tuple]) -> dict[str, tuple]:
+        """notification id -> (device, user, change key, action) for a slice's updates, given its end state."""
+        docs = [doc for (collection, _, _), (_, doc) in model.state.items() if collection == SUBSCRIPTIONS and doc]
+        by_zone = defaultdict(list)
+        for sub in filter(None, map(subscription_of, docs)):
+            by_zone[sub["subjectZone"]].append(sub)
+        self.malformed += len(docs) - sum(map(len, by_zone.values()))
+        out = {}
+        for change in updates:
+            clientid, request, part, collection, zone, entity = change
+            if collection == SUBSCRIPTIONS:
+                continue
+            action = model.results[(clientid, request, part)]["action"]
+            users = defaultdict(set)
+            for s in by_zone[zone]:
+                if s.get("subjectCollection") in (None, collection) and action in s["actions"]:
+                    users[s["device"]].add(s["user"])
+            for device, names in users.items():
+                nid = notification_id(device, DBID, collection, zone, entity, clientid, request, part)
+                out[nid] = (device, min(names), change, action)
+                self.shared += len(names) > 1
+        return out
+
+    def ackable(self, notes: dict[str, tuple]) -> dict[str, set[str]]:
+        """Per device, the ids an app could acknowledge once the slice's notifications arrive."""
+        out = {device: set(inbox) for device, inbox in self.pending.items()}
+        for nid, (device, *_rest) in notes.items():
+            out.setdefault(device, set()).add(nid)
+        return out
+
+    def apply(self, notes: dict[str, tuple], acks: list[tuple[str, str, bytes]]) -> set[str]:
+        """New notifications first, then the acks; the devices whose inbox changed."""
+        changed = set()
+        for nid, (device, *_rest) in notes.items():
+            self.pending[device].add(nid)
+            changed.add(device)
+        for _, device, value in acks:
+            ack = json.loads(value)
+            inbox = self.pending[device]
+            gone = set(inbox) if ack.get("upTo") == samples.ACK_ALL else inbox & set(ack.get("notifications") or ())
+            inbox -= gone
+            if gone:
+                changed.add(device)
+        return changed
+
+
+@pytest.mark.parametrize(("batches", "devices", "zones", "slices", "layout"), [
+    pytest.param(600, 30, 3, 3, None, id="split-tasks"),
+    pytest.param(60_000, 3_000, 1_000, 3, PRODUCTION_LAYOUT, id="bench-sized", marks=pytest.mark.slow),
+])
+def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_pipeline, monkeypatch, batches,
+                                                                         devices, zones, slices, layout):
+    for name, value in (layout or {}).items():
+        monkeypatch.setattr(common, name, value)
+    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8))
+    names = ("default", "A", "B", *(f"zone-{i}" for i in range(zones - 3)))
+    traffic = MixedTraffic(entities=batches // 6, seed=7, zones=names)
+    subs = SubscriptionTraffic(devices=devices, seed=11, zones=names)
+    model, inboxes = Model(), Inboxes()
+    expected_notes, expected_messages = {}, []
+    for n in range(slices):
+        records = subs.records(creations=devices if n == 0 else devices // 5, changes=devices // 4)
+        records += traffic.records(batches // slices)
+        seen = set(model.results)
+        model.apply_slice(records)
+        updates = sorted((*k, *target) for k, target in _targets(records).items()
+                         if k not in seen and model.results[k]["status"] == STATUS_OK)
+        notes = inboxes.notifications(model, updates)
+        acks = subs.acks(inboxes.ackable(notes))
+        changed = inboxes.apply(notes, acks)
+        pipeline.produce(records + acks)
+        [request] = pipeline.tick()
+        assert pipeline.run_request(request).success
+        expected_notes.update(notes)
+        expected_messages.append((request.partition_key, {d: len(inboxes.pending[d]) for d in changed}))
+
+    # the traffic reaches every rule: shared devices, cleared inboxes, each action notified
+    assert inboxes.shared > 0 and inboxes.malformed > 0, (inboxes.shared, inboxes.malformed)
+    assert Counter(action for *_, action in expected_notes.values()).keys() == set(ACTIONS)
+    assert any(0 in counts.values() for _, counts in expected_messages)
+    updates = {(r["clientid"], r["request"], r["part"]): r for r in pipeline.read("entity_updates").to_pylist()}
+    # zone_changes: every update, subscriptions under the zone they subscribe to
+    zone_changes = {(r["clientid"], r["request"], r["part"]): r for r in pipeline.read("zone_changes").to_pylist()}
+    assert zone_changes.keys() == {k for k, r in model.results.items() if r["status"] == STATUS_OK}
+    for k, row in zone_changes.items():
+        if row["collection"] == SUBSCRIPTIONS:
+            doc = model.results[k]["before" if model.results[k]["action"] == "deleted" else "after"]
+            sub = subscription_of(doc)
+            assert row["subjectZone"] == (sub["subjectZone"] if sub else row["zone"]), k
+        else:
+            assert row["subjectZone"] == row["zone"], k
+
+    # changes_by_device: one row per subscribed device per change, the lowest user, the change's action
+    by_device = {r["notification"]: r for r in pipeline.read("changes_by_device").to_pylist()}
+    assert by_device.keys() == expected_notes.keys()
+    for nid, (device, user, (clientid, request, part, collection, zone, entity), action) in expected_notes.items():
+        row = by_device[nid]
+        assert (row["device"], row["user"], row["collection"], row["zone"], row["entity"], row["action"]) == (
+            device, user, collection, zone, entity, action), nid
+        assert row["ended"] == updates[(clientid, request, part)]["ended"]
+
+    # device_notifications: per slice, one message per device whose inbox changed, with its count,
+    # begun and ended the first and last unacknowledged notification's `ended`
+    messages = pipeline.read("device_notifications").to_pylist()
+    for key, counts in expected_messages:
+        assert {r["device"]: r["count"] for r in messages if r["slice"] == key} == counts, key
+    final = {}
+    for r in sorted(messages, key=lambda r: r["slice"]):
+        final[r["device"]] = r
+    for device, row in final.items():
+        ended = [by_device[n]["ended"] for n in inboxes.pending[device]]
+        if ended:
+            assert (row["count"], row["begun"], row["ended"]) == (len(ended), min(ended), max(ended)), device
+        else:
+            assert row["count"] == 0 and row["begun"] == row["ended"], device
+    for table, stream in (("zone_changes", "zone-changes"), ("changes_by_device", "changes-by-device"),
+                          ("device_notifications", "device-notifications")):
+        assert sum(pipeline.end_offsets(stream).values()) == pipeline.read(table).num_rows, stream
+
+
+def _targets(records) -> dict[tuple, tuple]:
+    """(clientid, request, part) -> (collection, zone, entity) of every patch in the records."""
+    out = {}
+    for _, _, value in records:
+        batch = json.loads(value)
+        for part, p in enumerate(batch["patches"], start=1):
+            out[(batch["clientid"], batch["request"], part)] = (p["collection"], p["zone"], p["entity"])
+    return out
+

@@ -73,7 +73,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
 
 @asset(partitions_def=slices_partitions, deps=["changes_by_device", "notification_acks"], group_name="notifications",
        kinds=KINDS, description="Per device, the count of unacknowledged notifications with the first (begun) and "
-                                "last (ended) notification time; one message per device whose count changed.",
+                                "last (ended) notification time; one message per device whose inbox changed.",
        check_specs=[AssetCheckSpec("one_inbox_per_device", asset="device_notifications",
                                    description="the device_inboxes state holds no device twice")])
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
