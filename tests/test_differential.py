@@ -7,7 +7,8 @@ broker, Spark, Delta, Dagster) and to a model written from docs/entity-core.md a
 (clientid, request, part), slices in order, within a slice each entity's patches in (begun,
 clientid, request, part) order, each applied with the patch engine to the state left by the
 previous. Every result must agree: statuses, errors, before/after, actions, versions, tombstones,
-complete responses and the published topics.
+complete responses, the published topics, and `learned_schemas` against one pass of the learner
+over the documents of the requests that asked for learning.
 
 The traffic mixes what production sees: creations, nested adds, appends, moves, copies, tests
 that pass and fail, removes of missing paths (status 3), updates of entities that do not exist
@@ -33,6 +34,7 @@ import pytest
 
 from entity_assets import samples
 from entity_assets.assets import common
+from entity_assets.learning import Summary
 from entity_assets.patch import STATUS_OK, apply_patch
 
 SUBSCRIPTIONS = "$zoneSubscription"
@@ -80,7 +82,7 @@ class MixedTraffic:
             # begun drifts against offset order, and ties happen, so the order key decides
             message = {"dbid": DBID, "clientid": self.client_ids[c], "request": self.requests[c], "user": f"user{c}",
                        "begun": BEGUN + self.made * 5 + rng.randrange(-40, 40), "includeBefore": True,
-                       "includeAfter": True, "patches": patches}
+                       "includeAfter": True, "learning": rng.random() < 0.5, "patches": patches}
             rec = ("entity-batches", samples.request_key(message["clientid"], message["request"]),
                    samples.encode(message))
             self.sent.append(rec)
@@ -133,12 +135,14 @@ class Model:
                 continue  # a redelivery: every part of it was seen
             self.requests[(batch["clientid"], batch["request"])] = len(batch["patches"])
             for part, p in enumerate(batch["patches"], start=1):
-                pending.append(((batch["begun"], batch["clientid"], batch["request"], part), p))
+                pending.append(((batch["begun"], batch["clientid"], batch["request"], part),
+                                {**p, "learning": batch.get("learning", False)}))
         for (begun, clientid, request, part), p in sorted(pending, key=lambda item: item[0]):
             key = (p["collection"], p["zone"], p["entity"])
             version, doc = self.state.get(key, (0, None))
             outcome = apply_patch(doc, p["ops"])
-            result = {"status": outcome.status, "error": outcome.error, "before": None, "after": None, "action": None}
+            result = {"status": outcome.status, "error": outcome.error, "before": None, "after": None, "action": None,
+                      "collection": p["collection"], "learning": p["learning"]}
             if outcome.status == STATUS_OK:
                 action = "deleted" if outcome.deleted else "created" if doc is None else "updated"
                 result.update(before=doc, after=outcome.doc, action=action)
@@ -195,6 +199,14 @@ def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pip
                     for part in range(1, model.requests[(clientid, request)] + 1)]
         assert (row["parts"], parts) == (len(expected), expected), (clientid, request)
     assert pipeline.read("pending_responses").num_rows == 0
+
+    # learned_schemas, merged task by task and slice by slice, equals one pass over the learned documents
+    learned = {r["collection"]: Summary.from_json(r["summary"]) for r in pipeline.read("learned_schemas").to_pylist()}
+    documents = {}
+    for r in model.results.values():
+        if r["learning"] and r["action"] in ("created", "updated"):
+            documents.setdefault(r["collection"], []).append(r["after"])
+    assert learned == {collection: Summary.of(docs) for collection, docs in documents.items()}
 
     # each committed row was published once
     for table, stream in (("entity_patches", "entity-patches"), ("entity_updates", "entity-updates"),
