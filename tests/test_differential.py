@@ -26,8 +26,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections import defaultdict
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import pytest
@@ -142,7 +141,8 @@ class Model:
             version, doc = self.state.get(key, (0, None))
             outcome = apply_patch(doc, p["ops"])
             result = {"status": outcome.status, "error": outcome.error, "before": None, "after": None, "action": None,
-                      "collection": p["collection"], "learning": p["learning"]}
+                      "collection": p["collection"], "zone": p["zone"], "entity": p["entity"],
+                      "learning": p["learning"]}
             if outcome.status == STATUS_OK:
                 action = "deleted" if outcome.deleted else "created" if doc is None else "updated"
                 result.update(before=doc, after=outcome.doc, action=action)
@@ -385,8 +385,8 @@ def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_p
         records += traffic.records(batches // slices)
         seen = set(model.results)
         model.apply_slice(records)
-        updates = sorted((*k, *target) for k, target in _targets(records).items()
-                         if k not in seen and model.results[k]["status"] == STATUS_OK)
+        updates = sorted((*k, r["collection"], r["zone"], r["entity"]) for k, r in model.results.items()
+                         if k not in seen and r["status"] == STATUS_OK)
         notes = inboxes.notifications(model, updates)
         acks = subs.acks(inboxes.ackable(notes))
         changed = inboxes.apply(notes, acks)
@@ -438,14 +438,4 @@ def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_p
     for table, stream in (("zone_changes", "zone-changes"), ("changes_by_device", "changes-by-device"),
                           ("device_notifications", "device-notifications")):
         assert sum(pipeline.end_offsets(stream).values()) == pipeline.read(table).num_rows, stream
-
-
-def _targets(records) -> dict[tuple, tuple]:
-    """(clientid, request, part) -> (collection, zone, entity) of every patch in the records."""
-    out = {}
-    for _, _, value in records:
-        batch = json.loads(value)
-        for part, p in enumerate(batch["patches"], start=1):
-            out[(batch["clientid"], batch["request"], part)] = (p["collection"], p["zone"], p["entity"])
-    return out
 
