@@ -18,7 +18,10 @@ redeliveries within and across slices. The default size runs in the suite; the b
 
 The second test adds zone subscriptions that are created, changed, deleted and malformed from
 slice to slice, and acknowledgements, and checks the fan-out (`zone_changes`, `changes_by_device`)
-and the inboxes (`device_notifications`) against docs/streams.md the same way.
+and the inboxes (`device_notifications`) against docs/streams.md the same way. The third sends
+schema requests of several parts, one message per part, whose parts straddle slices and arrive
+out of order, and checks `schema_updates`, `schemas`, pending and complete responses and the
+entity-type rows of `schema_learning`.
 """
 
 from __future__ import annotations
@@ -154,14 +157,19 @@ def _json(text):
     return None if text is None else json.loads(text)
 
 
+def use_layout(monkeypatch, layout: dict | None) -> None:
+    """`PRODUCTION_LAYOUT` undoes the fixture's split of small work over tasks; None keeps it."""
+    for name, value in (layout or {}).items():
+        monkeypatch.setattr(common, name, value)
+
+
 @pytest.mark.parametrize(("batches", "entities", "slices", "layout"), [
     pytest.param(900, 120, 3, None, id="split-tasks"),
     pytest.param(100_000, 10_000, 3, PRODUCTION_LAYOUT, id="bench-sized", marks=pytest.mark.slow),
 ])
 def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pipeline, monkeypatch, batches,
                                                                       entities, slices, layout):
-    for name, value in (layout or {}).items():
-        monkeypatch.setattr(common, name, value)
+    use_layout(monkeypatch, layout)
     pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8))
     traffic, model = MixedTraffic(entities=entities, seed=20261124), Model()
     for _ in range(slices):
@@ -372,8 +380,7 @@ class Inboxes:
 ])
 def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_pipeline, monkeypatch, batches,
                                                                          devices, zones, slices, layout):
-    for name, value in (layout or {}).items():
-        monkeypatch.setattr(common, name, value)
+    use_layout(monkeypatch, layout)
     pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8))
     names = ("default", "A", "B", *(f"zone-{i}" for i in range(zones - 3)))
     traffic = MixedTraffic(entities=batches // 6, seed=7, zones=names)
@@ -439,3 +446,122 @@ def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_p
                           ("device_notifications", "device-notifications")):
         assert sum(pipeline.end_offsets(stream).values()) == pipeline.read(table).num_rows, stream
 
+
+
+# --------------------------------------------------------------------------- schema requests
+
+@dataclass
+class SchemaTraffic:
+    """Schema requests of 1-3 parts over two databases; each part is its own schema-patches message."""
+
+    seed: int
+    dbids: tuple[str, ...] = ("db-a", "db-b")
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self):
+        self._rng = random.Random(self.seed)
+        self.client = str(uuid.UUID(int=self.seed, version=4))
+        self.request = 0
+
+    def requests(self, n: int) -> list[list[tuple[str, str, bytes]]]:
+        """`n` requests, each as its parts' records in part order."""
+        rng, out = self._rng, []
+        for _ in range(n):
+            self.request += 1
+            dbid, parts, begun = rng.choice(self.dbids), rng.randrange(1, 4), BEGUN + rng.randrange(0, 100_000)
+            out.append([("schema-patches", dbid, samples.encode({
+                "dbid": dbid, "clientid": self.client, "request": self.request, "user": "admin", "begun": begun,
+                "parts": parts, "part": part, "includeBefore": True, "includeAfter": True, "ops": self._ops()}))
+                for part in range(1, parts + 1)])
+        return out
+
+    def _ops(self) -> list[dict]:
+        rng = self._rng
+        path = f"Type{rng.randrange(4)}/fields/f{rng.randrange(6)}"
+        kind = rng.random()
+        if kind < 0.45:
+            return [{"op": "add", "path": path, "value": {"type": rng.choice(("STRING", "INTEGER")),
+                                                          "optional": rng.random() < 0.5}}]
+        if kind < 0.6:
+            return [{"op": "replace", "path": f"{path}/optional", "value": True}]  # status 3 where it is missing
+        if kind < 0.7:
+            return [{"op": "remove", "path": path}]
+        if kind < 0.8:
+            return [{"op": "test", "path": f"{path}/type", "value": "STRING"},
+                    {"op": "add", "path": f"{path}/tested", "value": True}]
+        if kind < 0.9:
+            return [{"op": "add", "path": path.split("/")[0], "value": {"fields": {}}}]  # a type emptied
+        return [{"op": "add", "path": "Type9/fields/a", "value": {"type": "STRING"}},
+                {"op": "move", "from": "/Type9", "path": "/Type8/fields/b"}]
+
+
+@pytest.mark.parametrize(("requests_per_slice", "layout"), [
+    pytest.param(60, None, id="split-tasks"),
+    pytest.param(3_000, PRODUCTION_LAYOUT, id="bench-sized", marks=pytest.mark.slow),
+])
+def test_schema_requests_straddling_slices_agree_with_the_patch_engine(make_pipeline, monkeypatch, requests_per_slice,
+                                                                      layout):
+    use_layout(monkeypatch, layout)
+    pipeline = make_pipeline(max_messages_per_task=200)
+    rng, traffic = random.Random(5), SchemaTraffic(seed=13)
+    schemas: dict = {}  # dbid -> (version, document)
+    results: dict = {}  # (clientid, request, part) -> result
+    parts_of: dict = {}  # (clientid, request) -> parts
+    types: Counter = Counter()  # entity-type rows of schema_learning
+    held: list = []  # parts sent in a later slice
+    slices = 4
+    for n in range(slices):
+        records, held = held, []
+        for request in traffic.requests(requests_per_slice):
+            for record in request:  # parts of a request land in this slice or the next, in any order
+                (held if n < slices - 1 and rng.random() < 0.3 else records).append(record)
+        rng.shuffle(records)
+        records += rng.sample(records, len(records) // 50)  # redelivered parts
+        pipeline.produce(records)
+        [run] = pipeline.tick()
+        assert pipeline.run_request(run).success
+        if n < slices - 1:  # parts wait for the rest of their request
+            assert pipeline.read("pending_responses").num_rows > 0
+
+        fresh = {}
+        for _, _, value in records:
+            m = json.loads(value)
+            if (m["clientid"], m["request"], m["part"]) not in results:
+                fresh[(m["begun"], m["clientid"], m["request"], m["part"])] = m
+        for (_, clientid, request, part), m in sorted(fresh.items()):
+            version, doc = schemas.get(m["dbid"], (0, {}))
+            outcome = apply_patch(doc, m["ops"])
+            ok = outcome.status == STATUS_OK
+            results[(clientid, request, part)] = {"status": outcome.status, "error": outcome.error,
+                                                  "before": doc if ok and version else None,  # none yet: null
+                                                  "after": outcome.doc if ok else None}
+            parts_of[(clientid, request)] = m["parts"]
+            if ok:
+                schemas[m["dbid"]] = (version + 1, outcome.doc)
+                names = sorted(k for k, v in outcome.doc.items() if isinstance(v, dict))
+                types.update((clientid, request, i, len(names), json.dumps({name: outcome.doc[name]}, sort_keys=True))
+                             for i, name in enumerate(names, start=1))
+    assert Counter(r["status"] for r in results.values()).keys() == {1, 3}
+
+    updates = {(r["clientid"], r["request"], r["part"]): r for r in pipeline.read("schema_updates").to_pylist()}
+    assert updates.keys() == {k for k, r in results.items() if r["status"] == STATUS_OK}  # as entity_updates
+    responses = {(r["clientid"], r["request"], r["part"]): r for r in pipeline.read("partial_responses").to_pylist()
+                 if r["stream"] == "schema-updates"}
+    assert responses.keys() == results.keys()
+    for k, expected in results.items():
+        for got in (responses[k], updates.get(k, responses[k])):
+            assert (got["status"], got["error"], _json(got["before"]), _json(got["after"])) == (
+                expected["status"], expected["error"], expected["before"], expected["after"]), k
+    stored = {r["dbid"]: (r["version"], _json(r["document"])) for r in pipeline.read("schemas").to_pylist()}
+    assert stored == schemas
+
+    complete = {(r["clientid"], r["request"]): [(x["part"], x["status"]) for x in json.loads(r["responses"])]
+                for r in pipeline.read("complete_responses").to_pylist()}
+    assert complete == {k: [(p, results[(*k, p)]["status"]) for p in range(1, parts + 1)]
+                        for k, parts in parts_of.items()}
+    assert pipeline.read("pending_responses").num_rows == 0
+
+    learned = Counter((r["clientid"], r["request"], r["part"], r["parts"], json.dumps(json.loads(r["after"]),
+                                                                                     sort_keys=True))
+                      for r in pipeline.read("schema_learning").to_pylist() if r["kind"] == "entity-type")
+    assert learned == types
