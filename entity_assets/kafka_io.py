@@ -134,14 +134,22 @@ def release_producers() -> None:
             client.producer.close()
 
 
-def _produce(producer: Producer, topic: str, value, key, partition: int) -> None:
-    """One record (`partition` -1: Kafka's murmur2 of the key picks it), waiting out a full queue."""
+def _produce(client: _Client, topic: str, value, key, partition: int) -> None:
+    """One record (`partition` -1: Kafka's murmur2 of the key picks it), waiting out a full queue.
+
+    A record librdkafka refuses at once (a partition it knows the topic lacks) is a failed
+    delivery like any other: `close` reports it. Whether librdkafka refuses at once or later
+    depends on whether it has read the topic's metadata yet.
+    """
     while True:
         try:
-            producer.produce(topic, value, key, partition)
+            client.producer.produce(topic, value, key, partition)
             return
         except BufferError:
-            producer.poll(0.05)
+            client.producer.poll(0.05)
+        except KafkaException as exc:
+            client.errors.append(exc.args[0])
+            return
 
 
 class BatchProducer:
@@ -166,7 +174,7 @@ class BatchProducer:
 
     def send(self, topic: str, key: bytes | str | None, value: bytes | str, partition: int | None = None) -> None:
         """Without `partition`, Kafka's murmur2 of the key picks it, like the Java client. Text is sent as UTF-8."""
-        _produce(self._producer, topic, value, key, -1 if partition is None else partition)
+        _produce(self._client, topic, value, key, -1 if partition is None else partition)
         self.counts[topic] = self.counts.get(topic, 0) + 1
         self._sent += 1
         if self._sent % 10000 == 0:
@@ -185,8 +193,8 @@ class BatchProducer:
         for key, value, partition in zip(keys, values, batch.column("partition").to_pylist()):
             try:
                 produce(topic, value, key, partition)  # partition -1: librdkafka's murmur2 of the key
-            except BufferError:
-                _produce(producer, topic, value, key, partition)
+            except (BufferError, KafkaException):
+                _produce(self._client, topic, value, key, partition)
         self.counts[topic] = self.counts.get(topic, 0) + batch.num_rows
         self._sent += batch.num_rows
         producer.poll(0)

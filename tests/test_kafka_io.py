@@ -37,10 +37,12 @@ def test_a_cleanly_closed_producer_serves_the_next_one_and_a_failed_one_does_not
     ensure_topics(config, ["kafka-io-handed-over", "kafka-io-handed-over-failing"], 1)
     first = BatchProducer(config)
     first.send("kafka-io-handed-over", "k", "v")
-    assert first.close() == {"kafka-io-handed-over": 1}
+    first.send("kafka-io-handed-over-failing", "k", "v")  # now librdkafka knows that topic's partitions
+    assert first.close() == {"kafka-io-handed-over": 1, "kafka-io-handed-over-failing": 1}
     failing = BatchProducer(config)
     assert failing._producer is first._producer
-    failing.send("kafka-io-handed-over-failing", "k", "v", partition=3)  # the topic has one partition
+    # the topic has one partition: refused at once, and reported by close like a failed delivery
+    failing.send("kafka-io-handed-over-failing", "k", "v", partition=3)
     with pytest.raises(RuntimeError, match="kafka-io-handed-over-failing"):
         failing.close(timeout=30)
     fresh = BatchProducer(config)
