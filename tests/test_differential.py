@@ -39,7 +39,7 @@ from entity_assets.assets import common
 from entity_assets.learning import Summary
 from entity_assets.patch import STATUS_OK, apply_patch
 
-SUBSCRIPTIONS = "$zoneSubscription"
+SUBSCRIPTIONS = samples.SUBSCRIPTIONS
 ACTIONS = ("created", "updated", "deleted")
 NOTIFICATION_NAMESPACE = uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337")  # docs/streams.md: ids never change
 PRODUCTION_LAYOUT = {"DRIVER_ROWS": common.DRIVER_ROWS, "SMALL_TASK_ROWS": common.SMALL_TASK_ROWS}
@@ -252,8 +252,10 @@ class SubscriptionTraffic:
         if rng.random() < 0.3:
             doc["subjectCollection"] = rng.choice(("Contacts", "Groups"))
         self.made += 1
-        if self.made % 10 == 0:
-            doc.pop("device") if self.made % 20 == 0 else doc.update(actions=[])
+        if self.made % 20 == 0:
+            del doc["device"]
+        elif self.made % 10 == 0:
+            doc["actions"] = []
         return doc
 
     def records(self, creations: int, changes: int) -> list[tuple[str, str, bytes]]:
