@@ -1,0 +1,34 @@
+"""The benches still run: each at a small N, to its machine-readable last line.
+
+Their figures are read by people (bench/README.md), never asserted here; what is checked is that
+a change to the code did not break a bench, and that the last line carries the keys the README
+documents. Each bench starts its own broker and SparkSession, so these are marked slow.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "keys"), [
+    (["bench_ingest.py", "--n", "5000"], {"n", "per_s", "rows", "dead", "peak_driver_mb"}),
+    (["bench_pipeline.py", "--n", "5000"], {"n", "per_s", "reference_per_s", "ratio", "peak_driver_mb", "fixed_100_s"}),
+    (["bench_pipeline.py", "--n", "5000", "--graph", "--devices", "100"],
+     {"n", "per_s", "reference_per_s", "ratio", "peak_driver_mb", "fixed_100_s", "graph", "devices"}),
+    (["bench_slices.py", "--n", "2000", "--slices", "1"], {"n", "median_s", "rewritten_rows", "peak_driver_mb"}),
+    (["bench_tasks.py", "--n", "2000", "--rounds", "1"], {"n", "explode_us", "fold_us", "copy_us"}),
+], ids=["ingest", "pipeline", "pipeline-graph", "slices", "tasks"])
+def test_a_bench_runs_to_its_key_value_line(args, keys):
+    done = subprocess.run([sys.executable, str(REPO / "bench" / args[0]), *args[1:]], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = dict(pair.split("=", 1) for pair in done.stdout.strip().splitlines()[-1].split())
+    assert keys <= figures.keys(), sorted(figures)
+    assert int(figures["n"]) == int(args[args.index("--n") + 1])
