@@ -44,13 +44,10 @@ def _nodes(value, path=()):
         yield from _nodes(v, (*path, k))
 
 
-def _set(doc, path, value):
-    if not path:
-        return value
-    target = doc
+def _parent(doc, path):
+    """The container holding the node at `path` (never the message itself)."""
     for k in path[:-1]:
-        target = target[k]
-    target[path[-1]] = value
+        doc = doc[k]
     return doc
 
 
@@ -73,19 +70,16 @@ def mutate(rng: random.Random, key, value: bytes):
     nodes = list(_nodes(doc))[1:]
     path, _ = rng.choice(nodes)
     if kind in (5, 6):
-        parent = doc
-        for k in path[:-1]:
-            parent = parent[k]
-        del parent[path[-1]]
+        del _parent(doc, path)[path[-1]]
         what = "removed a field"
     elif kind in (7, 8, 9):
-        doc = _set(doc, path, rng.choice(ODD_VALUES))
+        _parent(doc, path)[path[-1]] = rng.choice(ODD_VALUES)
         what = "odd value"
     elif rng.random() < 0.5:
         doc["unexpected"] = rng.choice(ODD_VALUES)
         what = "unknown field"
     else:
-        doc = _set(doc, path, deep(150))
+        _parent(doc, path)[path[-1]] = deep(150)
         what = "nested 150 deep"
     return key, json.dumps(doc).encode(), what
 
