@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from dagster import Definitions, EnvVar
+from dagster import Definitions, EnvVar, in_process_executor
 
 from entity_assets.assets.devices import devices
 from entity_assets.assets.entities import apply_patches, entity_patches
@@ -66,4 +66,7 @@ defs = Definitions(
     schedules=[lake_maintenance_schedule],
     sensors=[kafka_offsets_sensor],
     resources=build_resources(),
+    # In-process: all steps of a run share one SparkSession (one JVM start per run, not per step),
+    # also in the runs that the UI's Materialize and asset backfills launch (Dagster's asset job).
+    executor=in_process_executor,
 )

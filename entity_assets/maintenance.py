@@ -3,8 +3,8 @@
 from dagster import AssetKey, AssetObservation, DefaultScheduleStatus, OpExecutionContext, ScheduleDefinition, job, op
 
 from entity_assets.assets.common import OUTBOX_FOLDER
-from entity_assets.jobs import PIPELINE_TAG
 from entity_assets.manifests import TABLE as MANIFESTS
+from entity_assets.partitions import LAKE_POOL
 from entity_assets.tables import SCHEMAS
 from resources import LakeResource
 
@@ -12,7 +12,10 @@ ASSET_TABLES = frozenset(SCHEMAS) - {"pending_responses", "device_inboxes"}
 """Tables that are assets of the graph; the others are internal state, observed by name only in the log."""
 
 
-@op(out={}, description="Deletes files no Delta version within the retention needs, table by table.")
+# In the lake pool, so never beside a slice run: vacuum also deletes files not yet committed,
+# which a running slice's tasks are writing.
+@op(out={}, pool=LAKE_POOL,
+    description="Deletes files no Delta version within the retention needs, table by table.")
 def vacuum_lake(context: OpExecutionContext, lake: LakeResource):
     """A state table rewrites the files of the keys each slice changed: the replaced files stay for time
     travel until this deletes them."""
@@ -33,12 +36,7 @@ def vacuum_lake(context: OpExecutionContext, lake: LakeResource):
     context.log.info(f"vacuum: {total + len(stale)} file(s) deleted in {engine.root}")
 
 
-@job(
-    # With the slice runs' tag, the run coordinator never runs it beside a slice: vacuum also deletes
-    # files not yet committed, which a running slice's tasks are writing.
-    tags={PIPELINE_TAG: "maintenance"},
-    description="Vacuums every table of the lake (LakeResource.vacuum_retention_hours).",
-)
+@job(description="Vacuums every table of the lake (LakeResource.vacuum_retention_hours).")
 def lake_maintenance():
     vacuum_lake()
 

@@ -27,7 +27,7 @@ which pays only against an object store's latency."""
 class SparkResource(ConfigurableResource):
     """One SparkSession per run.
 
-    The slice job runs on Dagster's in-process executor, so every asset step of a run shares
+    The code location's runs use Dagster's in-process executor, so every asset step of a run shares
     this resource instance and the JVM starts once; the session is built on first use, so a
     run that needs no Spark pays nothing.
     """

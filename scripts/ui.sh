@@ -14,6 +14,10 @@ export ENTITY_ASSETS_KAFKA_BOOTSTRAP=${ENTITY_ASSETS_KAFKA_BOOTSTRAP:-127.0.0.1:
 export DAGSTER_HOME=$ENTITY_ASSETS_HOME/dagster
 mkdir -p "$DAGSTER_HOME"
 cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+# The lake pool's limit (dagster.yaml, entity_assets/partitions.py) set before the daemon starts:
+# a limit that only dagster.yaml's default gives is created by the first dequeue that sees the pool,
+# which does not apply it yet, so the runs queued before it would all start at once.
+.venv/bin/dagster instance concurrency set entity-assets-lake 1 >/dev/null
 
 # Stop with Ctrl-C, or `kill <pid of this script>` (SIGTERM) when it runs in the background.
 # A background job of a non-interactive shell starts with SIGINT ignored, and `dagster dev`

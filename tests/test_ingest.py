@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pyarrow.compute as pc
 from dagster import AssetKey, DagsterRunStatus, Definitions
@@ -17,6 +18,8 @@ from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.messages import parse_message
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
+
+REPO = Path(__file__).resolve().parents[1]
 
 STREAM = "entity-batches"
 K1, K2 = slice_key(1), slice_key(2)
@@ -73,6 +76,25 @@ def test_definitions_load():
     sensor = defs.resolve_sensor_def("kafka_offsets_sensor")
     assert sensor.job_name == "slice_job"
     assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
+
+
+def test_every_lake_writer_is_in_the_lake_pool_and_every_run_is_in_process(tmp_path):
+    """What keeps slices in order under the daemon (tests/test_daemon.py runs it)."""
+    from dagster import DagsterInstance
+
+    from entity_assets.definitions import defs
+    from entity_assets.partitions import LAKE_POOL
+
+    graph = defs.resolve_asset_graph()
+    assert {defs.resolve_assets_def(k).op.pool for k in graph.materializable_asset_keys} == {LAKE_POOL}
+    assert defs.resolve_job_def("lake_maintenance").graph.node_defs[0].pool == LAKE_POOL
+    # the UI's Materialize and asset backfills run Dagster's asset job: one SparkSession per run too
+    assert defs.resolve_implicit_global_asset_job_def().executor_def.name == "in_process"
+    assert defs.resolve_job_def("slice_job").executor_def.name == "in_process"
+    (tmp_path / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
+    pools = DagsterInstance.from_config(str(tmp_path)).get_concurrency_config().pool_config
+    assert (pools.pool_granularity.value, pools.default_pool_limit) == ("run", 1)
+    assert f"dagster instance concurrency set {LAKE_POOL} 1" in (REPO / "scripts/ui.sh").read_text()
 
 
 def test_each_input_stream_fills_every_column_of_its_table():

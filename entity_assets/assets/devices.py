@@ -9,7 +9,7 @@ from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, Me
 from entity_assets import fold
 from entity_assets.assets.common import ensure_tables, fold_buckets, one_row_per_key, table_metadata
 from entity_assets.notify import DEVICE_KEY
-from entity_assets.partitions import slices_partitions
+from entity_assets.partitions import LAKE_POOL, slices_partitions
 from resources import LakeResource, SparkResource
 
 APP_VERSIONS = "app_versions"
@@ -18,7 +18,7 @@ APP_VERSIONS_KEY = f"entity_assets.{APP_VERSIONS}"
 
 
 @asset(
-    partitions_def=slices_partitions,
+    partitions_def=slices_partitions, pool=LAKE_POOL,
     deps=["connections"],
     group_name="devices",
     kinds={"spark", "delta"},

@@ -35,7 +35,7 @@ from entity_assets.assets.common import (
     write_stream,
 )
 from entity_assets.core import ORDER, REQUEST_ORDER
-from entity_assets.partitions import slices_partitions
+from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.storage import read_batches
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
@@ -43,7 +43,7 @@ KINDS = {"spark", "delta", "kafka"}
 
 
 @asset(
-    partitions_def=slices_partitions,
+    partitions_def=slices_partitions, pool=LAKE_POOL,
     deps=["entity_batches"],
     group_name="entities",
     kinds=KINDS,
@@ -104,7 +104,7 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
         AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
         AssetCheckSpec("one_row_per_database", asset="schemas", description="no database appears twice"),
     ],
-    partitions_def=slices_partitions,
+    partitions_def=slices_partitions, pool=LAKE_POOL,
     can_subset=False,
 )
 def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, kafka: KafkaResource,

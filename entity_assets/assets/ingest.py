@@ -9,7 +9,7 @@ from entity_assets.assets.common import commit_slice, ensure_tables, run_tasks, 
 from entity_assets.ingest import INPUT_STREAMS, ingest_tasks
 from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
-from entity_assets.partitions import slices_partitions
+from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import split_ranges
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
@@ -31,7 +31,7 @@ TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("dead_letters",)
         AssetSpec(t, description=DESCRIPTIONS[t], group_name=GROUPS[t], kinds={"spark", "delta", "kafka"})
         for t in TABLES
     ],
-    partitions_def=slices_partitions,
+    partitions_def=slices_partitions, pool=LAKE_POOL,
     can_subset=False,
 )
 def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaResource,

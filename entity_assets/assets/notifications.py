@@ -13,7 +13,7 @@ from entity_assets.assets.common import (
     write_stream,
 )
 from entity_assets.notify import SUBSCRIPTIONS
-from entity_assets.partitions import slices_partitions
+from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.storage import read_row_groups, to_rows
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
@@ -29,7 +29,8 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
     return meta
 
 
-@asset(partitions_def=slices_partitions, deps=["entity_updates"], group_name="notifications", kinds=KINDS,
+@asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["entity_updates"], group_name="notifications",
+       kinds=KINDS,
        description="Entity updates by zone; changes of $zoneSubscription entities are partitioned by the zone "
                    "they subscribe to.")
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
@@ -45,7 +46,8 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
         zones=MetadataValue.json(dict(zones[:TOP_ZONES]))))
 
 
-@asset(partitions_def=slices_partitions, deps=["zone_changes", "entities"], group_name="notifications", kinds=KINDS,
+@asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["zone_changes", "entities"], group_name="notifications",
+       kinds=KINDS,
        description="One change summary per subscribed device per change (created/updated/deleted), keyed by device.")
 def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                       kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
@@ -71,7 +73,8 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
                                                 subscriptions=MetadataValue.int(len(subscriptions))))
 
 
-@asset(partitions_def=slices_partitions, deps=["changes_by_device", "notification_acks"], group_name="notifications",
+@asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["changes_by_device", "notification_acks"],
+       group_name="notifications",
        kinds=KINDS, description="Per device, the count of unacknowledged notifications with the first (begun) and "
                                 "last (ended) notification time; one message per device whose inbox changed.",
        check_specs=[AssetCheckSpec("one_inbox_per_device", asset="device_notifications",

@@ -16,7 +16,7 @@ from dagster import (
 from entity_assets import fold
 from entity_assets.assets.common import collect_tasks, commit_state, ensure_tables, file_tasks, state_as_of, table_metadata
 from entity_assets.learning import Summary, disagreements, entity_types, infer
-from entity_assets.partitions import slices_partitions
+from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.storage import FileWriter
 from entity_assets.tables import SCHEMAS
 from resources import LakeResource, SlicingResource, SparkResource
@@ -30,7 +30,7 @@ from resources import LakeResource, SlicingResource, SparkResource
                                  "stream, starting from the declared schema; evolves slice by slice.")],
     check_specs=[AssetCheckSpec("entities_match_declared_schema", asset="learned_schemas",
                                 description="observed entities agree with the declared schema")],
-    partitions_def=slices_partitions,
+    partitions_def=slices_partitions, pool=LAKE_POOL,
 )
 def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, slicing: SlicingResource):
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""

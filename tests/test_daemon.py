@@ -1,0 +1,127 @@
+"""The daemon's path, as a deployment runs it: `scripts/ui.sh` (webserver and daemon on the project's
+dagster.yaml), the sensor turned on and an asset backfill launched through the webserver's GraphQL
+API, as the UI does. Slow: each run is a process of its own, with its own Spark JVM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+from deltalake import DeltaTable
+
+from entity_assets import samples
+from entity_assets.cli import produce_records
+from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.kafka_io import ensure_topics
+from resources import KafkaResource
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+LOCATION = {"repositoryLocationName": "entity_assets", "repositoryName": "__repository__"}
+TABLES = ("entity_batches", "entity_updates", "entities", "complete_responses", "changes_by_device")
+
+
+def _graphql(port: int, query: str, variables: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", json.dumps(
+        {"query": query, "variables": variables}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["data"]
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(2)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _finished(instance: DagsterInstance, count: int, **filters) -> list:
+    """The runs of `filters` once `count` of them ended, oldest first; a failed one fails the test."""
+    records = instance.get_run_records(RunsFilter(**filters))
+    failed = [r.dagster_run for r in records if r.dagster_run.status == DagsterRunStatus.FAILURE]
+    assert not failed, f"run {failed[0].run_id} of slice {failed[0].tags.get('dagster/partition')} failed"
+    done = [r for r in records if r.dagster_run.status == DagsterRunStatus.SUCCESS]
+    return sorted(done, key=lambda r: r.start_time) if len(done) >= count else []
+
+
+def _one_at_a_time_in_order(records) -> list[str]:
+    for before, after in zip(records, records[1:]):
+        assert before.end_time <= after.start_time, "two runs of the lake pool overlapped"
+    keys = [r.dagster_run.tags["dagster/partition"] for r in records]
+    assert keys == sorted(keys), f"slices ran in the order {keys}"
+    return keys
+
+
+def _rows(lake: Path) -> dict[str, int]:
+    return {t: DeltaTable(str(lake / t)).to_pyarrow_dataset().count_rows() for t in TABLES}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, tmp_path):
+    home, port = tmp_path / "home", _free_port()
+    kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="daemon.")
+    ensure_topics(kafka.config(), [kafka.topic(s) for s in INPUT_STREAMS], 4)
+    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=1200, entities=200, learning=True), devices=10)
+    produce_records(traffic.records(), kafka=kafka)
+    env = {**os.environ, "ENTITY_ASSETS_HOME": str(home), "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
+           "ENTITY_ASSETS_TOPIC_PREFIX": "daemon.", "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS": "0",
+           "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SPARK_MASTER": "local[2]",
+           "ENTITY_ASSETS_SPARK_CONF": "spark.ui.enabled=false", "PORT": str(port)}
+    env.pop("DAGSTER_HOME", None)
+    ui = subprocess.Popen(["bash", "scripts/ui.sh"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=open(tmp_path / "ui.log", "wb"))
+    try:
+        def serving():
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5).status == 200
+            except OSError:
+                assert ui.poll() is None, (tmp_path / "ui.log").read_text()[-3000:]
+                return False
+        _wait(serving, 120, "the webserver")
+        instance = DagsterInstance.from_config(str(home / "dagster"))
+
+        # The sensor's first tick closes three slices and requests their runs at once.
+        started = _graphql(port, "mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) { __typename } }",
+                           {"s": {**LOCATION, "sensorName": "kafka_offsets_sensor"}})
+        assert started["startSensor"]["__typename"] == "Sensor"
+        sensor_runs = _wait(lambda: _finished(instance, 3, job_name="slice_job"), 600, "three slice runs")
+        assert _one_at_a_time_in_order(sensor_runs) == ["0000000001", "0000000002", "0000000003"]
+        rows = _rows(home / "lake")
+        assert rows["entity_batches"] > 0 and rows["changes_by_device"] > 0
+
+        # The UI's Materialize of every asset over the three slices: an asset backfill, one run
+        # per slice of Dagster's asset job, none of them the sensor's job.
+        assets = [n["assetKey"] for n in _graphql(port, "{ assetNodes { assetKey { path } } }", {})["assetNodes"]]
+        launched = _graphql(port, """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
+            __typename ... on LaunchBackfillSuccess { backfillId } } }""",
+                            {"p": {"partitionNames": ["0000000001", "0000000002", "0000000003"],
+                                   "assetSelection": assets, "fromFailure": False}})["launchPartitionBackfill"]
+        assert launched["__typename"] == "LaunchBackfillSuccess", launched
+        backfill_runs = _wait(lambda: _finished(instance, 3, tags={"dagster/backfill": launched["backfillId"]}),
+                              600, "the backfill's three runs")
+        assert _one_at_a_time_in_order(backfill_runs) == ["0000000001", "0000000002", "0000000003"]
+        assert sensor_runs[-1].end_time <= backfill_runs[0].start_time
+        assert _rows(home / "lake") == rows  # replayed slices rewrite their rows in place
+    finally:
+        ui.send_signal(signal.SIGTERM)
+        try:
+            ui.wait(60)
+        except subprocess.TimeoutExpired:
+            ui.kill()
