@@ -92,8 +92,10 @@ def test_every_lake_writer_is_in_the_lake_pool_and_every_run_is_in_process(tmp_p
     assert defs.resolve_implicit_global_asset_job_def().executor_def.name == "in_process"
     assert defs.resolve_job_def("slice_job").executor_def.name == "in_process"
     (tmp_path / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
-    pools = DagsterInstance.from_config(str(tmp_path)).get_concurrency_config().pool_config
+    instance = DagsterInstance.from_config(str(tmp_path))
+    pools = instance.get_concurrency_config().pool_config
     assert (pools.pool_granularity.value, pools.default_pool_limit) == ("run", 1)
+    assert instance.run_monitoring_enabled  # a run stuck starting would hold the pool's slot
     assert f"dagster instance concurrency set {LAKE_POOL} 1" in (REPO / "scripts/ui.sh").read_text()
 
 
