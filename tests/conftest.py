@@ -60,6 +60,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on, for a server a test starts."""
+    return _free_port()
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory) -> Iterable[LocalBroker]:
     """A real local broker for the whole session; stopped by its pid (LocalBroker.stop) at the end."""

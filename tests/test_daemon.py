@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -68,14 +67,8 @@ def _rows(lake: Path) -> dict[str, int]:
     return {t: DeltaTable(str(lake / t)).to_pyarrow_dataset().count_rows() for t in TABLES}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, tmp_path):
-    home, port = tmp_path / "home", _free_port()
+def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path):
+    home, port = tmp_path / "home", free_port
     kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="daemon.")
     ensure_topics(kafka.config(), [kafka.topic(s) for s in INPUT_STREAMS], 4)
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=1200, entities=200, learning=True), devices=10)
@@ -85,8 +78,8 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
            "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SPARK_MASTER": "local[2]",
            "ENTITY_ASSETS_SPARK_CONF": "spark.ui.enabled=false", "PORT": str(port)}
     env.pop("DAGSTER_HOME", None)
-    ui = subprocess.Popen(["bash", "scripts/ui.sh"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=open(tmp_path / "ui.log", "wb"))
+    with open(tmp_path / "ui.log", "wb") as log:  # the child keeps its own descriptor
+        ui = subprocess.Popen(["bash", "scripts/ui.sh"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         def serving():
             try:
