@@ -108,21 +108,31 @@ def cmd_produce(args) -> int:
     return 0
 
 
+class RunsInFlight(Exception):
+    """Slices are being applied outside this process; `run` beside them would break slice order."""
+
+
 def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] | None = None) -> list[dict]:
     """One sensor evaluation, then every slice without a successful run, in slice order.
 
-    Runs go through the same job the daemon launches, recorded in the Dagster instance.
+    Runs go through the same job the daemon launches, recorded in the Dagster instance, but in
+    this process rather than through the daemon's queue, so they start only when the instance
+    has no unfinished run and no daemon running the sensor (RunsInFlight otherwise).
     `steps` limits the runs to those steps (ops) of the job, e.g. the entity core only.
     """
     from dagster import DagsterInstance, DagsterRunStatus, RunsFilter, build_sensor_context
 
     from entity_assets.definitions import build_resources, defs
+    from entity_assets.launcher import settle_runs, worker_tag
     from entity_assets.manifests import ManifestStore
     from entity_assets.sensors import dump_cursor, kafka_offsets_sensor
     from entity_assets.slices import slice_key
     from resources import SlicingResource
 
     instance = DagsterInstance.get()
+    blockers = settle_runs(instance, kafka_offsets_sensor.name)
+    if blockers:
+        raise RunsInFlight(blockers)
     resources = build_resources()
     resources["slicing"] = SlicingResource(
         min_interval_seconds=0, max_messages=max_messages or resources["slicing"].max_messages
@@ -148,7 +158,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     for key in pending:
         started = time.monotonic()
         outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
-                                         tags={"dagster/run_key": key}, asset_selection=selection)
+                                         tags={"dagster/run_key": key, **worker_tag()}, asset_selection=selection)
         materialized = Counter()
         for event in outcome.get_asset_materialization_events():
             mat = event.event_specific_data.materialization
@@ -166,9 +176,20 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     return summaries
 
 
-def cmd_run(args) -> int:
-    summaries = run_pending(max_messages=args.max_messages)
+def _run_all(max_messages: int | None = None) -> int:
+    """0 when every pending slice succeeded, 1 when one failed, 2 when refused (RunsInFlight)."""
+    try:
+        summaries = run_pending(max_messages=max_messages)
+    except RunsInFlight as e:
+        print("not running: slices are being applied elsewhere in this instance, and state applies in slice "
+              "order:\n  " + "\n  ".join(e.args[0]) + "\nLet them finish (the daemon: scripts/ui.sh), or "
+              "terminate them and turn the sensor off in the UI.", file=sys.stderr)
+        return 2
     return 0 if all(s["success"] for s in summaries) else 1
+
+
+def cmd_run(args) -> int:
+    return _run_all(args.max_messages)
 
 
 def lake_summary() -> dict[str, dict]:
@@ -206,11 +227,11 @@ def cmd_demo(args) -> int:
     counts = produce_records([*samples.seed_records(), *traffic.records(),
                               *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))])
     print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
-    ok = all(s["success"] for s in run_pending())
+    code = _run_all()
     print()
     cmd_summary(args)
     print(f"\nDagster home: {os.environ['DAGSTER_HOME']}\nOpen the UI:  scripts/ui.sh   (then http://127.0.0.1:3000)")
-    return 0 if ok else 1
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

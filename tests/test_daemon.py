@@ -1,6 +1,7 @@
 """The daemon's path, as a deployment runs it: `scripts/ui.sh` (webserver and daemon on the project's
 dagster.yaml), the sensor turned on and an asset backfill launched through the webserver's GraphQL
-API, as the UI does. Slow: each run is a process of its own, with its own Spark JVM."""
+API, as the UI does, after a killed `entity-assets run` left a run holding the lake pool. Slow:
+each run is a process of its own, with its own Spark JVM."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 from deltalake import DeltaTable
 
 from entity_assets import samples
@@ -78,6 +79,24 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
            "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SPARK_MASTER": "local[2]",
            "ENTITY_ASSETS_SPARK_CONF": "spark.ui.enabled=false", "PORT": str(port)}
     env.pop("DAGSTER_HOME", None)
+
+    # `entity-assets run` killed in its first slice: its run stays STARTED and holds the lake pool.
+    with open(tmp_path / "run.log", "wb") as log:
+        cli = subprocess.Popen([str(REPO / ".venv/bin/entity-assets"), "run"], cwd=REPO,
+                               env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def cli_run_started():
+            assert cli.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            if "sensor:" not in (tmp_path / "run.log").read_text():
+                return None  # the instance's storage is not created yet
+            with DagsterInstance.from_config(str(home / "dagster")) as instance:
+                return next(iter(instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED]))), None)
+        stale = _wait(cli_run_started, 300, "the CLI's first run")
+    finally:
+        cli.kill()
+        cli.wait()
+    assert stale.tags["dagster/partition"] == "0000000001"
+
     with open(tmp_path / "ui.log", "wb") as log:  # the child keeps its own descriptor
         ui = subprocess.Popen(["bash", "scripts/ui.sh"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -94,8 +113,17 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
         started = _graphql(port, "mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) { __typename } }",
                            {"s": {**LOCATION, "sensorName": "kafka_offsets_sensor"}})
         assert started["startSensor"]["__typename"] == "Sensor"
-        sensor_runs = _wait(lambda: _finished(instance, 3, job_name="slice_job"), 600, "three slice runs")
+        sensor_runs = _wait(lambda: _finished(instance, 3, tags={"dagster/sensor_name": "kafka_offsets_sensor"}),
+                            600, "three slice runs")
         assert _one_at_a_time_in_order(sensor_runs) == ["0000000001", "0000000002", "0000000003"]
+        # Run monitoring failed the CLI's run, whose worker was gone, and the queue went on.
+        failure = instance.get_records_for_run(stale.run_id, of_type=DagsterEventType.RUN_FAILURE).records
+        assert instance.get_run_by_id(stale.run_id).status == DagsterRunStatus.FAILURE
+        assert "is gone" in failure[0].event_log_entry.message
+        # ... and `entity-assets run` refuses to apply slices beside a daemon running the sensor.
+        refused = subprocess.run([str(REPO / ".venv/bin/entity-assets"), "run"], cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "sensor kafka_offsets_sensor is on" in refused.stderr, refused.stderr
         rows = _rows(home / "lake")
         assert rows["entity_batches"] > 0 and rows["changes_by_device"] > 0
 
