@@ -3,11 +3,17 @@
     python bench/bench_slices.py                                 # 300,000 entities, then 4 slices of 100 patches
     python bench/bench_slices.py --n 1000000 --entities 1000000  # a larger store
     python bench/bench_slices.py --n 100000 --entities 10000 --devices 2000   # the whole graph
+    python bench/bench_slices.py --n 20000 --process-per-slice connect   # each slice a run process, as the daemon
 
 One slice of N patches builds the state (its time is printed, not the point), then each small
 slice spreads `--slice-size` patches over as many new entities, which touches about every state
 bucket. Prints each small slice's time per step and, last, machine-readable key=value pairs with
 the median slice time and the median of each step.
+
+`--process-per-slice` runs each small slice as the daemon does, in a process of its own
+(`entity-assets run`) that starts its Dagster run from nothing: on its own local Spark (`local`,
+a JVM per run), or on a Spark Connect server started once before them (`connect`, what
+scripts/ui.sh gives the daemon's runs). The time is the whole process's; steps are not split.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 
 from bench_pipeline import CORE_STEPS, produce
@@ -30,13 +37,15 @@ def main(argv=None) -> int:
     parser.add_argument("--slice-size", type=int, default=100, help="patches per small slice")
     parser.add_argument("--state-file-rows", type=int, default=None,
                         help="LakeResource.state_file_rows (default the definitions')")
+    parser.add_argument("--process-per-slice", choices=["local", "connect"], default=None,
+                        help="run each small slice in a new process, on its own local Spark or on a Spark Connect server")
     parser.add_argument("--keep", action="store_true", help="keep the temporary home (lake, broker data)")
     args = parser.parse_args(argv)
     if args.state_file_rows:
         os.environ["ENTITY_ASSETS_STATE_FILE_ROWS"] = str(args.state_file_rows)
     entities = args.entities or args.n
     graph = args.devices > 0
-    steps = None if graph else CORE_STEPS
+    steps = None if graph or args.process_per_slice else CORE_STEPS  # a run process runs the whole job
     with BenchEnv(keep=args.keep) as env:
         produce(env, args.n, entities, args.devices, graph, 7)
         from entity_assets.cli import run_pending
@@ -51,30 +60,64 @@ def main(argv=None) -> int:
         times, by_step, rewritten = [], {}, []
         lake = build_resources()["lake"].open()
         state = {f.path: f for f in lake.files("entities")}
-        for i in range(args.slices):
-            produce(env, args.slice_size, args.slice_size, 0, graph, 100 + i)
+        server = None
+        if args.process_per_slice == "connect":
+            from common import free_port
+
+            from entity_assets.spark_connect import LocalSparkConnect
+
+            server = LocalSparkConnect(env.home / "spark", port=free_port())
             with Timer() as t:
-                runs = run_pending(steps=steps, log=lambda *_: None)
-            if not all(r["success"] for r in runs):
-                log(f"small slice {i + 1} FAILED")
-                return 1
-            times.append(t.s)
-            steps_s = step_seconds(runs)
-            for step, sec in steps_s.items():
-                by_step.setdefault(step, []).append(sec)
-            before, state = state, {f.path: f for f in lake.files("entities")}
-            new = [f for p, f in state.items() if p not in before]
-            rewritten.append(sum(f.rows for f in new))
-            log(f"small slice {i + 1}: {t.s:.2f}s " + ", ".join(f"{k} {v:.2f}s" for k, v in steps_s.items())
-                + f"; entities rows written {rewritten[-1]:,} of {sum(f.rows for f in state.values()):,}"
-                  f" ({len(new)} of {len(state)} files)")
+                server.start(timeout=180)
+            log(f"spark connect server ready in {t.s:.1f}s")
+        try:
+            for i in range(args.slices):
+                produce(env, args.slice_size, args.slice_size, 0, graph, 100 + i)
+                with Timer() as t:
+                    runs = _run_slice(args.process_per_slice, server, steps)
+                if runs is None or not all(r["success"] for r in runs):
+                    log(f"small slice {i + 1} FAILED")
+                    return 1
+                times.append(t.s)
+                _record_slice(i, t.s, runs, lake, state, by_step, rewritten)
+                state = {f.path: f for f in lake.files("entities")}
+        finally:
+            if server is not None:
+                server.stop()
     print(kv_line(n=args.n, entities=entities, devices=args.devices, slice_size=args.slice_size, slices=args.slices,
+                  process_per_slice=args.process_per_slice or "no",
                   state_s=round(big.s, 1), median_s=round(statistics.median(times), 2),
                   state_file_rows=build_resources()["lake"].state_file_rows,
                   rewritten_rows=round(statistics.median(rewritten)),
                   peak_driver_mb=round(driver_peak_mb()),
                   **{f"{k}_s": round(statistics.median(v), 2) for k, v in by_step.items()}))
     return 0
+
+
+def _run_slice(mode: str | None, server, steps) -> list[dict] | None:
+    """The pending slice: in this process (its session warm), or as the daemon runs it (None if it failed)."""
+    from entity_assets.cli import run_pending
+
+    if mode is None:
+        return run_pending(steps=steps, log=lambda *_: None)
+    env = {**os.environ, "ENTITY_ASSETS_SPARK_MASTER": server.url if server else "local[*]"}
+    done = subprocess.run([sys.executable, "-m", "entity_assets.cli", "run"], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        log(done.stdout[-2000:] + done.stderr[-2000:])
+        return None
+    return [{"success": True, "steps": {}}]  # the process's own steps are not split
+
+
+def _record_slice(i, seconds, runs, lake, before, by_step, rewritten) -> None:
+    steps_s = step_seconds(runs)
+    for step, sec in steps_s.items():
+        by_step.setdefault(step, []).append(sec)
+    state = {f.path: f for f in lake.files("entities")}
+    new = [f for p, f in state.items() if p not in before]
+    rewritten.append(sum(f.rows for f in new))
+    log(f"small slice {i + 1}: {seconds:.2f}s " + ", ".join(f"{k} {v:.2f}s" for k, v in steps_s.items())
+        + f"; entities rows written {rewritten[-1]:,} of {sum(f.rows for f in state.values()):,}"
+          f" ({len(new)} of {len(state)} files)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`entity-assets`: the command line for people and scripts.
 
     entity-assets broker start|stop|status     the embedded local Kafka-protocol broker
+    entity-assets spark start|stop|status      a local Spark Connect server for the daemon's runs
     entity-assets produce sample|seed|file     put traffic on the input topics
     entity-assets run                          one sensor evaluation, then every pending slice in order
     entity-assets summary                      rows per table, dead letters per code
@@ -20,6 +21,7 @@ from itertools import groupby
 from pathlib import Path
 
 from entity_assets.broker import DEFAULT_PORT, LocalBroker
+from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
 from resources.lake import default_home
 
@@ -66,6 +68,21 @@ def cmd_broker(args) -> int:
         print("stopped" if broker.stop() else "not running")
     else:
         print(json.dumps(broker.status()))
+    return 0
+
+
+def cmd_spark(args) -> int:
+    from entity_assets.spark_connect import LocalSparkConnect
+
+    server = LocalSparkConnect(_home() / "spark", port=args.spark_port)
+    if args.action == "start":
+        pid = server.start(timeout=180)
+        print(f"spark connect server (pid {pid}, log {server.log_file}); connect with:", file=sys.stderr)
+        print(server.url)  # alone on stdout: ENTITY_ASSETS_SPARK_MASTER=$(entity-assets spark start)
+    elif args.action == "stop":
+        print("stopped" if server.stop() else "not running")
+    else:
+        print(json.dumps({**server.status(), "url": server.url}))
     return 0
 
 
@@ -241,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     broker = sub.add_parser("broker", help="start, stop or inspect the local broker")
     broker.add_argument("action", choices=["start", "stop", "status"])
     broker.add_argument("--partitions", type=int, default=4, help="partitions of the input topics it creates")
+    spark = sub.add_parser("spark", help="start, stop or inspect the local Spark Connect server")
+    spark.add_argument("action", choices=["start", "stop", "status"])
+    spark.add_argument("--spark-port", type=int, default=int(os.environ.get("ENTITY_ASSETS_SPARK_CONNECT_PORT", SPARK_CONNECT_PORT)))
     produce = sub.add_parser("produce", help="produce records to the input topics")
     produce.add_argument("source", choices=["sample", "seed", "file"])
     produce.add_argument("path", nargs="?", help="JSONL of {topic, key, value} (for 'file')")
@@ -262,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--partitions", type=int, default=4)
     args = parser.parse_args(argv)
     prepare_environment(args.port)
-    handler = {"broker": cmd_broker, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary, "demo": cmd_demo}
+    handler = {"broker": cmd_broker, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary, "demo": cmd_demo}
     return handler[args.command](args)
 
 

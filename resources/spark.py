@@ -1,4 +1,4 @@
-"""Spark: `local[*]` by default, any master URL (or Spark Connect `sc://`) by configuration."""
+"""Spark: `local[*]` by default, any master URL, or a Spark Connect server (`sc://host:port`)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ class SparkResource(ConfigurableResource):
     conf: dict[str, str] = Field(default_factory=dict, description="extra Spark conf, over the defaults")
 
     _session = PrivateAttr(default=None)
+    _parallelism = PrivateAttr(default=None)
+
+    @property
+    def remote(self) -> bool:
+        return self.master.startswith("sc://")
 
     def session(self):
         if self._session is None:
@@ -46,12 +51,28 @@ class SparkResource(ConfigurableResource):
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
             builder = SparkSession.builder.appName(self.app_name)
-            builder = builder.remote(self.master) if self.master.startswith("sc://") else builder.master(self.master)
-            local = LOCAL_CONF if self.master.startswith("local") else {}
-            for key, value in {**DEFAULT_CONF, **local, **self.conf}.items():
+            builder = builder.remote(self.master) if self.remote else builder.master(self.master)
+            for key, value in self.settings().items():
                 builder = builder.config(key, value)
             self._session = builder.getOrCreate()
         return self._session
 
+    def settings(self) -> dict[str, str]:
+        """The session's Spark settings. A Spark Connect session may set SQL settings only: the
+        server's own conf holds the rest (entity_assets/spark_connect.py gives the project's)."""
+        if self.remote:
+            conf = {k: v for k, v in DEFAULT_CONF.items() if k.startswith("spark.sql.")}
+        else:
+            conf = {**DEFAULT_CONF, **(LOCAL_CONF if self.master.startswith("local") else {})}
+        return {**conf, **self.conf}
+
     def parallelism(self) -> int:
-        return max(1, self.session().sparkContext.defaultParallelism)
+        if self._parallelism is None:
+            session = self.session()
+            if self.remote:  # no SparkContext on Spark Connect: the partitions of a default range
+                from pyspark.sql import functions as F
+
+                self._parallelism = session.range(4096).select(F.spark_partition_id()).distinct().count()
+            else:
+                self._parallelism = session.sparkContext.defaultParallelism
+        return max(1, self._parallelism)

@@ -5,6 +5,9 @@
 #   PORT=3100 bash scripts/ui.sh
 #
 # Uses the same $ENTITY_ASSETS_HOME (default ./.entity-assets) as scripts/demo.sh and the CLI.
+# Unless $ENTITY_ASSETS_SPARK_MASTER names a Spark, the runs connect to a local Spark Connect
+# server that this starts (port $ENTITY_ASSETS_SPARK_CONNECT_PORT, default 15002) and leaves
+# running, like the broker: `.venv/bin/entity-assets spark stop` ends it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
@@ -13,6 +16,12 @@ export ENTITY_ASSETS_HOME=${ENTITY_ASSETS_HOME:-$PWD/.entity-assets}
 export ENTITY_ASSETS_KAFKA_BOOTSTRAP=${ENTITY_ASSETS_KAFKA_BOOTSTRAP:-127.0.0.1:${ENTITY_ASSETS_BROKER_PORT:-29092}}
 export DAGSTER_HOME=$ENTITY_ASSETS_HOME/dagster
 mkdir -p "$DAGSTER_HOME"
+# One warm Spark for every run: a run started on its own would spend 7-11 s starting a JVM
+# (entity_assets/spark_connect.py).
+if [ -z "${ENTITY_ASSETS_SPARK_MASTER:-}" ]; then
+    ENTITY_ASSETS_SPARK_MASTER=$(.venv/bin/entity-assets spark start)
+    export ENTITY_ASSETS_SPARK_MASTER
+fi
 cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
 # The lake pool's limit (dagster.yaml, entity_assets/partitions.py) set before the daemon starts:
 # a limit that only dagster.yaml's default gives is created by the first dequeue that sees the pool,

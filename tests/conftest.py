@@ -18,7 +18,7 @@ import itertools
 import os
 import socket
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +61,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on, for a server a test starts."""
-    return _free_port()
+def free_port() -> Callable[[], int]:
+    """Gives TCP ports on 127.0.0.1 that nothing listens on, for servers a test starts."""
+    return _free_port
 
 
 @pytest.fixture(scope="session")

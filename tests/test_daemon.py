@@ -21,6 +21,7 @@ from entity_assets import samples
 from entity_assets.cli import produce_records
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import ensure_topics
+from entity_assets.spark_connect import SESSION_ID, LocalSparkConnect
 from resources import KafkaResource
 
 pytestmark = pytest.mark.slow
@@ -69,16 +70,18 @@ def _rows(lake: Path) -> dict[str, int]:
 
 
 def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path):
-    home, port = tmp_path / "home", free_port
+    home, port, spark_port = tmp_path / "home", free_port(), free_port()
     kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="daemon.")
     ensure_topics(kafka.config(), [kafka.topic(s) for s in INPUT_STREAMS], 4)
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=1200, entities=200, learning=True), devices=10)
     produce_records(traffic.records(), kafka=kafka)
     env = {**os.environ, "ENTITY_ASSETS_HOME": str(home), "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
            "ENTITY_ASSETS_TOPIC_PREFIX": "daemon.", "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS": "0",
-           "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SPARK_MASTER": "local[2]",
-           "ENTITY_ASSETS_SPARK_CONF": "spark.ui.enabled=false", "PORT": str(port)}
-    env.pop("DAGSTER_HOME", None)
+           "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SPARK_CONNECT_PORT": str(spark_port),
+           "PORT": str(port)}
+    for name in ("DAGSTER_HOME", "ENTITY_ASSETS_SPARK_MASTER"):  # ui.sh's runs use its Spark Connect server
+        env.pop(name, None)
+    spark_connect = LocalSparkConnect(home / "spark", port=spark_port)
 
     # `entity-assets run` killed in its first slice: its run stays STARTED and holds the lake pool.
     with open(tmp_path / "run.log", "wb") as log:
@@ -140,9 +143,13 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
         assert _one_at_a_time_in_order(backfill_runs) == ["0000000001", "0000000002", "0000000003"]
         assert sensor_runs[-1].end_time <= backfill_runs[0].start_time
         assert _rows(home / "lake") == rows  # replayed slices rewrite their rows in place
+        # The runs used ui.sh's Spark Connect server, in its one shared session.
+        assert spark_connect.pid() is not None
+        assert f"sessionId: {SESSION_ID}" in spark_connect.log_file.read_text()
     finally:
         ui.send_signal(signal.SIGTERM)
         try:
             ui.wait(60)
         except subprocess.TimeoutExpired:
             ui.kill()
+        spark_connect.stop()

@@ -30,7 +30,28 @@ def collect_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = Non
         return [out for task in tasks for out in fn(iter([task]))]
     from entity_assets.fold import released
 
-    return spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(partial(released, fn)).collect()
+    return on_executors(spark, tasks, partial(released, fn))
+
+
+def on_executors(spark, tasks: list, body: Callable) -> list:
+    """One Spark task per item of `tasks`, running `body` (a mapPartitions body) over that item; what they yield.
+
+    Through DataFrames, not RDDs, so that it runs on Spark Connect too (`sc://`, no RDDs there):
+    a range of one row per partition picks each task's item, and what a task yields comes back
+    pickled in a binary column.
+    """
+    import pickle
+
+    def run(batches):
+        import pyarrow as pa
+
+        for batch in batches:
+            for i in batch.column(0).to_pylist():
+                out = [pickle.dumps(x, pickle.HIGHEST_PROTOCOL) for x in body(iter([tasks[i]]))]
+                yield pa.RecordBatch.from_arrays([pa.array(out, pa.binary())], names=["out"])
+
+    found = spark.range(len(tasks), numPartitions=len(tasks)).mapInArrow(run, "out binary").toArrow()
+    return [pickle.loads(b) for b in found.column(0).to_pylist()]
 
 
 def run_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = None) -> dict[str, list[DataFile]]:
@@ -147,10 +168,10 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
                    engine.storage_options, split_by=SPLIT_BY)
     if rows_in <= DRIVER_ROWS:
         return rows_in, frozenset(find())
-    parts = max(spark.sparkContext.defaultParallelism, -(-rows_in // SPLIT_ROWS))
+    parts = max(spark.parallelism(), -(-rows_in // SPLIT_ROWS))
     parts = 1 << (parts - 1).bit_length()  # a power of two
-    found = spark.sparkContext.parallelize(range(parts), parts).flatMap(lambda part: find(part=part, parts=parts))
-    return rows_in, frozenset(found.collect())
+    found = on_executors(spark.session(), list(range(parts)), lambda each: (x for p in each for x in find(part=p, parts=parts)))
+    return rows_in, frozenset(found)
 
 
 def counters(files: dict[str, list[DataFile]]) -> Counter:

@@ -60,7 +60,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     """
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, ["entity_patches"])
-    batches_in, redelivered = redeliveries(spark.session(), engine, "entity_batches", key, ("clientid", "request"),
+    batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"),
                                            slicing.dedupe_window_slices)
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
                                    "entity_patches", key, fold.explode_task, redelivered=redelivered)
@@ -130,7 +130,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     entity_files = run_tasks(session, bucket_tasks(spark, rows), fn, rows)
     entities = commit_buckets(engine, "entities", key, apply, snapshot, entity_files)
 
-    schema_in, redelivered_parts = redeliveries(session, engine, "schema_patches", key, ("clientid", "request", "part"),
+    schema_in, redelivered_parts = redeliveries(spark, engine, "schema_patches", key, ("clientid", "request", "part"),
                                                 slicing.dedupe_window_slices)
     schema_files, schemas = fold_buckets(spark, {"schema_patches": engine.slice_files("schema_patches", [key])},
                                          partial(fold.schema_patch_rows, redelivered=redelivered_parts),

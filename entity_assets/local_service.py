@@ -1,0 +1,115 @@
+"""Servers the project starts and stops itself on 127.0.0.1: the broker and the Spark Connect server.
+
+Each runs detached from the command that started it (it outlives a demo or a `dagster dev`),
+with its pid file and log in its own folder under the project home, and is stopped by that pid:
+SIGTERM, waited for so it can save, then SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class LocalService:
+    data_dir: Path
+    port: int
+    host: str = "127.0.0.1"
+
+    name: ClassVar[str]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / f"{self.name}.log"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str] | None:
+        return None
+
+    def ready(self) -> bool:
+        """One probe: whether the server answers now."""
+        raise NotImplementedError
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text())
+            os.kill(pid, 0)
+            return pid
+        except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+            return None
+
+    def start(self, timeout: float = 60.0) -> int:
+        """Starts the server detached from this process (a no-op if it runs); returns its pid."""
+        running = self.pid()
+        if running:
+            self.wait_ready(timeout)
+            return running
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=self.environment())
+        self.pid_file.write_text(str(proc.pid))
+        try:
+            self.wait_ready(timeout, proc)
+        except Exception:
+            self.stop()
+            raise
+        return proc.pid
+
+    def wait_ready(self, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {proc.returncode}; see {self.log_file}")
+            if self.ready():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} on {self.address} not ready after {timeout}s; see {self.log_file}")
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """SIGTERM and wait; returns whether one was running."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)  # reap when we are the parent
+                if done == pid:
+                    break
+            except ChildProcessError:
+                pass
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+    def status(self) -> dict:
+        return {"address": self.address, "pid": self.pid(), "data_dir": str(self.data_dir)}
+
+    def __str__(self) -> str:
+        return json.dumps(self.status())

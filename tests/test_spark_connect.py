@@ -1,0 +1,91 @@
+"""The pipeline on Spark Connect, as the daemon's runs use it (scripts/ui.sh): the same slices run
+by two `entity-assets run` processes against a local Spark Connect server write the tables a
+classic local session writes, and leave one pool of Python workers on the server. The slow test
+starts a Spark Connect server (a JVM) of its own."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+
+from entity_assets import samples
+from entity_assets.spark_connect import SESSION_ID, SESSION_TIMEOUT, LocalSparkConnect
+
+REPO = Path(__file__).resolve().parents[1]
+# As the suite's pipelines do (conftest.make_pipeline): every step's work in Spark tasks, split
+# over several, so the work really goes through the server.
+RUN = ("import entity_assets.assets.common as c; c.DRIVER_ROWS = 0; c.SMALL_TASK_ROWS = 1; "
+       "from entity_assets.cli import main; raise SystemExit(main(['run']))")
+
+
+def _tables(lake: Path) -> dict[str, list[str]]:
+    """Each table's rows as sorted JSON texts; manifests aside (they hold the wall-clock time their
+    slice closed)."""
+    out = {}
+    for path in sorted(p for p in lake.iterdir() if (p / "_delta_log").is_dir() and p.name != "slice_manifests"):
+        out[path.name] = sorted(json.dumps(r, sort_keys=True, default=str)
+                                for r in DeltaTable(str(path)).to_pyarrow_table().to_pylist())
+    return out
+
+
+def _worker_daemons(server_pid: int) -> list[int]:
+    """The Python worker daemons a Spark server started (its children running entity_assets.spark_daemon)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+            if ppid == server_pid and b"spark_daemon" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_the_local_server_serves_one_long_session_with_the_project_workers(tmp_path):
+    server = LocalSparkConnect(tmp_path, port=15123)
+    assert server.url == f"sc://127.0.0.1:15123/;session_id={SESSION_ID}"
+    command = " ".join(server.command())
+    assert "SparkConnectServer" in command and "spark-connect_" in command
+    for setting in ("spark.connect.grpc.binding.port=15123", f"defaultSessionTimeout={SESSION_TIMEOUT}",
+                    "spark.python.daemon.module=entity_assets.spark_daemon"):
+        assert setting in command
+    assert server.environment()["PYSPARK_PYTHON"] == sys.executable
+    # a session on it sets SQL settings only; the server holds the rest
+    from resources import SparkResource
+
+    remote = SparkResource(master=server.url).settings()
+    assert remote and all(k.startswith("spark.sql.") for k in remote)
+    assert set(remote) < set(SparkResource(master="local[2]").settings())
+
+
+@pytest.mark.slow
+def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_pipeline, free_port, tmp_path):
+    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=1200, entities=200, learning=True), devices=10)
+    records = [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
+    halves = records[:len(records) // 2], records[len(records) // 2:]
+    local = make_pipeline(max_messages=500)
+    server = LocalSparkConnect(tmp_path / "spark", port=free_port())
+    server.start(timeout=180)
+    # The same input topics, read by both at the same points: the same slices, Kafka timestamps and all.
+    env = {**os.environ, "ENTITY_ASSETS_HOME": str(tmp_path / "home"), "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
+           "ENTITY_ASSETS_TOPIC_PREFIX": local.prefix, "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS": "0",
+           "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SLICE_MAX_PER_TASK": "1000",
+           "ENTITY_ASSETS_SPARK_MASTER": server.url}
+    env.pop("DAGSTER_HOME", None)
+    try:
+        for half in halves:  # two runs on the server from two client processes: one server session
+            local.produce(half)
+            assert all(r.success for r in local.tick_and_run())
+            done = subprocess.run([sys.executable, "-c", RUN], cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=600)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            assert "FAILED" not in done.stdout
+        # On Spark 4.2 a session per run would have left a worker daemon per run (spark_connect.py).
+        assert len(_worker_daemons(server.pid())) == 1
+    finally:
+        server.stop()
+    assert _tables(tmp_path / "home" / "lake") == _tables(Path(local.lake.root))
