@@ -36,10 +36,13 @@ def collect_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = Non
 def on_executors(spark, tasks: list, body: Callable) -> list:
     """One Spark task per item of `tasks`, running `body` (a mapPartitions body) over that item; what they yield.
 
-    Through DataFrames, not RDDs, so that it runs on Spark Connect too (`sc://`, no RDDs there):
+    A classic session runs them as an RDD: no Spark SQL, whose first plans of a run cost the JVM
+    1-2 CPU-seconds of warm-up (bench_pipeline at N = 200,000). Spark Connect has no RDDs: there
     a range of one row per partition picks each task's item, and what a task yields comes back
-    pickled in a binary column.
+    pickled in a binary column (the server is warm).
     """
+    if not type(spark).__module__.startswith("pyspark.sql.connect"):
+        return spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(body).collect()
     import pickle
 
     def run(batches):
