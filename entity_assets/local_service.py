@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -47,6 +48,14 @@ class LocalService:
         """One probe: whether the server answers now."""
         raise NotImplementedError
 
+    def listening(self) -> bool:
+        """Whether anything accepts connections on the port."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
     def pid(self) -> int | None:
         try:
             pid = int(self.pid_file.read_text())
@@ -61,6 +70,9 @@ class LocalService:
         if running:
             self.wait_ready(timeout)
             return running
+        if self.listening():  # ours would not bind, and a probe would take the other for it
+            raise RuntimeError(f"{self.address} is in use by a process that {self.pid_file} does not name: "
+                               f"stop it, or give this {self.name} another port")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

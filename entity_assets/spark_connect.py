@@ -16,7 +16,6 @@ runs them one at a time.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import uuid
 from dataclasses import dataclass
@@ -66,8 +65,4 @@ class LocalSparkConnect(LocalService):
         return {**os.environ, "SPARK_HOME": str(_spark_home()), "PYSPARK_PYTHON": sys.executable}
 
     def ready(self) -> bool:
-        try:
-            with socket.create_connection((self.host, self.port), timeout=1):
-                return True
-        except OSError:
-            return False
+        return self.listening()

@@ -5,6 +5,7 @@ starts a Spark Connect server (a JVM) of its own."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,14 @@ def test_the_local_server_serves_one_long_session_with_the_project_workers(tmp_p
     remote = SparkResource(master=server.url).settings()
     assert remote and all(k.startswith("spark.sql.") for k in remote)
     assert set(remote) < set(SparkResource(master="local[2]").settings())
+
+
+def test_a_server_does_not_start_on_a_port_another_process_holds(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        server = LocalSparkConnect(tmp_path, port=other.getsockname()[1])
+        with pytest.raises(RuntimeError, match="in use"):
+            server.start()
+    assert server.pid() is None
 
 
 @pytest.mark.slow
