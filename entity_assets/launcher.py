@@ -7,6 +7,7 @@ are processes on this host (the code server's run workers, or `entity-assets run
 tells: the worker logs it when it starts, and `entity-assets run` tags its runs with it.
 """
 
+import functools
 import json
 import os
 import socket
@@ -37,8 +38,14 @@ def worker_tag() -> dict[str, str]:
     return {WORKER_TAG: f"{socket.gethostname()}:{os.getpid()}"}
 
 
+@functools.cache
+def _local_names() -> frozenset[str]:
+    # once per process: getfqdn may ask the resolver, and run monitoring checks every 30 s
+    return frozenset({"localhost", "127.0.0.1", "::1", "", socket.gethostname(), socket.getfqdn()})
+
+
 def _local(host: str) -> bool:
-    return host in {"localhost", "127.0.0.1", "::1", "", socket.gethostname(), socket.getfqdn()}
+    return host in _local_names()
 
 
 def run_worker(instance: DagsterInstance, run: DagsterRun) -> tuple[int, float] | None:
