@@ -66,6 +66,15 @@ def free_port() -> Callable[[], int]:
     return _free_port
 
 
+@pytest.fixture
+def project_instance(tmp_path) -> Iterable[DagsterInstance]:
+    """A Dagster instance on the project's own dagster.yaml (pools, run monitoring, run launcher)."""
+    (tmp_path / "dagster.yaml").write_text((Path(__file__).resolve().parents[1] / "dagster.yaml").read_text())
+    instance = DagsterInstance.from_config(str(tmp_path))
+    yield instance
+    instance.dispose()
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory) -> Iterable[LocalBroker]:
     """A real local broker for the whole session; stopped by its pid (LocalBroker.stop) at the end."""

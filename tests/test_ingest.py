@@ -78,10 +78,8 @@ def test_definitions_load():
     assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
 
 
-def test_every_lake_writer_is_in_the_lake_pool_and_every_run_is_in_process(tmp_path):
+def test_every_lake_writer_is_in_the_lake_pool_and_every_run_is_in_process(project_instance):
     """What keeps slices in order under the daemon (tests/test_daemon.py runs it)."""
-    from dagster import DagsterInstance
-
     from entity_assets.definitions import defs
     from entity_assets.partitions import LAKE_POOL
 
@@ -91,11 +89,9 @@ def test_every_lake_writer_is_in_the_lake_pool_and_every_run_is_in_process(tmp_p
     # the UI's Materialize and asset backfills run Dagster's asset job: one SparkSession per run too
     assert defs.resolve_implicit_global_asset_job_def().executor_def.name == "in_process"
     assert defs.resolve_job_def("slice_job").executor_def.name == "in_process"
-    (tmp_path / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
-    instance = DagsterInstance.from_config(str(tmp_path))
-    pools = instance.get_concurrency_config().pool_config
+    pools = project_instance.get_concurrency_config().pool_config
     assert (pools.pool_granularity.value, pools.default_pool_limit) == ("run", 1)
-    assert instance.run_monitoring_enabled  # a run stuck starting would hold the pool's slot
+    assert project_instance.run_monitoring_enabled  # a run stuck starting would hold the pool's slot
     assert f"dagster instance concurrency set {LAKE_POOL} 1" in (REPO / "scripts/ui.sh").read_text()
 
 

@@ -7,9 +7,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from dagster import DagsterInstance, DagsterRunStatus
+from dagster import DagsterRunStatus
 from dagster._core.events import EngineEventData
 from dagster._core.launcher import WorkerStatus
 from dagster._core.storage.tags import GRPC_INFO_TAG
@@ -17,18 +16,10 @@ from dagster._core.test_utils import create_run_for_test
 
 from entity_assets.launcher import WORKER_TAG, LocalRunLauncher, check_worker, process_alive, settle_runs
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
-
-
-def _instance(tmp_path) -> DagsterInstance:
-    (tmp_path / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
-    return DagsterInstance.from_config(str(tmp_path))
 
 
 def test_a_process_is_alive_only_if_it_existed_when_the_run_saw_it():
@@ -37,8 +28,8 @@ def test_a_process_is_alive_only_if_it_existed_when_the_run_saw_it():
     assert not process_alive(os.getpid(), 0.0)  # a pid reused by a newer process
 
 
-def test_the_instance_checks_workers_of_runs_launched_through_a_code_server_and_of_the_cli(tmp_path):
-    instance = _instance(tmp_path)
+def test_the_instance_checks_workers_of_runs_launched_through_a_code_server_and_of_the_cli(project_instance):
+    instance = project_instance
     assert isinstance(instance.run_launcher, LocalRunLauncher)
     assert instance.run_launcher.supports_check_run_worker_health
     for host in ("localhost", "remote.example"):
@@ -55,8 +46,8 @@ def test_the_instance_checks_workers_of_runs_launched_through_a_code_server_and_
     assert check_worker(instance, unknown).status == WorkerStatus.RUNNING  # not checkable: never failed
 
 
-def test_the_cli_fails_dead_runs_and_waits_for_live_or_starting_ones(tmp_path):
-    instance = _instance(tmp_path)
+def test_the_cli_fails_dead_runs_and_waits_for_live_or_starting_ones(project_instance):
+    instance = project_instance
     assert settle_runs(instance, "kafka_offsets_sensor") == []
     dead = create_run_for_test(instance, status=DagsterRunStatus.STARTED, tags={WORKER_TAG: f"{socket.gethostname()}:{_dead_pid()}"})
     assert settle_runs(instance, "kafka_offsets_sensor") == []
