@@ -46,9 +46,11 @@ def build_resources() -> dict:
     lake = {"root": os.environ["ENTITY_ASSETS_LAKE"]} if os.environ.get("ENTITY_ASSETS_LAKE") else {}
     if os.environ.get("ENTITY_ASSETS_STATE_FILE_ROWS"):
         lake["state_file_rows"] = int(os.environ["ENTITY_ASSETS_STATE_FILE_ROWS"])
+    spark = {"driver_rows": int(os.environ["ENTITY_ASSETS_SPARK_DRIVER_ROWS"])} \
+        if os.environ.get("ENTITY_ASSETS_SPARK_DRIVER_ROWS") else {}
     return {
         "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]"),
-                               conf=_settings(_env("ENTITY_ASSETS_SPARK_CONF", ""))),
+                               conf=_settings(_env("ENTITY_ASSETS_SPARK_CONF", "")), **spark),
         "kafka": KafkaResource(**kafka),
         "lake": LakeResource(**lake),
         "slicing": SlicingResource(

@@ -1,7 +1,8 @@
 """A local Spark Connect server: one warm Spark for every run the daemon launches.
 
-The daemon runs each slice in a process of its own, and a SparkSession of its own costs 7-11 s
-of JVM start on every run, more than most slices' work. Runs that connect to this server
+The daemon runs each slice in a process of its own. A slice small enough for the driver
+(`SparkResource.driver_rows`) needs no Spark; a larger one would pay 7-11 s of JVM start for
+a SparkSession of its own on every run. Runs that connect to this server
 (`ENTITY_ASSETS_SPARK_MASTER` set to its `url`) get a session in well under a second, on a JVM
 and Python workers that are already warm. `scripts/ui.sh` starts it; a cluster's Spark Connect
 endpoint replaces it through the same setting.

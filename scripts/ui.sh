@@ -16,8 +16,8 @@ export ENTITY_ASSETS_HOME=${ENTITY_ASSETS_HOME:-$PWD/.entity-assets}
 export ENTITY_ASSETS_KAFKA_BOOTSTRAP=${ENTITY_ASSETS_KAFKA_BOOTSTRAP:-127.0.0.1:${ENTITY_ASSETS_BROKER_PORT:-29092}}
 export DAGSTER_HOME=$ENTITY_ASSETS_HOME/dagster
 mkdir -p "$DAGSTER_HOME"
-# One warm Spark for every run: a run started on its own would spend 7-11 s starting a JVM
-# (entity_assets/spark_connect.py).
+# One warm Spark for every run: a run of a slice over SparkResource.driver_rows would spend
+# 7-11 s starting a JVM of its own (entity_assets/spark_connect.py).
 if [ -z "${ENTITY_ASSETS_SPARK_MASTER:-}" ]; then
     ENTITY_ASSETS_SPARK_MASTER=$(.venv/bin/entity-assets spark start)
     export ENTITY_ASSETS_SPARK_MASTER

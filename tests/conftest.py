@@ -115,7 +115,7 @@ class Pipeline:
 
     def __init__(self, broker: LocalBroker, spark: SparkResource, root: Path, *, partitions: int = TOPIC_PARTITIONS,
                  max_messages: int = 5_000_000, max_messages_per_task: int = 1000, min_interval_seconds: float = 0,
-                 state_file_rows: int | None = None, instance=None):
+                 state_file_rows: int | None = None, driver_rows: int = 0, instance=None):
         base = _definitions()
         self.prefix = f"t{next(self._ids)}."
         self.kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix=self.prefix)
@@ -123,7 +123,9 @@ class Pipeline:
                                  **({"state_file_rows": state_file_rows} if state_file_rows else {}))
         self.slicing = SlicingResource(min_interval_seconds=min_interval_seconds, max_messages=max_messages,
                                        max_messages_per_task=max_messages_per_task)
-        self.spark = spark
+        # Small slices' work runs in the driver in production (SparkResource.driver_rows); tests
+        # run it in Spark tasks unless they choose the driver, so both paths are exercised.
+        self.spark = spark = spark.model_copy(update={"driver_rows": driver_rows})
         # Resources bound in defs first (assets added later may need more), ours over them.
         self.resources: dict[str, Any] = {
             **(base.resources or {}),
@@ -265,11 +267,8 @@ class Pipeline:
 
 @pytest.fixture
 def make_pipeline(broker, spark, tmp_path, monkeypatch):
-    # small slices' work runs in the driver in production (assets.common.DRIVER_ROWS); tests run
-    # it in Spark tasks unless they choose the driver, so both paths are exercised
-    monkeypatch.setattr(common, "DRIVER_ROWS", 0)
-    # and, as large slices do, split each step's work over several tasks (bucket folds: up to
-    # 2 per core), so that no test passes only because one task saw every row
+    # As large slices do, split each step's work over several tasks (bucket folds: up to 2 per
+    # core), so that no test passes only because one task saw every row.
     monkeypatch.setattr(common, "SMALL_TASK_ROWS", 1)
     made = []
 

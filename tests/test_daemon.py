@@ -1,7 +1,7 @@
 """The daemon's path, as a deployment runs it: `scripts/ui.sh` (webserver and daemon on the project's
 dagster.yaml), the sensor turned on and an asset backfill launched through the webserver's GraphQL
 API, as the UI does, after a killed `entity-assets run` left a run holding the lake pool. Slow:
-each run is a process of its own, with its own Spark JVM."""
+each run is a process of its own."""
 
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
     env = {**os.environ, "ENTITY_ASSETS_HOME": str(home), "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
            "ENTITY_ASSETS_TOPIC_PREFIX": "daemon.", "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS": "0",
            "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SPARK_CONNECT_PORT": str(spark_port),
-           "PORT": str(port)}
+           "PORT": str(port),
+           # Slices this small run in the run's own process, without Spark: let them use ui.sh's server.
+           "ENTITY_ASSETS_SPARK_DRIVER_ROWS": "0"}
     for name in ("DAGSTER_HOME", "ENTITY_ASSETS_SPARK_MASTER"):  # ui.sh's runs use its Spark Connect server
         env.pop(name, None)
     spark_connect = LocalSparkConnect(home / "spark", port=spark_port)

@@ -38,11 +38,12 @@ from entity_assets import samples
 from entity_assets.assets import common
 from entity_assets.learning import Summary
 from entity_assets.patch import STATUS_OK, apply_patch
+from resources import SparkResource
 
 SUBSCRIPTIONS = samples.SUBSCRIPTIONS
 ACTIONS = ("created", "updated", "deleted")
 NOTIFICATION_NAMESPACE = uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337")  # docs/streams.md: ids never change
-PRODUCTION_LAYOUT = {"DRIVER_ROWS": common.DRIVER_ROWS, "SMALL_TASK_ROWS": common.SMALL_TASK_ROWS}
+PRODUCTION_LAYOUT = {"SMALL_TASK_ROWS": common.SMALL_TASK_ROWS, "driver_rows": SparkResource().driver_rows}
 DBID = "my-db"
 BEGUN = samples.SEED_ENTITY_BATCH["begun"]
 
@@ -157,10 +158,13 @@ def _json(text):
     return None if text is None else json.loads(text)
 
 
-def use_layout(monkeypatch, layout: dict | None) -> None:
-    """`PRODUCTION_LAYOUT` undoes the fixture's split of small work over tasks; None keeps it."""
-    for name, value in (layout or {}).items():
-        monkeypatch.setattr(common, name, value)
+def use_layout(monkeypatch, layout: dict | None) -> dict:
+    """`PRODUCTION_LAYOUT` undoes the fixture's split of small work over tasks and runs small work
+    in the driver; None keeps the fixture's. Returns the pipeline's arguments for it."""
+    if layout is None:
+        return {}
+    monkeypatch.setattr(common, "SMALL_TASK_ROWS", layout["SMALL_TASK_ROWS"])
+    return {"driver_rows": layout["driver_rows"]}
 
 
 @pytest.mark.parametrize(("batches", "entities", "slices", "layout"), [
@@ -169,8 +173,7 @@ def use_layout(monkeypatch, layout: dict | None) -> None:
 ])
 def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pipeline, monkeypatch, batches,
                                                                       entities, slices, layout):
-    use_layout(monkeypatch, layout)
-    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8))
+    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8), **use_layout(monkeypatch, layout))
     traffic, model = MixedTraffic(entities=entities, seed=20261124), Model()
     for _ in range(slices):
         records = traffic.records(batches // slices)
@@ -382,8 +385,7 @@ class Inboxes:
 ])
 def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_pipeline, monkeypatch, batches,
                                                                          devices, zones, slices, layout):
-    use_layout(monkeypatch, layout)
-    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8))
+    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8), **use_layout(monkeypatch, layout))
     names = ("default", "A", "B", *(f"zone-{i}" for i in range(zones - 3)))
     traffic = MixedTraffic(entities=batches // 6, seed=7, zones=names)
     subs = SubscriptionTraffic(devices=devices, seed=11, zones=names)
@@ -503,8 +505,7 @@ class SchemaTraffic:
 ])
 def test_schema_requests_straddling_slices_agree_with_the_patch_engine(make_pipeline, monkeypatch, requests_per_slice,
                                                                       layout):
-    use_layout(monkeypatch, layout)
-    pipeline = make_pipeline(max_messages_per_task=200)
+    pipeline = make_pipeline(max_messages_per_task=200, **use_layout(monkeypatch, layout))
     rng, traffic = random.Random(5), SchemaTraffic(seed=13)
     schemas: dict = {}  # dbid -> (version, document)
     results: dict = {}  # (clientid, request, part) -> result

@@ -24,6 +24,7 @@ from entity_assets.assets import common
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
+from resources import SparkResource
 
 K1, K2 = slice_key(1), slice_key(2)
 CLIENT = samples.SEED_CLIENT
@@ -372,15 +373,13 @@ def snapshot(pipeline) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("driver_rows", "state_file_rows"), [(common.DRIVER_ROWS, None), (0, 1)],
+@pytest.mark.parametrize(("driver_rows", "state_file_rows"), [(SparkResource().driver_rows, None), (0, 1)],
                          ids=["driver", "split-tasks-one-key-state-files"])
-def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipeline, monkeypatch, driver_rows,
-                                                                      state_file_rows):
+def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipeline, driver_rows, state_file_rows):
     # both ways of finding earlier deliveries: in the driver, and in Spark tasks that split the
     # identities among them; and state files of one key each, so every bucket is split into
     # shards and rewritten shard by shard
-    monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
-    pipeline = make_pipeline(state_file_rows=state_file_rows)
+    pipeline = make_pipeline(state_file_rows=state_file_rows, driver_rows=driver_rows)
     first, second = slice_records()
     pipeline.produce(first)
     [r1] = pipeline.tick()

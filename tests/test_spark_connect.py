@@ -19,7 +19,7 @@ from entity_assets.spark_connect import SESSION_ID, SESSION_TIMEOUT, LocalSparkC
 REPO = Path(__file__).resolve().parents[1]
 # As the suite's pipelines do (conftest.make_pipeline): every step's work in Spark tasks, split
 # over several, so the work really goes through the server.
-RUN = ("import entity_assets.assets.common as c; c.DRIVER_ROWS = 0; c.SMALL_TASK_ROWS = 1; "
+RUN = ("import entity_assets.assets.common as c; c.SMALL_TASK_ROWS = 1; "
        "from entity_assets.cli import main; raise SystemExit(main(['run']))")
 
 
@@ -83,7 +83,7 @@ def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_
     env = {**os.environ, "ENTITY_ASSETS_HOME": str(tmp_path / "home"), "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
            "ENTITY_ASSETS_TOPIC_PREFIX": local.prefix, "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS": "0",
            "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "500", "ENTITY_ASSETS_SLICE_MAX_PER_TASK": "1000",
-           "ENTITY_ASSETS_SPARK_MASTER": server.url}
+           "ENTITY_ASSETS_SPARK_MASTER": server.url, "ENTITY_ASSETS_SPARK_DRIVER_ROWS": "0"}
     env.pop("DAGSTER_HOME", None)
     try:
         for half in halves:  # two runs on the server from two client processes: one server session

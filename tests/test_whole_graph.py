@@ -21,9 +21,10 @@ from entity_assets.assets import common
 from entity_assets.maintenance import lake_maintenance
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
-from resources import LakeResource
+from resources import LakeResource, SparkResource
 
 K1, K2, K3, K4 = slice_key(1), slice_key(2), slice_key(3), slice_key(4)
+PRODUCTION_SMALL_TASK_ROWS = common.SMALL_TASK_ROWS
 CLIENT = samples.SEED_CLIENT
 DB = "my-db"
 
@@ -137,8 +138,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("driver_rows", [0, 10_000], ids=["spark-tasks", "small-work-in-the-driver"])
-def test_schema_updates_learning_devices_and_dead_letters(pipeline, monkeypatch, driver_rows):
-    monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
+def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_rows):
+    pipeline = make_pipeline(driver_rows=driver_rows)
     # ---- slice 1: the declared schema, a first connection, a valid ack, and bad records in between
     good_ack = ("notification-acks", DEVICE, samples.encode({"db": DB, "user": "jsmith", "device": DEVICE,
                                                              "upTo": 1415747100000, "begun": 1415747100000}))
@@ -317,8 +318,8 @@ def ack(device: str, **what) -> tuple[str, str, bytes]:
 
 
 @pytest.mark.parametrize("driver_rows", [0, 10_000], ids=["spark-tasks", "small-work-in-the-driver"])
-def test_subscriptions_zone_changes_changes_by_device_and_notifications(pipeline, monkeypatch, driver_rows):
-    monkeypatch.setattr(common, "DRIVER_ROWS", driver_rows)
+def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pipeline, driver_rows):
+    pipeline = make_pipeline(driver_rows=driver_rows)
     created = [{"op": "add", "path": "firstName", "value": "Ann"}]
     # ---- slice 1: device1 and device2 subscribe to zone A; an entity is created in zone B
     r1 = run_slice(pipeline, [
@@ -510,3 +511,18 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
     stored = pq.read_table(f"{uris['device_inboxes']}/{written[0]['path']}").to_pylist()
     assert [(r["device"], r["bucket"], list(json.loads(r["document"])["pending"])) for r in stored] == [
         ("device1", 6, ["n2"])]
+
+
+def test_a_small_slice_runs_the_whole_graph_without_a_spark_session(make_pipeline, monkeypatch):
+    # Production's layout: small work in the driver, one task for a small slice. A run that
+    # never needs Spark must not start a JVM (a run process of its own would pay 7-11 s).
+    monkeypatch.setattr(common, "SMALL_TASK_ROWS", PRODUCTION_SMALL_TASK_ROWS)
+    pipeline = make_pipeline(driver_rows=SparkResource().driver_rows)
+
+    def no_spark(self):
+        raise AssertionError("a small slice asked for a Spark session")
+
+    monkeypatch.setattr(SparkResource, "session", no_spark)
+    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=200, entities=40, learning=True), devices=10)
+    run_slice(pipeline, list(traffic.records()), K1)
+    assert all(rows(pipeline, t) for t in ("entity_updates", "learned_schemas", "devices", "changes_by_device"))

@@ -10,6 +10,7 @@ from dagster import AssetCheckResult, Failure, MetadataValue
 
 from entity_assets.storage import DataFile, DeltaRsEngine, repeated_deliveries
 from entity_assets.tables import SCHEMAS
+from resources import SparkResource
 
 
 def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str]) -> None:
@@ -17,23 +18,23 @@ def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str]) -> None:
         engine.ensure(table, SCHEMAS[table])
 
 
-def collect_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = None) -> list:
+def collect_tasks(spark: SparkResource, tasks: list[dict], fn: Callable, rows: int | None = None) -> list:
     """Runs `fn` (a mapPartitions body) over `tasks` on the executors, one Spark task each; returns what it yields.
 
-    `rows`: what the tasks hold. Up to DRIVER_ROWS, the driver runs them itself, one after the
-    other: a Spark job's fixed cost (~0.2 s here) outweighs them, and most slices of a
-    sensor-driven deployment are that small.
+    `rows`: what the tasks hold. Up to `SparkResource.driver_rows`, the driver runs them itself,
+    one after the other, without a Spark session: a Spark job's fixed cost (~0.2 s here)
+    outweighs them, and most slices of a sensor-driven deployment are that small.
     """
     if not tasks:
         return []
-    if rows is not None and rows <= DRIVER_ROWS:
+    if spark.on_driver(rows):
         return [out for task in tasks for out in fn(iter([task]))]
     from entity_assets.fold import released
 
     return on_executors(spark, tasks, partial(released, fn))
 
 
-def on_executors(spark, tasks: list, body: Callable) -> list:
+def on_executors(spark: SparkResource, tasks: list, body: Callable) -> list:
     """One Spark task per item of `tasks`, running `body` (a mapPartitions body) over that item; what they yield.
 
     A classic session runs them as an RDD: no Spark SQL, whose first plans of a run cost the JVM
@@ -41,8 +42,9 @@ def on_executors(spark, tasks: list, body: Callable) -> list:
     a range of one row per partition picks each task's item, and what a task yields comes back
     pickled in a binary column (the server is warm).
     """
-    if not type(spark).__module__.startswith("pyspark.sql.connect"):
-        return spark.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(body).collect()
+    session = spark.session()
+    if not spark.remote:
+        return session.sparkContext.parallelize(tasks, len(tasks)).mapPartitions(body).collect()
     import pickle
 
     def run(batches):
@@ -53,11 +55,11 @@ def on_executors(spark, tasks: list, body: Callable) -> list:
                 out = [pickle.dumps(x, pickle.HIGHEST_PROTOCOL) for x in body(iter([tasks[i]]))]
                 yield pa.RecordBatch.from_arrays([pa.array(out, pa.binary())], names=["out"])
 
-    found = spark.range(len(tasks), numPartitions=len(tasks)).mapInArrow(run, "out binary").toArrow()
+    found = session.range(len(tasks), numPartitions=len(tasks)).mapInArrow(run, "out binary").toArrow()
     return [pickle.loads(b) for b in found.column(0).to_pylist()]
 
 
-def run_tasks(spark, tasks: list[dict], fn: Callable, rows: int | None = None) -> dict[str, list[DataFile]]:
+def run_tasks(spark: SparkResource, tasks: list[dict], fn: Callable, rows: int | None = None) -> dict[str, list[DataFile]]:
     """`collect_tasks` whose tasks report the files they wrote; returns the files by table.
 
     Only file records come back to the driver, never rows.
@@ -88,6 +90,12 @@ SMALL_TASK_ROWS = 50_000
 """Below this many rows a task's fixed cost (worker, producer) outweighs splitting it further."""
 
 
+def task_slots(spark: SparkResource, rows: int) -> int:
+    """The cores to spread `rows` over; a small slice gets one task whatever Spark has, so
+    asking it would start a session for nothing."""
+    return spark.parallelism() if rows > SMALL_TASK_ROWS else 1
+
+
 def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str, slice_key: str, body: Callable,
                  **body_args) -> tuple[dict, Counter]:
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
@@ -98,8 +106,8 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     publish_to = publishing(kafka, engine, [table])
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
                  storage_options=engine.storage_options, publishing=publish_to, **body_args)
-    written = run_tasks(spark.session(), file_tasks(files, slicing.max_messages_per_task, spark.parallelism()), fn,
-                        sum(f.rows for f in files))
+    rows = sum(f.rows for f in files)
+    written = run_tasks(spark, file_tasks(files, slicing.max_messages_per_task, task_slots(spark, rows)), fn, rows)
     return commit_stream(spark, engine, table, written, slice_key, publish_to)
 
 
@@ -137,9 +145,6 @@ def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
 # --------------------------------------------------------------------------- redeliveries
 
 COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
-DRIVER_ROWS = 10_000
-"""Work up to this many rows (or messages) runs in the driver: cheaper than the fixed cost of a
-Spark job, as every small slice of a busy stream would pay (`collect_tasks`, redeliveries)."""
 SPLIT_BY = "request"
 """Every identity holds the request number: its low bits split the search among tasks."""
 SPLIT_ROWS = 1_000_000
@@ -169,11 +174,11 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
     find = partial(repeated_deliveries, [f.uri for f in files], [f.uri for f in prior], identity, COORDINATES,
                    engine.storage_options, split_by=SPLIT_BY)
-    if rows_in <= DRIVER_ROWS:
+    if spark.on_driver(rows_in):
         return rows_in, frozenset(find())
     parts = max(spark.parallelism(), -(-rows_in // SPLIT_ROWS))
     parts = 1 << (parts - 1).bit_length()  # a power of two
-    found = on_executors(spark.session(), list(range(parts)), lambda each: (x for p in each for x in find(part=p, parts=parts)))
+    found = on_executors(spark, list(range(parts)), lambda each: (x for p in each for x in find(part=p, parts=parts)))
     return rows_in, frozenset(found)
 
 
@@ -302,7 +307,7 @@ def bucket_tasks(spark, rows: int) -> list[dict]:
     one for a small one (each task has a fixed cost)."""
     from entity_assets.core import STATE_BUCKETS
 
-    tasks = max(1, min(STATE_BUCKETS, spark.parallelism() * 2, -(-rows // SMALL_TASK_ROWS)))
+    tasks = max(1, min(STATE_BUCKETS, task_slots(spark, rows) * 2, -(-rows // SMALL_TASK_ROWS)))
     return [{"buckets": list(range(i, STATE_BUCKETS, tasks))} for i in range(tasks)]
 
 
@@ -318,7 +323,7 @@ def run_buckets(spark, sources: dict[str, list], reader: Callable, body: Callabl
         return defaultdict(list)
     fn = partial(over_buckets, body=body, sources={t: [f.uri for f in fs] for t, fs in sources.items()},
                  reader=reader, key_columns=key_columns, order=order, **body_args)
-    return run_tasks(spark.session(), bucket_tasks(spark, rows), fn, rows)
+    return run_tasks(spark, bucket_tasks(spark, rows), fn, rows)
 
 
 def fold_buckets(spark, sources: dict[str, list[DataFile]], reader: Callable, task: Callable, *,
@@ -388,7 +393,7 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
     `files`), once the caller has committed their rows; returns the count per table.
 
     Every spool goes out together, in one Spark job of at most one task per core (in the driver
-    up to DRIVER_ROWS messages): the broker takes the step's messages in one burst instead of
+    up to `SparkResource.driver_rows` messages): the broker takes the step's messages in one burst instead of
     one per task (see `kafka_io.Spool`).
     The spools are deleted once their messages are acknowledged; a failure leaves them for
     lake_maintenance, and a re-run of the slice publishes its messages again.
@@ -400,7 +405,7 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
     spools = files.pop(OUTBOX, [])
     if not spools or publish_to is None:
         return Counter()
-    cores = spark.parallelism()
+    cores = task_slots(spark, sum(f.rows for f in spools))
     tasks: list[dict] = [{"spools": []} for _ in range(min(cores, len(spools)))]
     loads = [0] * len(tasks)
     for f in sorted(spools, key=lambda f: -f.rows):  # the largest first, each to the least loaded task
@@ -409,6 +414,6 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
         loads[i] += f.rows
     fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=publish_to.storage_options)
     counts: Counter = Counter()
-    for row in collect_tasks(spark.session(), tasks, fn, sum(loads)):
+    for row in collect_tasks(spark, tasks, fn, sum(loads)):
         counts[row["table"]] += row["count"]
     return counts

@@ -116,7 +116,6 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     """
     engine, key = lake.open(), context.partition_key
     ensure_tables(engine, APPLY_TABLES)
-    session = spark.session()
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
     publish_to = publishing(kafka, engine, PUBLISHED)
 
@@ -127,7 +126,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                  patch_files=[f.uri for f in patch_files], state_files=state_files, write_state=apply,
                  state_file_rows=lake.state_file_rows, publishing=publish_to)
     rows = sum(f.rows for f in patch_files)
-    entity_files = run_tasks(session, bucket_tasks(spark, rows), fn, rows)
+    entity_files = run_tasks(spark, bucket_tasks(spark, rows), fn, rows)
     entities = commit_buckets(engine, "entities", key, apply, snapshot, entity_files)
 
     schema_in, redelivered_parts = redeliveries(spark, engine, "schema_patches", key, ("clientid", "request", "part"),

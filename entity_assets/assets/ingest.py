@@ -50,7 +50,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
         slice_key=manifest.key, table_uris={t: engine.uri(t) for t in TABLES},
         storage_options=engine.storage_options,
     )
-    summary = commit_slice(engine, TABLES, run_tasks(spark.session(), tasks, fn, manifest.messages), manifest.key)
+    summary = commit_slice(engine, TABLES, run_tasks(spark, tasks, fn, manifest.messages), manifest.key)
     context.log.info(f"slice {manifest.key}: {manifest.messages} records in {len(tasks)} tasks -> "
                      + ", ".join(f"{t}={s['rows']}" for t, s in summary.items()))
     offsets: dict[str, dict[str, str]] = {}

@@ -14,7 +14,9 @@ from dagster import (
 )
 
 from entity_assets import fold
-from entity_assets.assets.common import collect_tasks, commit_state, ensure_tables, file_tasks, state_as_of, table_metadata
+from entity_assets.assets.common import (
+    collect_tasks, commit_state, ensure_tables, file_tasks, state_as_of, table_metadata, task_slots,
+)
 from entity_assets.learning import Summary, disagreements, entity_types, infer
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.storage import FileWriter
@@ -39,9 +41,9 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
     # each task summarizes the rows of its files (no shuffle); summaries merge exactly
     files = engine.slice_files("schema_learning", [key])
-    tasks = file_tasks(files, slicing.max_messages_per_task, spark.parallelism())
-    partials = collect_tasks(spark.session(), tasks, partial(fold.learn_task, storage_options=engine.storage_options),
-                             sum(f.rows for f in files))
+    rows_in = sum(f.rows for f in files)
+    tasks = file_tasks(files, slicing.max_messages_per_task, task_slots(spark, rows_in))
+    partials = collect_tasks(spark, tasks, partial(fold.learn_task, storage_options=engine.storage_options), rows_in)
 
     summaries: dict[tuple[str, str], Summary] = {}
     for row in engine.read("learned_schemas", version).to_pylist():
