@@ -37,8 +37,12 @@ class LocalBroker(LocalService):
                 "--kafka-port", str(self.port), "--host", self.host]
 
     def ready(self) -> bool:
+        """A Kafka metadata answer naming a broker; a closed port is told by a plain connect, without
+        starting a client (its threads) for every probe of a start."""
         from confluent_kafka.admin import AdminClient
 
+        if not self.listening():
+            return False
         try:
             return bool(AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=1).brokers)
         except Exception:
