@@ -34,6 +34,8 @@ from entity_assets.manifests import ManifestStore
 from entity_assets.slices import Manifest
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
+PRODUCTION_SMALL_TASK_ROWS = common.SMALL_TASK_ROWS  # before make_pipeline changes it
+
 JOB = "slice_job"
 SENSOR = "kafka_offsets_sensor"
 TOPIC_PARTITIONS = 4
@@ -272,7 +274,12 @@ def make_pipeline(broker, spark, tmp_path, monkeypatch):
     monkeypatch.setattr(common, "SMALL_TASK_ROWS", 1)
     made = []
 
-    def make(**kwargs) -> Pipeline:
+    def make(*, production_layout: bool = False, **kwargs) -> Pipeline:
+        """`production_layout`: small work in the driver and one task for a small slice, as in
+        production, instead of every step's work in Spark tasks split over several."""
+        if production_layout:
+            monkeypatch.setattr(common, "SMALL_TASK_ROWS", PRODUCTION_SMALL_TASK_ROWS)
+            kwargs.setdefault("driver_rows", SparkResource().driver_rows)
         p = Pipeline(broker, spark, tmp_path / f"p{len(made)}", **kwargs)
         made.append(p)
         return p

@@ -35,15 +35,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from entity_assets import samples
-from entity_assets.assets import common
 from entity_assets.learning import Summary
 from entity_assets.patch import STATUS_OK, apply_patch
-from resources import SparkResource
 
 SUBSCRIPTIONS = samples.SUBSCRIPTIONS
 ACTIONS = ("created", "updated", "deleted")
 NOTIFICATION_NAMESPACE = uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337")  # docs/streams.md: ids never change
-PRODUCTION_LAYOUT = {"SMALL_TASK_ROWS": common.SMALL_TASK_ROWS, "driver_rows": SparkResource().driver_rows}
 DBID = "my-db"
 BEGUN = samples.SEED_ENTITY_BATCH["begun"]
 
@@ -158,22 +155,13 @@ def _json(text):
     return None if text is None else json.loads(text)
 
 
-def use_layout(monkeypatch, layout: dict | None) -> dict:
-    """`PRODUCTION_LAYOUT` undoes the fixture's split of small work over tasks and runs small work
-    in the driver; None keeps the fixture's. Returns the pipeline's arguments for it."""
-    if layout is None:
-        return {}
-    monkeypatch.setattr(common, "SMALL_TASK_ROWS", layout["SMALL_TASK_ROWS"])
-    return {"driver_rows": layout["driver_rows"]}
-
-
-@pytest.mark.parametrize(("batches", "entities", "slices", "layout"), [
-    pytest.param(900, 120, 3, None, id="split-tasks"),
-    pytest.param(100_000, 10_000, 3, PRODUCTION_LAYOUT, id="bench-sized", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("batches", "entities", "slices", "production"), [
+    pytest.param(900, 120, 3, False, id="split-tasks"),
+    pytest.param(100_000, 10_000, 3, True, id="bench-sized", marks=pytest.mark.slow),
 ])
-def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pipeline, monkeypatch, batches,
-                                                                      entities, slices, layout):
-    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8), **use_layout(monkeypatch, layout))
+def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pipeline, batches, entities, slices,
+                                                                      production):
+    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8), production_layout=production)
     traffic, model = MixedTraffic(entities=entities, seed=20261124), Model()
     for _ in range(slices):
         records = traffic.records(batches // slices)
@@ -379,13 +367,13 @@ class Inboxes:
         return changed
 
 
-@pytest.mark.parametrize(("batches", "devices", "zones", "slices", "layout"), [
-    pytest.param(600, 30, 3, 3, None, id="split-tasks"),
-    pytest.param(60_000, 3_000, 1_000, 3, PRODUCTION_LAYOUT, id="bench-sized", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("batches", "devices", "zones", "slices", "production"), [
+    pytest.param(600, 30, 3, 3, False, id="split-tasks"),
+    pytest.param(60_000, 3_000, 1_000, 3, True, id="bench-sized", marks=pytest.mark.slow),
 ])
-def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_pipeline, monkeypatch, batches,
-                                                                         devices, zones, slices, layout):
-    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8), **use_layout(monkeypatch, layout))
+def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_pipeline, batches, devices, zones,
+                                                                         slices, production):
+    pipeline = make_pipeline(max_messages_per_task=max(200, batches // 8), production_layout=production)
     names = ("default", "A", "B", *(f"zone-{i}" for i in range(zones - 3)))
     traffic = MixedTraffic(entities=batches // 6, seed=7, zones=names)
     subs = SubscriptionTraffic(devices=devices, seed=11, zones=names)
@@ -499,13 +487,12 @@ class SchemaTraffic:
                 {"op": "move", "from": "/Type9", "path": "/Type8/fields/b"}]
 
 
-@pytest.mark.parametrize(("requests_per_slice", "layout"), [
-    pytest.param(60, None, id="split-tasks"),
-    pytest.param(3_000, PRODUCTION_LAYOUT, id="bench-sized", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("requests_per_slice", "production"), [
+    pytest.param(60, False, id="split-tasks"),
+    pytest.param(3_000, True, id="bench-sized", marks=pytest.mark.slow),
 ])
-def test_schema_requests_straddling_slices_agree_with_the_patch_engine(make_pipeline, monkeypatch, requests_per_slice,
-                                                                      layout):
-    pipeline = make_pipeline(max_messages_per_task=200, **use_layout(monkeypatch, layout))
+def test_schema_requests_straddling_slices_agree_with_the_patch_engine(make_pipeline, requests_per_slice, production):
+    pipeline = make_pipeline(max_messages_per_task=200, production_layout=production)
     rng, traffic = random.Random(5), SchemaTraffic(seed=13)
     schemas: dict = {}  # dbid -> (version, document)
     results: dict = {}  # (clientid, request, part) -> result

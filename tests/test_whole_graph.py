@@ -24,7 +24,6 @@ from entity_assets.slices import slice_key
 from resources import LakeResource, SparkResource
 
 K1, K2, K3, K4 = slice_key(1), slice_key(2), slice_key(3), slice_key(4)
-PRODUCTION_SMALL_TASK_ROWS = common.SMALL_TASK_ROWS
 CLIENT = samples.SEED_CLIENT
 DB = "my-db"
 
@@ -514,10 +513,8 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
 
 
 def test_a_small_slice_runs_the_whole_graph_without_a_spark_session(make_pipeline, monkeypatch):
-    # Production's layout: small work in the driver, one task for a small slice. A run that
-    # never needs Spark must not start a JVM (a run process of its own would pay 7-11 s).
-    monkeypatch.setattr(common, "SMALL_TASK_ROWS", PRODUCTION_SMALL_TASK_ROWS)
-    pipeline = make_pipeline(driver_rows=SparkResource().driver_rows)
+    # A run that never needs Spark must not start a JVM (a run process of its own would pay 7-11 s).
+    pipeline = make_pipeline(production_layout=True)
 
     def no_spark(self):
         raise AssertionError("a small slice asked for a Spark session")
