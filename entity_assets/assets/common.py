@@ -405,8 +405,8 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
     spools = files.pop(OUTBOX, [])
     if not spools or publish_to is None:
         return Counter()
-    cores = task_slots(spark, sum(f.rows for f in spools))
-    tasks: list[dict] = [{"spools": []} for _ in range(min(cores, len(spools)))]
+    messages = sum(f.rows for f in spools)
+    tasks: list[dict] = [{"spools": []} for _ in range(min(task_slots(spark, messages), len(spools)))]
     loads = [0] * len(tasks)
     for f in sorted(spools, key=lambda f: -f.rows):  # the largest first, each to the least loaded task
         i = loads.index(min(loads))
@@ -414,6 +414,6 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
         loads[i] += f.rows
     fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=publish_to.storage_options)
     counts: Counter = Counter()
-    for row in collect_tasks(spark, tasks, fn, sum(loads)):
+    for row in collect_tasks(spark, tasks, fn, messages):
         counts[row["table"]] += row["count"]
     return counts
