@@ -79,8 +79,7 @@ def main(argv=None) -> int:
                     log(f"small slice {i + 1} FAILED")
                     return 1
                 times.append(t.s)
-                _record_slice(i, t.s, runs, lake, state, by_step, rewritten)
-                state = {f.path: f for f in lake.files("entities")}
+                state = _record_slice(i, t.s, runs, lake, state, by_step, rewritten)
         finally:
             if server is not None:
                 server.stop()
@@ -108,7 +107,8 @@ def _run_slice(mode: str | None, server, steps) -> list[dict] | None:
     return [{"success": True, "steps": {}}]  # the process's own steps are not split
 
 
-def _record_slice(i, seconds, runs, lake, before, by_step, rewritten) -> None:
+def _record_slice(i, seconds, runs, lake, before, by_step, rewritten) -> dict:
+    """Logs the slice and records its step times and rewritten rows; returns the state's files after it."""
     steps_s = step_seconds(runs)
     for step, sec in steps_s.items():
         by_step.setdefault(step, []).append(sec)
@@ -118,6 +118,7 @@ def _record_slice(i, seconds, runs, lake, before, by_step, rewritten) -> None:
     log(f"small slice {i + 1}: {seconds:.2f}s " + ", ".join(f"{k} {v:.2f}s" for k, v in steps_s.items())
         + f"; entities rows written {rewritten[-1]:,} of {sum(f.rows for f in state.values()):,}"
           f" ({len(new)} of {len(state)} files)")
+    return state
 
 
 if __name__ == "__main__":
