@@ -10,6 +10,7 @@ Nothing here knows Dagster; `resources.lake.LakeResource` is the interface asset
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -60,13 +61,53 @@ class TableFile:
     max: dict = field(default_factory=dict)
 
 
+S3_OPTIONS = {
+    "aws_access_key_id": "access_key", "access_key_id": "access_key",
+    "aws_secret_access_key": "secret_key", "secret_access_key": "secret_key",
+    "aws_session_token": "session_token", "aws_token": "session_token", "session_token": "session_token",
+    "token": "session_token",
+    "aws_region": "region", "aws_default_region": "region", "region": "region",
+    "aws_endpoint_url": "endpoint", "aws_endpoint": "endpoint", "endpoint_url": "endpoint", "endpoint": "endpoint",
+    "aws_virtual_hosted_style_request": "force_virtual_addressing",
+    "virtual_hosted_style_request": "force_virtual_addressing",
+}
+"""delta-rs's S3 storage options (object_store's names, any case) that the task-side files need
+too, by the pyarrow S3FileSystem argument each sets; the others (locking, AWS_ALLOW_HTTP, which
+an http:// endpoint implies) concern the Delta log only."""
+
+
 def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem of a lake URI and the path in it.
+
+    An S3 lake's data files use the credentials and endpoint of `storage_options`, as its Delta
+    commits do; without options, and for other stores, pyarrow takes them from the environment
+    (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*), as delta-rs does.
+    """
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
     scheme = {"s3a": "s3", "s3n": "s3"}.get(parsed.scheme, parsed.scheme)
+    if scheme == "s3" and storage_options:
+        return _s3(tuple(sorted(storage_options.items()))), f"{parsed.netloc}{parsed.path}"
     fs, path = pafs.FileSystem.from_uri(uri.replace(parsed.scheme + "://", scheme + "://", 1))
     return fs, path
+
+
+@functools.lru_cache(maxsize=8)
+def _s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
+    """One S3FileSystem per set of options in a process: a task opens every file through it."""
+    settings: dict = {}
+    for name, value in options:
+        argument = S3_OPTIONS.get(name.lower())
+        if argument == "force_virtual_addressing":
+            settings[argument] = value.lower() == "true"
+        elif argument:
+            settings[argument] = value
+    endpoint = settings.pop("endpoint", None)
+    if endpoint:
+        url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+        settings.update(endpoint_override=url.netloc, scheme=url.scheme)
+    return pafs.S3FileSystem(**settings)
 
 
 class FileWriter:
@@ -479,7 +520,7 @@ class DeltaRsEngine:
         schema = pa.schema(dt.schema().to_arrow())
         if columns:
             schema = pa.schema([schema.field(c) for c in columns])
-        parts = [pq.read_table(f.uri, columns=columns) for f in files]
+        parts = [read_table(f.uri, self.storage_options, columns) for f in files]
         data = pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
         for k, v in (where or {}).items():
             data = data.filter(pc.equal(data[k], v))

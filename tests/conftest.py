@@ -15,6 +15,7 @@ there, present and future) with the test's resources.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 from collections import Counter
@@ -32,6 +33,7 @@ from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import ensure_topics, produce
 from entity_assets.manifests import ManifestStore
 from entity_assets.slices import Manifest
+from entity_assets.tables import SCHEMAS
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 PRODUCTION_SMALL_TASK_ROWS = common.SMALL_TASK_ROWS  # before make_pipeline changes it
@@ -66,6 +68,19 @@ def _free_port() -> int:
 def free_port() -> Callable[[], int]:
     """Gives TCP ports on 127.0.0.1 that nothing listens on, for servers a test starts."""
     return _free_port
+
+
+def _lake_rows(lake: LakeResource) -> dict[str, list[str]]:
+    engine = lake.open()
+    return {t: sorted(json.dumps(r, sort_keys=True, default=str) for r in engine.read(t).to_pylist())
+            for t in SCHEMAS if engine.exists(t)}
+
+
+@pytest.fixture
+def lake_rows() -> Callable[[LakeResource], dict[str, list[str]]]:
+    """Gives each table of a lake as its rows' sorted JSON texts, to compare two lakes; the slice
+    manifests aside (they hold the wall-clock time their slice closed)."""
+    return _lake_rows
 
 
 @pytest.fixture
@@ -117,11 +132,14 @@ class Pipeline:
 
     def __init__(self, broker: LocalBroker, spark: SparkResource, root: Path, *, partitions: int = TOPIC_PARTITIONS,
                  max_messages: int = 5_000_000, max_messages_per_task: int = 1000, min_interval_seconds: float = 0,
-                 state_file_rows: int | None = None, driver_rows: int = 0, instance=None):
+                 state_file_rows: int | None = None, driver_rows: int = 0, instance=None, prefix: str | None = None,
+                 lake_root: str | None = None, storage_options: dict[str, str] | None = None):
+        """`prefix`: another pipeline's, to read the same input topics (and publish to the same output
+        topics); `lake_root` and `storage_options`: a lake elsewhere than under `root` (an object store)."""
         base = _definitions()
-        self.prefix = f"t{next(self._ids)}."
+        self.prefix = prefix or f"t{next(self._ids)}."
         self.kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix=self.prefix)
-        self.lake = LakeResource(root=str(root / "lake"),
+        self.lake = LakeResource(root=lake_root or str(root / "lake"), storage_options=storage_options or {},
                                  **({"state_file_rows": state_file_rows} if state_file_rows else {}))
         self.slicing = SlicingResource(min_interval_seconds=min_interval_seconds, max_messages=max_messages,
                                        max_messages_per_task=max_messages_per_task)

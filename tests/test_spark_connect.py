@@ -3,7 +3,6 @@ by two `entity-assets run` processes against a local Spark Connect server write 
 classic local session writes, and leave one pool of Python workers on the server. The slow test
 starts a Spark Connect server (a JVM) of its own."""
 
-import json
 import os
 import socket
 import subprocess
@@ -11,26 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from deltalake import DeltaTable
 
 from entity_assets import samples
 from entity_assets.spark_connect import SESSION_ID, SESSION_TIMEOUT, LocalSparkConnect
+from resources import LakeResource
 
 REPO = Path(__file__).resolve().parents[1]
 # As the suite's pipelines do (conftest.make_pipeline): every step's work in Spark tasks, split
 # over several, so the work really goes through the server.
 RUN = ("import entity_assets.assets.common as c; c.SMALL_TASK_ROWS = 1; "
        "from entity_assets.cli import main; raise SystemExit(main(['run']))")
-
-
-def _tables(lake: Path) -> dict[str, list[str]]:
-    """Each table's rows as sorted JSON texts; manifests aside (they hold the wall-clock time their
-    slice closed)."""
-    out = {}
-    for path in sorted(p for p in lake.iterdir() if (p / "_delta_log").is_dir() and p.name != "slice_manifests"):
-        out[path.name] = sorted(json.dumps(r, sort_keys=True, default=str)
-                                for r in DeltaTable(str(path)).to_pyarrow_table().to_pylist())
-    return out
 
 
 def _worker_daemons(server_pid: int) -> list[int]:
@@ -72,7 +61,8 @@ def test_a_server_does_not_start_on_a_port_another_process_holds(tmp_path):
 
 
 @pytest.mark.slow
-def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_pipeline, free_port, tmp_path):
+def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_pipeline, free_port, tmp_path,
+                                                                   lake_rows):
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=1200, entities=200, learning=True), devices=10)
     records = [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
     halves = records[:len(records) // 2], records[len(records) // 2:]
@@ -97,4 +87,4 @@ def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_
         assert len(_worker_daemons(server.pid())) == 1
     finally:
         server.stop()
-    assert _tables(tmp_path / "home" / "lake") == _tables(Path(local.lake.root))
+    assert lake_rows(LakeResource(root=str(tmp_path / "home" / "lake"))) == lake_rows(local.lake)

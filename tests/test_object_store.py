@@ -1,0 +1,93 @@
+"""The lake on object storage. An S3 endpoint on 127.0.0.1 (moto's server: the S3 API over HTTP,
+as MinIO or any S3-compatible store serves it) holds the lake: Spark tasks write and read its
+data files, delta-rs commits them, the slice manifests and the outbox live there too, each
+through `LakeResource.storage_options` alone."""
+
+import os
+import sys
+from dataclasses import dataclass
+
+import boto3
+import pytest
+
+from entity_assets import samples
+from entity_assets.local_service import LocalService
+from entity_assets.storage import filesystem
+
+BUCKET = "entity-lake"
+
+
+@dataclass(frozen=True)
+class LocalS3(LocalService):
+    name = "s3"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.address}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
+
+    def ready(self) -> bool:
+        return self.listening()
+
+
+@pytest.fixture
+def s3_options(tmp_path, free_port):
+    """The storage options of a lake in a fresh bucket of a local S3 endpoint, stopped by its pid after the test."""
+    server = LocalS3(tmp_path / "s3", port=free_port())
+    server.start(timeout=60)
+    try:
+        options = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "entity-assets",
+                   "AWS_SECRET_ACCESS_KEY": "not-a-secret", "AWS_REGION": "eu-west-1", "AWS_ALLOW_HTTP": "true"}
+        client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=options["AWS_ACCESS_KEY_ID"],
+                              aws_secret_access_key=options["AWS_SECRET_ACCESS_KEY"], region_name=options["AWS_REGION"])
+        client.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": options["AWS_REGION"]})
+        yield options
+    finally:
+        server.stop()
+
+
+def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, monkeypatch):
+    for var in [v for v in os.environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(var)
+    fs, path = filesystem(f"s3a://{BUCKET}/lake/entities/part-1.parquet", s3_options)
+    assert path == f"{BUCKET}/lake/entities/part-1.parquet"
+    with fs.open_output_stream(path) as sink:
+        sink.write(b"PAR1")
+    again, _ = filesystem(f"s3://{BUCKET}/lake/other", dict(reversed(s3_options.items())))
+    assert again is fs  # one filesystem per set of options in a process, whatever their order
+    with again.open_input_stream(path) as source:
+        assert source.read() == b"PAR1"
+
+
+def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, lake_rows, monkeypatch):
+    # neither this process nor the runs' tasks may find the store's endpoint or credentials but in the options
+    for var in [v for v in os.environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(var)
+    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=160, entities=40, learning=True), devices=4)
+    records = [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
+    local = make_pipeline(max_messages=120)
+    remote = make_pipeline(max_messages=120, prefix=local.prefix,  # the same input topics, read at the same points
+                           lake_root=f"s3://{BUCKET}/entity-assets", storage_options=s3_options)
+    local.produce(records)
+    local_runs, remote_runs = local.tick_and_run(), remote.tick_and_run()
+    assert len(remote_runs) == len(local_runs) >= 2 and all(r.success for r in local_runs + remote_runs)
+
+    tables = lake_rows(remote.lake)
+    assert tables == lake_rows(local.lake)
+    assert len(tables["dead_letters"]) == len(samples.BAD_VALUES) and tables["device_notifications"]
+    client = boto3.client("s3", endpoint_url=s3_options["AWS_ENDPOINT_URL"], region_name=s3_options["AWS_REGION"],
+                          aws_access_key_id=s3_options["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=s3_options["AWS_SECRET_ACCESS_KEY"])
+    sizes = {o["Key"]: o["Size"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+             for o in page.get("Contents", [])}
+    keys = list(sizes)
+    assert any(k.startswith("entity-assets/entity_updates/part-") for k in keys)
+    # the Delta log gives each data file the size the store has for it
+    engine = remote.engine
+    committed = {f"entity-assets/{t}/{f.path}": f.size for t in tables for f in engine.files(t)}
+    assert committed and all(sizes[k] == n for k, n in committed.items())
+    assert any(k.startswith("entity-assets/slice_manifests/_delta_log/") for k in keys)
+    # every message published: no spool is left in the outbox
+    assert not [k for k in keys if k.endswith(".spool")]
