@@ -24,6 +24,9 @@ from entity_assets import core, encode
 from entity_assets.kafka_io import BatchProducer, Spool, replay_into
 from entity_assets.storage import filesystem
 
+SPOOL_READ_BUFFER = 4 << 20
+"""Bytes read from a spool at a time."""
+
 OUTBOX = "outbox:"
 """Report rows with this table name are a task's spool file (path: its URI, rows: its messages)."""
 
@@ -195,7 +198,8 @@ def replay_task(tasks: Iterator[dict], *, kafka_config: dict, storage_options) -
         for spool in task["spools"]:
             tables.update(zip(spool["topics"], spool["tables"]))
             fs, path = filesystem(spool["uri"], storage_options)
-            with fs.open_input_stream(path) as source:
+            # buffered: the IPC reader's small reads would each be a request to an object store
+            with fs.open_input_stream(path, buffer_size=SPOOL_READ_BUFFER) as source:
                 replay_into(producer, source, spool["topics"])
             replayed.append((fs, path))
         counts = producer.close()

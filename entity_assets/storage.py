@@ -192,7 +192,7 @@ class FileWriter:
                 pq.write_table(data, sink, compression="snappy", row_group_size=ROW_GROUP_ROWS)
             else:
                 self._write_groups(data, sink)
-        size = self._fs.get_file_info(path).size
+            size = sink.tell()  # not a stat of the file: on an object store that is one more request
         self.files.append(DataFile(self.table, name, size, data.num_rows, _stats(data, self.stats_columns)))
 
 
@@ -303,23 +303,56 @@ def read_batches(uri: str, storage_options: dict[str, str] | None = None, batch_
                                                                          use_threads=False)
 
 
-def read_row_groups(uris: Iterable[str], column: str, value, storage_options: dict[str, str] | None = None) -> pa.Table:
-    """The rows of files written with `row_groups_by=column` whose `column` is `value`."""
-    pieces = []
-    for uri in uris:
-        fs, path = filesystem(uri, storage_options)
-        with fs.open_input_file(path) as source:
-            pf = pq.ParquetFile(source)
-            index = pf.schema_arrow.get_field_index(column)
+class RowGroups:
+    """Files written with `row_groups_by=column`, each opened once, whose rows of one `column`
+    value are read at a time (`read`).
+
+    A fold task reads its buckets one after the other from the same files: opening each file once
+    per task, not once per bucket, saves a request for its size and one for its footer per file
+    and bucket, which on an object store are round trips.
+    """
+
+    def __init__(self, uris: Iterable[str], column: str, storage_options: dict[str, str] | None = None):
+        self.column, self._sources, self._files = column, [], []
+        try:
+            for uri in uris:
+                fs, path = filesystem(uri, storage_options)
+                self._sources.append(fs.open_input_file(path))
+                pf = pq.ParquetFile(self._sources[-1])
+                self._files.append((pf, pf.schema_arrow.get_field_index(column)))
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, value) -> pa.Table:
+        """The rows whose `column` is `value`, from the row groups whose statistics admit it."""
+        pieces = []
+        for pf, index in self._files:
             groups = [g for g in range(pf.num_row_groups)
                       if (st := pf.metadata.row_group(g).column(index).statistics) is None
                       or (st.has_min_max and st.min <= value <= st.max)]
             if groups:
                 pieces.append(pf.read_row_groups(groups))
-    if not pieces:
-        return pa.table({})
-    data = pa.concat_tables(pieces)
-    return data.filter(pc.equal(data.column(column), value))
+        if not pieces:
+            return pa.table({})
+        data = pa.concat_tables(pieces)
+        return data.filter(pc.equal(data.column(self.column), value))
+
+    def close(self) -> None:
+        for source in self._sources:
+            source.close()
+
+    def __enter__(self) -> RowGroups:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_row_groups(uris: Iterable[str], column: str, value, storage_options: dict[str, str] | None = None) -> pa.Table:
+    """The rows of files written with `row_groups_by=column` whose `column` is `value`."""
+    with RowGroups(uris, column, storage_options) as files:
+        return files.read(value)
 
 
 def _stats(data: pa.Table, columns: Iterable[str]) -> str:
