@@ -4,8 +4,10 @@ data files, delta-rs commits them, the slice manifests and the outbox live there
 through `LakeResource.storage_options` alone."""
 
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import boto3
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from entity_assets import samples
 from entity_assets.local_service import LocalService
 from entity_assets.storage import filesystem
+from resources import LakeResource
 
 BUCKET = "entity-lake"
 
@@ -61,12 +64,16 @@ def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, m
         assert source.read() == b"PAR1"
 
 
+def _traffic() -> list:
+    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=160, entities=40, learning=True), devices=4)
+    return [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
+
+
 def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, lake_rows, monkeypatch):
     # neither this process nor the runs' tasks may find the store's endpoint or credentials but in the options
     for var in [v for v in os.environ if v.startswith("AWS_")]:
         monkeypatch.delenv(var)
-    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=160, entities=40, learning=True), devices=4)
-    records = [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
+    records = _traffic()
     local = make_pipeline(max_messages=120)
     remote = make_pipeline(max_messages=120, prefix=local.prefix,  # the same input topics, read at the same points
                            lake_root=f"s3://{BUCKET}/entity-assets", storage_options=s3_options)
@@ -91,3 +98,22 @@ def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, l
     assert any(k.startswith("entity-assets/slice_manifests/_delta_log/") for k in keys)
     # every message published: no spool is left in the outbox
     assert not [k for k in keys if k.endswith(".spool")]
+
+
+@pytest.mark.slow
+def test_the_cli_runs_on_an_s3_lake_with_the_aws_environment(broker, make_pipeline, s3_options, lake_rows, tmp_path):
+    """`entity-assets run` as a deployment runs it: `ENTITY_ASSETS_LAKE` names the bucket and the
+    standard AWS variables (no storage options) reach delta-rs and the Spark workers' files."""
+    local = make_pipeline(max_messages=120)
+    local.produce(_traffic())
+    assert all(r.success for r in local.tick_and_run())
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "DAGSTER_HOME"}, **s3_options,
+           "AWS_EC2_METADATA_DISABLED": "true", "ENTITY_ASSETS_HOME": str(tmp_path / "home"),
+           "ENTITY_ASSETS_LAKE": f"s3://{BUCKET}/cli", "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
+           "ENTITY_ASSETS_TOPIC_PREFIX": local.prefix, "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS": "0",
+           "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "120", "ENTITY_ASSETS_SLICE_MAX_PER_TASK": "1000",
+           "ENTITY_ASSETS_SPARK_MASTER": "local[2]", "ENTITY_ASSETS_SPARK_DRIVER_ROWS": "0"}
+    done = subprocess.run([str(Path(sys.executable).parent / "entity-assets"), "run"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert lake_rows(LakeResource(root=f"s3://{BUCKET}/cli", storage_options=s3_options)) == lake_rows(local.lake)
