@@ -379,6 +379,7 @@ class DeltaRsEngine:
         self.root = root.rstrip("/")
         self.storage_options = storage_options or None
         self._handles: dict[tuple[str, int | None], object] = {}
+        self._existing: set[str] = set()
 
     def uri(self, table: str) -> str:
         return f"{self.root}/{table}"
@@ -400,9 +401,13 @@ class DeltaRsEngine:
         return dt
 
     def exists(self, table: str) -> bool:
+        """A table once found stays: later asks of the step make no request (`ensure` asks for each table it writes)."""
         from deltalake import DeltaTable
 
-        return DeltaTable.is_deltatable(self.uri(table), storage_options=self.storage_options)
+        if table not in self._existing and DeltaTable.is_deltatable(self.uri(table),
+                                                                    storage_options=self.storage_options):
+            self._existing.add(table)
+        return table in self._existing
 
     def ensure(self, table: str, schema: pa.Schema, *, change_data_feed: bool = False) -> None:
         from deltalake import DeltaTable
