@@ -1,7 +1,7 @@
 """The lake on object storage. An S3 endpoint on 127.0.0.1 (moto's server: the S3 API over HTTP,
 as MinIO or any S3-compatible store serves it) holds the lake: Spark tasks write and read its
 data files, delta-rs commits them, the slice manifests and the outbox live there too, each
-through `LakeResource.storage_options` alone."""
+through `LakeResource.storage_options` alone, or (the slow test) through the AWS environment alone."""
 
 import os
 import subprocess
@@ -35,6 +35,12 @@ class LocalS3(LocalService):
         return self.listening()
 
 
+def _client(options: dict[str, str]):
+    return boto3.client("s3", endpoint_url=options["AWS_ENDPOINT_URL"], region_name=options["AWS_REGION"],
+                        aws_access_key_id=options["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=options["AWS_SECRET_ACCESS_KEY"])
+
+
 @pytest.fixture
 def s3_options(tmp_path, free_port):
     """The storage options of a lake in a fresh bucket of a local S3 endpoint, stopped by its pid after the test."""
@@ -43,9 +49,7 @@ def s3_options(tmp_path, free_port):
     try:
         options = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "entity-assets",
                    "AWS_SECRET_ACCESS_KEY": "not-a-secret", "AWS_REGION": "eu-west-1", "AWS_ALLOW_HTTP": "true"}
-        client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=options["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=options["AWS_SECRET_ACCESS_KEY"], region_name=options["AWS_REGION"])
-        client.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": options["AWS_REGION"]})
+        _client(options).create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": options["AWS_REGION"]})
         yield options
     finally:
         server.stop()
@@ -84,10 +88,7 @@ def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, l
     tables = lake_rows(remote.lake)
     assert tables == lake_rows(local.lake)
     assert len(tables["dead_letters"]) == len(samples.BAD_VALUES) and tables["device_notifications"]
-    client = boto3.client("s3", endpoint_url=s3_options["AWS_ENDPOINT_URL"], region_name=s3_options["AWS_REGION"],
-                          aws_access_key_id=s3_options["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=s3_options["AWS_SECRET_ACCESS_KEY"])
-    sizes = {o["Key"]: o["Size"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+    sizes = {o["Key"]: o["Size"] for page in _client(s3_options).get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
              for o in page.get("Contents", [])}
     keys = list(sizes)
     assert any(k.startswith("entity-assets/entity_updates/part-") for k in keys)
