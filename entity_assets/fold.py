@@ -441,44 +441,48 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
         with RowGroups(patch_files, "bucket", storage_options) as slice_patches:  # each file opened once per task
             for bucket in task["buckets"]:
                 patches = slice_patches.read(bucket)
-                if not patches.num_rows:
-                    continue
-                store.switch(bucket, pc.unique(key_strings(patches, core.ENTITY_KEY)))
-                key, state = None, core.DocState()
-
-                def save():  # an entity's state row is made once, after its last patch of the slice
-                    if state.changed:
-                        store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
-
-                for batch in patches.sort_by(order).to_batches(max_chunksize=BATCH_ROWS):
-                    if not batch.num_rows:
-                        continue
-                    # results stay in Arrow: the patch's columns, and the columns the fold adds
-                    added, learned = [], []
-                    for dbid, collection, zone, entity, timestamp, begun, ops, include_before, include_after, learning in zip(
-                            *(batch.column(name).to_pylist() for name in _FOLD_READS)):
-                        k = (dbid, collection, zone, entity)
-                        if k != key:
-                            save()
-                            key, state = k, core.DocState(store.get(k))
-                        before = state.doc
-                        ended = core.ended_of(timestamp, begun)
-                        status, error, before_text, after, action = core.apply(state, ops, ended, include_before, include_after)
-                        subject = learn = None
-                        if status == core.STATUS_OK:
-                            subject = notify.subject_zone(collection, zone, state.doc if state.doc is not None else before)
-                            if learning and state.doc is not None:
-                                learn = core.learned_after(after, state.doc)
-                        added.append((ended, status, error, before_text, after, action, subject))
-                        learned.append(learn)
-                    results = pa.Table.from_batches([batch])
-                    for name, values in zip(_FOLD_ADDS, zip(*added)):
-                        results = results.append_column(name, pa.array(values, _RESULT_TYPES.field(name).type))
-                    results = results.append_column("stream", pa.repeat(pa.scalar("entity-updates"), batch.num_rows))
-                    out.respond_rows(results, pa.array(learned, pa.string()))
-                save()
+                if patches.num_rows:
+                    store.switch(bucket, pc.unique(key_strings(patches, core.ENTITY_KEY)))
+                    _fold_bucket(out, store, patches.sort_by(order), bucket, slice_key)
         out.close_state("entities", store)
         yield from out.report()
+
+
+def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: int, slice_key: str) -> None:
+    """Folds one bucket's patches, sorted by entity and `core.ORDER`, over the entities `store` holds."""
+    key, state = None, core.DocState()
+
+    def save():  # an entity's state row is made once, after its last patch of the slice
+        if state.changed:
+            store.put(key, state.row(dict(zip(core.ENTITY_KEY, key)), slice_key, bucket))
+
+    for batch in patches.to_batches(max_chunksize=BATCH_ROWS):
+        if not batch.num_rows:
+            continue
+        # results stay in Arrow: the patch's columns, and the columns the fold adds
+        added, learned = [], []
+        for dbid, collection, zone, entity, timestamp, begun, ops, include_before, include_after, learning in zip(
+                *(batch.column(name).to_pylist() for name in _FOLD_READS)):
+            k = (dbid, collection, zone, entity)
+            if k != key:
+                save()
+                key, state = k, core.DocState(store.get(k))
+            before = state.doc
+            ended = core.ended_of(timestamp, begun)
+            status, error, before_text, after, action = core.apply(state, ops, ended, include_before, include_after)
+            subject = learn = None
+            if status == core.STATUS_OK:
+                subject = notify.subject_zone(collection, zone, state.doc if state.doc is not None else before)
+                if learning and state.doc is not None:
+                    learn = core.learned_after(after, state.doc)
+            added.append((ended, status, error, before_text, after, action, subject))
+            learned.append(learn)
+        results = pa.Table.from_batches([batch])
+        for name, values in zip(_FOLD_ADDS, zip(*added)):
+            results = results.append_column(name, pa.array(values, _RESULT_TYPES.field(name).type))
+        results = results.append_column("stream", pa.repeat(pa.scalar("entity-updates"), batch.num_rows))
+        out.respond_rows(results, pa.array(learned, pa.string()))
+    save()
 
 
 def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
