@@ -87,15 +87,16 @@ def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.F
     if parsed.scheme in ("", "file"):
         return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
     scheme = {"s3a": "s3", "s3n": "s3"}.get(parsed.scheme, parsed.scheme)
-    if scheme == "s3" and storage_options:
-        return _s3(tuple(sorted(storage_options.items()))), f"{parsed.netloc}{parsed.path}"
+    if scheme == "s3" and storage_options and (fs := _s3(tuple(sorted(storage_options.items())))) is not None:
+        return fs, f"{parsed.netloc}{parsed.path}"
     fs, path = pafs.FileSystem.from_uri(uri.replace(parsed.scheme + "://", scheme + "://", 1))
     return fs, path
 
 
 @functools.lru_cache(maxsize=8)
-def _s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
-    """One S3FileSystem per set of options in a process: a task opens every file through it."""
+def _s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem | None:
+    """One S3FileSystem per set of options in a process (a task opens every file through it);
+    None when no option concerns the files, which then resolve as without options."""
     settings: dict = {}
     for name, value in options:
         argument = S3_OPTIONS.get(name.lower())
@@ -103,6 +104,8 @@ def _s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
             settings[argument] = value.lower() == "true"
         elif argument:
             settings[argument] = value
+    if not settings:
+        return None
     endpoint = settings.pop("endpoint", None)
     if endpoint:
         url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")

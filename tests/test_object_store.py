@@ -66,6 +66,12 @@ def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, m
     assert again is fs  # one filesystem per set of options in a process, whatever their order
     with again.open_input_stream(path) as source:
         assert source.read() == b"PAR1"
+    # options that concern the Delta log only leave the files' endpoint and credentials to the environment
+    for name, value in s3_options.items():
+        monkeypatch.setenv(name, value)
+    from_env, _ = filesystem(f"s3://{BUCKET}/lake/entities/part-1.parquet", {"AWS_S3_ALLOW_UNSAFE_RENAME": "true"})
+    with from_env.open_input_stream(path) as source:
+        assert source.read() == b"PAR1"
 
 
 def _traffic() -> list:
