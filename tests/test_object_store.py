@@ -55,9 +55,14 @@ def s3_options(tmp_path, free_port):
         server.stop()
 
 
-def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, monkeypatch):
+@pytest.fixture
+def no_aws_environment(monkeypatch):
+    """No `AWS_*` variable in this process: the store's endpoint and credentials can come from the options alone."""
     for var in [v for v in os.environ if v.startswith("AWS_")]:
         monkeypatch.delenv(var)
+
+
+def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, no_aws_environment, monkeypatch):
     fs, path = filesystem(f"s3a://{BUCKET}/lake/entities/part-1.parquet", s3_options)
     assert path == f"{BUCKET}/lake/entities/part-1.parquet"
     with fs.open_output_stream(path) as sink:
@@ -79,10 +84,7 @@ def _traffic() -> list:
     return [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
 
 
-def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, lake_rows, monkeypatch):
-    # neither this process nor the runs' tasks may find the store's endpoint or credentials but in the options
-    for var in [v for v in os.environ if v.startswith("AWS_")]:
-        monkeypatch.delenv(var)
+def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, lake_rows, no_aws_environment):
     records = _traffic()
     local = make_pipeline(max_messages=120)
     remote = make_pipeline(max_messages=120, prefix=local.prefix,  # the same input topics, read at the same points
