@@ -368,6 +368,14 @@ def _stats(data: pa.Table, columns: Iterable[str]) -> str:
     return json.dumps({"numRecords": data.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls})
 
 
+CHECKPOINT_SETTING = "delta.checkpointInterval"
+CHECKPOINT_INTERVAL = 10
+"""Commits between the Delta checkpoints delta-rs writes. Opening a table reads its log from the
+last checkpoint: at Delta's default of 100, up to 99 commit files, which a step pays per table it
+opens (measured at 65 commits: 35 ms, and 134 requests to an S3 endpoint; at 10: 12 ms and 25
+requests). A checkpoint of a 20,000-file table took 0.09 s to write."""
+
+
 class LayoutError(RuntimeError):
     """A table's layout is older than the code's (a column it needs is missing)."""
 
@@ -389,7 +397,7 @@ class DeltaRsEngine:
 
     def _open(self, table: str, version: int | None = None):
         """One handle per table and version for the engine's life: opening reads the Delta log
-        since its last checkpoint (~25 ms at 60 commits), and a step asks for the same tables
+        since its last checkpoint (`CHECKPOINT_INTERVAL`), and a step asks for the same tables
         many times. The latest is brought up to date from the log's new commits, which sees
         other writers' commits too (~2 ms when there are none); a past version never changes.
         """
@@ -412,15 +420,18 @@ class DeltaRsEngine:
             self._existing.add(table)
         return table in self._existing
 
-    def ensure(self, table: str, schema: pa.Schema, *, change_data_feed: bool = False) -> None:
+    def ensure(self, table: str, schema: pa.Schema) -> None:
+        """Creates the table if missing; gives a table of an older lake the `CHECKPOINT_INTERVAL` (one commit, once)."""
         from deltalake import DeltaTable
 
+        setting = {CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)}
         if not self.exists(table):
-            config = {"delta.enableChangeDataFeed": "true"} if change_data_feed else None
-            DeltaTable.create(
-                self.uri(table), schema, mode="ignore", configuration=config,
-                storage_options=self.storage_options,
-            )
+            DeltaTable.create(self.uri(table), schema, mode="ignore", configuration=setting,
+                              storage_options=self.storage_options)
+            return
+        dt = self._open(table)  # the step's handle of the table, which it uses anyway
+        if dt.metadata().configuration.get(CHECKPOINT_SETTING) != setting[CHECKPOINT_SETTING]:
+            dt.alter.set_table_properties(setting)
 
     def _check_layout(self, table: str, dt, schema: pa.Schema) -> None:
         """Refuses a table written by an older release that lacks a column the code writes."""

@@ -11,6 +11,8 @@ from entity_assets import shards
 from entity_assets.assets.common import file_tasks
 from entity_assets.fold import BucketStore
 from entity_assets.storage import (
+    CHECKPOINT_INTERVAL,
+    CHECKPOINT_SETTING,
     DeltaRsEngine,
     FileWriter,
     LayoutError,
@@ -298,3 +300,22 @@ def test_a_table_of_an_older_layout_is_refused_with_how_to_rebuild_it(tmp_path):
     assert engine.version("devices") == 0  # nothing committed
     engine.ensure("entities", SCHEMAS["entities"])
     engine.commit("entities", SCHEMAS["entities"], add=[], operation="apply", slice_key=KEY)  # the current layout
+
+
+def test_tables_checkpoint_every_ten_commits_and_an_older_table_is_given_the_interval_once(tmp_path):
+    from deltalake import DeltaTable
+
+    engine, table = DeltaRsEngine(str(tmp_path)), "entity_updates"
+    DeltaTable.create(engine.uri(table), SCHEMAS[table])  # as a lake made before the setting
+    engine.ensure(table, SCHEMAS[table])
+    engine.ensure(table, SCHEMAS[table])  # given once: one commit
+    assert engine.version(table) == 1
+    for i in range(CHECKPOINT_INTERVAL):
+        writer = FileWriter(table, engine.uri(table), SCHEMAS[table], f"{i:010d}")
+        writer.append({"slice": f"{i:010d}", "status": 1})
+        engine.replace_slice(table, SCHEMAS[table], writer.close(), f"{i:010d}")
+    assert list((tmp_path / table / "_delta_log").glob("*.checkpoint.parquet"))
+    fresh = DeltaRsEngine(str(tmp_path / "other"))
+    fresh.ensure(table, SCHEMAS[table])
+    assert DeltaTable(fresh.uri(table)).metadata().configuration == {CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)}
+    assert fresh.version(table) == 0
