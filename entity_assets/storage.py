@@ -76,12 +76,37 @@ too, by the pyarrow S3FileSystem argument each sets; the others (locking, AWS_AL
 an http:// endpoint implies) concern the Delta log only."""
 
 
+AZURE_SCHEMES = ("az", "azure", "abfs", "abfss", "adl")
+"""delta-rs's URI schemes of Azure Blob Storage and ADLS Gen2 (`abfss://container@account.dfs.core.windows.net/…`)."""
+
+AZURE_OPTIONS = {
+    **dict.fromkeys(("azure_storage_account_name", "account_name"), "account_name"),
+    **dict.fromkeys(("azure_storage_account_key", "azure_storage_access_key", "azure_storage_master_key",
+                     "account_key", "access_key", "master_key"), "account_key"),
+    **dict.fromkeys(("azure_storage_client_id", "azure_client_id", "client_id"), "client_id"),
+    **dict.fromkeys(("azure_storage_client_secret", "azure_client_secret", "client_secret"), "client_secret"),
+    **dict.fromkeys(("azure_storage_tenant_id", "azure_storage_authority_id", "azure_tenant_id",
+                     "azure_authority_id", "tenant_id", "authority_id"), "tenant_id"),
+    **dict.fromkeys(("azure_storage_sas_key", "azure_storage_sas_token", "sas_key", "sas_token"), "sas_token"),
+    **dict.fromkeys(("azure_storage_use_emulator", "use_emulator"), "use_emulator"),
+    **dict.fromkeys(("azure_storage_endpoint", "azure_endpoint", "endpoint"), "endpoint"),
+}
+"""delta-rs's Azure storage options (object_store's names, any case) by the pyarrow
+AzureFileSystem argument each sets, or by what `_azure` makes of them (`use_emulator`,
+`endpoint`). Unlike S3's, pyarrow reads none of them from the environment, so `AZURE_*`
+variables count as options too, as they do for delta-rs."""
+
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""The Azure storage emulator's account and its published key, which `use_emulator` implies (as in object_store)."""
+
+
 def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem of a lake URI and the path in it.
 
-    An S3 lake's data files use the credentials and endpoint of `storage_options`, as its Delta
-    commits do; without options, and for other stores, pyarrow takes them from the environment
-    (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*), as delta-rs does.
+    An S3 or Azure lake's data files use the credentials and endpoint of `storage_options`, as its
+    Delta commits do; what the options leave out comes from the environment, as for delta-rs
+    (AWS_*, AZURE_*; GOOGLE_APPLICATION_CREDENTIALS for Google Cloud Storage).
     """
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
@@ -89,8 +114,20 @@ def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.F
     scheme = {"s3a": "s3", "s3n": "s3"}.get(parsed.scheme, parsed.scheme)
     if scheme == "s3" and storage_options and (fs := _s3(tuple(sorted(storage_options.items())))) is not None:
         return fs, f"{parsed.netloc}{parsed.path}"
+    if scheme in AZURE_SCHEMES:
+        container, _, host = parsed.netloc.partition("@")
+        settings = {**_azure_settings(os.environ), **_azure_settings(storage_options or {})}
+        if host:  # the account named in the URI is the account
+            settings["account_name"] = host.split(".")[0]
+        return _azure(tuple(sorted(settings.items()))), f"{container}{parsed.path}"
     fs, path = pafs.FileSystem.from_uri(uri.replace(parsed.scheme + "://", scheme + "://", 1))
     return fs, path
+
+
+def _endpoint(endpoint: str) -> tuple[str, str]:
+    """The scheme and host[:port] of an endpoint URL (https when it names none)."""
+    url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+    return url.scheme, url.netloc
 
 
 @functools.lru_cache(maxsize=8)
@@ -108,9 +145,46 @@ def _s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem | None:
         return None
     endpoint = settings.pop("endpoint", None)
     if endpoint:
-        url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
-        settings.update(endpoint_override=url.netloc, scheme=url.scheme)
+        settings["scheme"], settings["endpoint_override"] = _endpoint(endpoint)
     return pafs.S3FileSystem(**settings)
+
+
+def _azure_settings(options) -> dict[str, str]:
+    """`AZURE_OPTIONS` among `options` (storage options or the environment), by pyarrow argument;
+    the emulator's URL as `azurite_url`."""
+    settings = {argument: value for name, value in options.items() if (argument := AZURE_OPTIONS.get(name.lower()))}
+    if "AZURITE_BLOB_STORAGE_URL" in options:
+        settings["azurite_url"] = options["AZURITE_BLOB_STORAGE_URL"]
+    return settings
+
+
+@functools.lru_cache(maxsize=8)
+def _azure(options: tuple[tuple[str, str], ...]) -> pafs.AzureFileSystem:
+    """One AzureFileSystem per set of settings (`_azure_settings`) in a process.
+
+    An endpoint on the account's own host name (`https://acct.blob.core.windows.net`) keeps
+    pyarrow's virtual-host addressing; any other (an emulator's `http://127.0.0.1:10000/acct`,
+    a proxy) is addressed path-style, the account first, as object_store does.
+    """
+    settings = dict(options)
+    endpoint, emulator = settings.pop("endpoint", None), settings.pop("azurite_url", "http://127.0.0.1:10000")
+    if settings.pop("use_emulator", "false").lower() == "true":
+        settings.setdefault("account_name", AZURITE_ACCOUNT)
+        if not {"account_key", "sas_token", "client_secret"} & settings.keys():
+            settings["account_key"] = AZURITE_KEY
+        endpoint = endpoint or emulator
+    account = settings.get("account_name")
+    if not account:
+        raise ValueError("an Azure lake needs its storage account: name it in the URI (abfss://container@"
+                         "account.dfs.core.windows.net/...), or set AZURE_STORAGE_ACCOUNT_NAME in "
+                         "storage_options or the environment")
+    if endpoint:
+        scheme, authority = _endpoint(endpoint)
+        if authority.startswith(f"{account}."):
+            authority = authority[len(account):]  # pyarrow puts the account before an authority that starts with "."
+        settings.update(blob_storage_scheme=scheme, blob_storage_authority=authority, dfs_storage_scheme=scheme,
+                        dfs_storage_authority=authority.replace(".blob.", ".dfs.", 1))
+    return pafs.AzureFileSystem(**settings)
 
 
 class FileWriter:

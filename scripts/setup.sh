@@ -4,12 +4,14 @@
 # install (a hash stamp in .venv). Needs no network but the package registries.
 #
 #   bash scripts/setup.sh            other scripts call it first; safe to run any time
+#   bash scripts/setup.sh --test     also the test-only servers that come from npm (Azurite)
 #   PYTHON=/path/to/python3.11 bash scripts/setup.sh   choose the interpreter of a new venv
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 VENV=.venv
 STAMP=$VENV/.entity-assets-install.sha256
+AZURITE_VERSION=3.37.0  # the Azure storage emulator of tests/test_object_store.py, in $VENV/azurite
 
 supported() { "$1" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 13)))' 2>/dev/null; }
 
@@ -51,4 +53,14 @@ fi
 
 if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
     echo "setup: warning: no java on PATH and no JAVA_HOME; Spark needs a JDK (17)" >&2
+fi
+
+if [ "${1:-}" = "--test" ]; then
+    if ! command -v npm >/dev/null 2>&1; then
+        echo "setup: warning: no npm on PATH; the Azure lake tests will be skipped" >&2
+    elif [ "$(cat "$VENV/azurite/.version" 2>/dev/null || true)" != "$AZURITE_VERSION" ]; then
+        echo "setup: installing Azurite $AZURITE_VERSION into $VENV/azurite (npm)"
+        npm install --silent --no-fund --no-audit --no-save --prefix "$VENV/azurite" "azurite@$AZURITE_VERSION" >/dev/null
+        echo "$AZURITE_VERSION" > "$VENV/azurite/.version"
+    fi
 fi

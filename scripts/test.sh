@@ -4,7 +4,7 @@
 # Exit status: pytest's; "no tests collected" (5) is a failure too.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 
 status=0
 .venv/bin/python -m pytest "$@" || status=$?

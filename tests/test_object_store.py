@@ -1,38 +1,58 @@
 """The lake on object storage. An S3 endpoint on 127.0.0.1 (moto's server: the S3 API over HTTP,
-as MinIO or any S3-compatible store serves it) holds the lake: Spark tasks write and read its
+as MinIO or any S3-compatible store serves it), or Azure's storage emulator (Azurite, which
+`scripts/setup.sh --test` installs from npm), holds the lake: Spark tasks write and read its
 data files, delta-rs commits them, the slice manifests and the outbox live there too, each
-through `LakeResource.storage_options` alone, or (the slow test) through the AWS environment alone."""
+through `LakeResource.storage_options` alone, or (the slow test) through the environment alone."""
 
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import boto3
+import pyarrow.fs as pafs
 import pytest
 
 from entity_assets import samples
 from entity_assets.local_service import LocalService
-from entity_assets.storage import filesystem
+from entity_assets.storage import AZURITE_KEY, filesystem
 from resources import LakeResource
 
 BUCKET = "entity-lake"
+AZURITE = Path(__file__).resolve().parents[1] / ".venv" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
 
 
 @dataclass(frozen=True)
-class LocalS3(LocalService):
-    name = "s3"
+class LocalStore(LocalService):
+    """An object store's emulator on 127.0.0.1, ready once it listens; `account` is its URL path."""
+
+    account: ClassVar[str] = ""
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.address}"
+        return f"http://{self.address}{self.account}"
+
+    def ready(self) -> bool:
+        return self.listening()
+
+
+class LocalS3(LocalStore):
+    name = "s3"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
 
-    def ready(self) -> bool:
-        return self.listening()
+
+class LocalAzurite(LocalStore):
+    """Azure Blob Storage's emulator, in memory, on the Blob API only (as a flat-namespace account)."""
+
+    name, account = "azurite", "/devstoreaccount1"
+
+    def command(self) -> list[str]:
+        return [str(AZURITE), "--blobHost", self.host, "--blobPort", str(self.port), "--inMemoryPersistence",
+                "--skipApiVersionCheck", "--loose", "--silent"]
 
 
 def _client(options: dict[str, str]):
@@ -56,9 +76,36 @@ def s3_options(tmp_path, free_port):
 
 
 @pytest.fixture
+def azure_options(tmp_path, free_port):
+    """The storage options of a lake in a fresh container of a local Azurite, stopped by its pid after the test."""
+    if not AZURITE.exists():
+        pytest.skip(f"no Azurite at {AZURITE}: `bash scripts/setup.sh --test` installs it (needs npm)")
+    server = LocalAzurite(tmp_path / "azurite", port=free_port())
+    server.start(timeout=60)
+    try:
+        options = {"azure_storage_account_name": "devstoreaccount1", "azure_storage_account_key": AZURITE_KEY,
+                   "azure_storage_endpoint": server.endpoint, "azure_allow_http": "true"}
+        fs, _ = filesystem(f"az://{BUCKET}", options)
+        fs.create_dir(BUCKET)
+        yield options
+    finally:
+        server.stop(timeout=2)  # it waits out the clients' kept-alive connections; held in memory, nothing is lost
+
+
+@pytest.fixture(params=["s3", "azure"])
+def object_lake(request, no_aws_environment) -> tuple[str, dict[str, str]]:
+    """The root and storage options of a lake in a local S3 bucket or Azure container, with no
+    `AWS_*` or `AZURE_*` variable in the environment."""
+    if request.param == "s3":
+        return f"s3://{BUCKET}/entity-assets", request.getfixturevalue("s3_options")
+    return f"az://{BUCKET}/entity-assets", request.getfixturevalue("azure_options")
+
+
+@pytest.fixture
 def no_aws_environment(monkeypatch):
-    """No `AWS_*` variable in this process: the store's endpoint and credentials can come from the options alone."""
-    for var in [v for v in os.environ if v.startswith("AWS_")]:
+    """No `AWS_*` or `AZURE_*` variable in this process: the store's endpoint and credentials can
+    come from the options alone."""
+    for var in [v for v in os.environ if v.startswith(("AWS_", "AZURE_", "AZURITE_"))]:
         monkeypatch.delenv(var)
 
 
@@ -84,11 +131,24 @@ def _traffic() -> list:
     return [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
 
 
-def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, lake_rows, no_aws_environment):
+def test_azure_files_use_the_account_and_endpoint_of_the_options_or_of_the_uri(no_aws_environment, monkeypatch):
+    fs, path = filesystem("abfss://lake@acct.dfs.core.windows.net/entity-assets/t/part-1.parquet",
+                          {"AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY})
+    assert isinstance(fs, pafs.AzureFileSystem) and path == "lake/entity-assets/t/part-1.parquet"
+    # the emulator's account, key and address come with use_emulator, as in delta-rs
+    monkeypatch.setenv("AZURITE_BLOB_STORAGE_URL", "http://127.0.0.1:1")
+    emulated, path = filesystem("az://lake/entity-assets", {"use_emulator": "true"})
+    assert path == "lake/entity-assets" and emulated is filesystem("azure://lake", {"USE_EMULATOR": "true"})[0]
+    with pytest.raises(ValueError, match="storage account"):
+        filesystem("az://lake/entity-assets", {"azure_storage_account_key": AZURITE_KEY})
+
+
+def test_a_lake_on_object_storage_holds_what_a_local_lake_holds(make_pipeline, object_lake, lake_rows):
+    root, options = object_lake
     records = _traffic()
     local = make_pipeline(max_messages=120)
     remote = make_pipeline(max_messages=120, prefix=local.prefix,  # the same input topics, read at the same points
-                           lake_root=f"s3://{BUCKET}/entity-assets", storage_options=s3_options)
+                           lake_root=root, storage_options=options)
     local.produce(records)
     local_runs, remote_runs = local.tick_and_run(), remote.tick_and_run()
     assert len(remote_runs) == len(local_runs) >= 2 and all(r.success for r in local_runs + remote_runs)
@@ -96,33 +156,37 @@ def test_a_lake_on_s3_holds_what_a_local_lake_holds(make_pipeline, s3_options, l
     tables = lake_rows(remote.lake)
     assert tables == lake_rows(local.lake)
     assert len(tables["dead_letters"]) == len(samples.BAD_VALUES) and tables["device_notifications"]
-    sizes = {o["Key"]: o["Size"] for page in _client(s3_options).get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
-             for o in page.get("Contents", [])}
+    fs, folder = filesystem(root, options)
+    sizes = {info.path.removeprefix(f"{folder}/"): info.size
+             for info in fs.get_file_info(pafs.FileSelector(folder, recursive=True)) if info.is_file}
     keys = list(sizes)
-    assert any(k.startswith("entity-assets/entity_updates/part-") for k in keys)
+    assert any(k.startswith("entity_updates/part-") for k in keys)
     # the Delta log gives each data file the size the store has for it
     engine = remote.engine
-    committed = {f"entity-assets/{t}/{f.path}": f.size for t in tables for f in engine.files(t)}
+    committed = {f"{t}/{f.path}": f.size for t in tables for f in engine.files(t)}
     assert committed and all(sizes[k] == n for k, n in committed.items())
-    assert any(k.startswith("entity-assets/slice_manifests/_delta_log/") for k in keys)
+    assert any(k.startswith("slice_manifests/_delta_log/") for k in keys)
     # every message published: no spool is left in the outbox
     assert not [k for k in keys if k.endswith(".spool")]
 
 
 @pytest.mark.slow
-def test_the_cli_runs_on_an_s3_lake_with_the_aws_environment(broker, make_pipeline, s3_options, lake_rows, tmp_path):
-    """`entity-assets run` as a deployment runs it: `ENTITY_ASSETS_LAKE` names the bucket and the
-    standard AWS variables (no storage options) reach delta-rs and the Spark workers' files."""
+def test_the_cli_runs_on_a_lake_on_object_storage_with_the_environment_alone(broker, make_pipeline, object_lake,
+                                                                            lake_rows, tmp_path):
+    """`entity-assets run` as a deployment runs it: `ENTITY_ASSETS_LAKE` names the bucket or
+    container and the store's standard variables (`AWS_*`, `AZURE_*`; no storage options) reach
+    delta-rs and the Spark workers' files."""
+    root, options = object_lake
     local = make_pipeline(max_messages=120)
     local.produce(_traffic())
     assert all(r.success for r in local.tick_and_run())
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "DAGSTER_HOME"}, **s3_options,
+    env = {**{k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}, **{k.upper(): v for k, v in options.items()},
            "AWS_EC2_METADATA_DISABLED": "true", "ENTITY_ASSETS_HOME": str(tmp_path / "home"),
-           "ENTITY_ASSETS_LAKE": f"s3://{BUCKET}/cli", "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
+           "ENTITY_ASSETS_LAKE": root, "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
            "ENTITY_ASSETS_TOPIC_PREFIX": local.prefix, "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS": "0",
            "ENTITY_ASSETS_SLICE_MAX_MESSAGES": "120", "ENTITY_ASSETS_SLICE_MAX_PER_TASK": "1000",
            "ENTITY_ASSETS_SPARK_MASTER": "local[2]", "ENTITY_ASSETS_SPARK_DRIVER_ROWS": "0"}
     done = subprocess.run([str(Path(sys.executable).parent / "entity-assets"), "run"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    assert lake_rows(LakeResource(root=f"s3://{BUCKET}/cli", storage_options=s3_options)) == lake_rows(local.lake)
+    assert lake_rows(LakeResource(root=root, storage_options=options)) == lake_rows(local.lake)
