@@ -76,7 +76,7 @@ def one_round(root: Path, batches: pa.Table, n: int) -> dict[str, float]:
     updates = [f"{uris['entity_updates']}/{r['path']}" for r in written if r["table"] == "entity_updates"]
 
     start = cpu_s()
-    list(fold.over_files(iter([{"uris": updates}]), body=fold.copy_task, target="zone_changes",
+    list(fold.over_files(iter([{"files": updates}]), body=fold.copy_task, target="zone_changes",
                          count_by="subjectZone", **common))
     spent["copy"] = cpu_s() - start
     return {step: 1e6 * s / n for step, s in spent.items()}

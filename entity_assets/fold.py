@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from entity_assets import core, encode, notify, shards
 from entity_assets.publish import Publisher, Publishing
-from entity_assets.storage import (FileWriter, RowGroups, from_rows, key_string, key_strings, read_batches,
+from entity_assets.storage import (FileWriter, RowGroups, TableFile, from_rows, key_string, key_strings, read_batches,
                                    read_table, to_rows)
 from entity_assets.tables import SCHEMAS
 
@@ -140,8 +140,8 @@ class Outputs:
     def close_state(self, table: str, store: BucketStore) -> None:
         """Writes the store's last bucket and reports the state files its rewrites replace."""
         store.close()
-        self.replaced += [{"table": REPLACED + table, "path": uri, "size": 0, "rows": 0, "stats": ""}
-                          for uri in store.replaced]
+        self.replaced += [{"table": REPLACED + table, "path": f.uri, "size": 0, "rows": 0, "stats": ""}
+                          for f in store.replaced]
         self.count(f"check:repeated_keys:{table}", store.repeated_keys)
 
     def report(self) -> list[dict]:
@@ -217,15 +217,15 @@ class BucketStore:
     without leaving Arrow. `replaced` lists the files the rewrites replace, for the driver.
     """
 
-    def __init__(self, writer: FileWriter, key_columns: tuple[str, ...], state_files: dict[int, list[str]], enabled: bool,
+    def __init__(self, writer: FileWriter, key_columns: tuple[str, ...], state_files: dict[int, list[TableFile]], enabled: bool,
                  storage_options=None, file_rows: int = shards.FILE_ROWS):
         self.writer, self.key_columns, self.state_files, self.enabled = writer, key_columns, state_files, enabled
         self.storage_options, self.file_rows = storage_options, file_rows
         self.bucket, self.stored, self.changed = None, {}, {}
-        self.files: dict[shards.Shard, list[str]] = {}
+        self.files: dict[shards.Shard, list[TableFile]] = {}
         self.loaded: dict[shards.Shard, tuple[pa.Table, pa.ChunkedArray]] = {}
         self.map = shards.ShardMap(())
-        self.replaced: list[str] = []
+        self.replaced: list[TableFile] = []
         self.repeated_keys = 0
         """Rows written whose key another written row of the bucket has (must stay 0)."""
 
@@ -235,8 +235,8 @@ class BucketStore:
             return
         self.close()
         self.bucket, self.changed, self.stored, self.files, self.loaded = bucket, {}, {}, {}, {}
-        for uri in self.state_files.get(bucket, []):
-            self.files.setdefault(shards.of_file(uri), []).append(uri)
+        for f in self.state_files.get(bucket, []):
+            self.files.setdefault(shards.of_file(f.path), []).append(f)
         self.map = shards.ShardMap(self.files)
         if wanted is None:
             needed = set(self.files)
@@ -246,7 +246,7 @@ class BucketStore:
             self._load(shard, wanted)
 
     def _load(self, shard: shards.Shard, wanted: pa.Array | None) -> None:
-        data = pa.concat_tables([read_table(uri, self.storage_options) for uri in self.files[shard]])
+        data = pa.concat_tables([read_table(f, self.storage_options) for f in self.files[shard]])
         keys = key_strings(data, self.key_columns)
         self.loaded[shard] = data, keys
         for row in to_rows(data if wanted is None else data.filter(pc.is_in(keys, value_set=wanted))):
@@ -307,12 +307,12 @@ def key_buckets(data: pa.Table, key_columns: SortKey) -> pa.Array:
     return pc.take(buckets, pc.index_in(joined, value_set=keys))
 
 
-def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[str]], reader, key_columns: SortKey,
+def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[TableFile]], reader, key_columns: SortKey,
                  order: SortKey, storage_options, **kwargs) -> Iterator[dict]:
     """Runs a bucketed fold `body` over the rows of each task's buckets ({"buckets"}), for `run_tasks`.
 
-    The task reads every file of `sources` ({table: URIs}) itself, through `reader(table, uri,
-    storage_options, buckets)` (a file's rows in the body's columns; `buckets`, the task's, let
+    The task reads every file of `sources` ({table: committed files}) itself, through `reader(table,
+    file, storage_options, buckets)` (a file's rows in the body's columns; `buckets`, the task's, let
     a reader of files with row groups by bucket skip the others), keeps its buckets' rows and
     sorts them by (bucket, *order), as the body expects. Spark only schedules the tasks: no
     shuffle, no JVM scan.
@@ -321,9 +321,9 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[str]], 
     for task in tasks:
         wanted = pa.array(task["buckets"], pa.int32())
         parts = []
-        for table, uris in sources.items():
-            for uri in uris:
-                data = reader(table, uri, storage_options, task["buckets"])
+        for table, files in sources.items():
+            for file in files:
+                data = reader(table, file, storage_options, task["buckets"])
                 buckets = key_buckets(data, key_columns)
                 parts.append(data.append_column("bucket", buckets).filter(pc.is_in(buckets, value_set=wanted)))
         if not parts:
@@ -334,9 +334,9 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[str]], 
             yield from to_rows(report)
 
 
-def connection_rows(table: str, uri: str, storage_options, buckets: list[int]) -> pa.Table:
+def connection_rows(table: str, file: TableFile, storage_options, buckets: list[int]) -> pa.Table:
     """`devices_task`'s input: the columns of a connections file it folds."""
-    return read_table(uri, storage_options, [*notify.DEVICE_KEY, "clientid", "appVersion", "begun"])
+    return read_table(file, storage_options, [*notify.DEVICE_KEY, "clientid", "appVersion", "begun"])
 
 
 INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device", pa.string()),
@@ -344,7 +344,7 @@ INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device
                           ("notifications", pa.string()), ("upTo", pa.int64())])
 
 
-def inbox_events(table: str, uri: str, storage_options, buckets: list[int]) -> pa.Table:
+def inbox_events(table: str, file: TableFile, storage_options, buckets: list[int]) -> pa.Table:
     """`inbox_task`'s input: new notifications (changes_by_device, kind "a-notify") and acks
     (notification_acks, kind "b-ack", at their `begun`) in one layout.
 
@@ -352,11 +352,11 @@ def inbox_events(table: str, uri: str, storage_options, buckets: list[int]) -> p
     only its buckets' rows, so the step reads the slice's notifications once, whatever its tasks.
     """
     if table == "changes_by_device":
-        data = read_table(uri, storage_options, ["dbid", "user", "device", "notification", "ended"],
+        data = read_table(file, storage_options, ["dbid", "user", "device", "notification", "ended"],
                           filters=[("bucket", "in", buckets)])
         kind = "a-notify"
     else:
-        data = read_table(uri, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo"])
+        data = read_table(file, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo"])
         data = data.rename_columns(["dbid", "user", "device", "ended", "notifications", "upTo"])
         kind = "b-ack"
     columns = {name: data.column(name) if name in data.column_names else pa.nulls(data.num_rows, INBOX_EVENTS.field(name).type)
@@ -365,17 +365,17 @@ def inbox_events(table: str, uri: str, storage_options, buckets: list[int]) -> p
     return pa.table(columns, schema=INBOX_EVENTS)
 
 
-def multipart_parts(table: str, uri: str, storage_options, buckets: list[int]) -> pa.Table:
+def multipart_parts(table: str, file: TableFile, storage_options, buckets: list[int]) -> pa.Table:
     """`complete_task`'s input: the parts of multi-part requests, from partial_responses files
     (whose row groups of single-part results are skipped by their statistics: RESULT_ROW_GROUPS)
     and pending_responses."""
-    return read_table(uri, storage_options, filters=[("parts", ">", 1)] if table == "partial_responses" else None)
+    return read_table(file, storage_options, filters=[("parts", ">", 1)] if table == "partial_responses" else None)
 
 
-def schema_patch_rows(table: str, uri: str, storage_options, buckets: list[int], *,
+def schema_patch_rows(table: str, file: TableFile, storage_options, buckets: list[int], *,
                       redelivered: frozenset = frozenset()) -> pa.Table:
     """`schema_fold_task`'s input: a schema_patches file without its redeliveries (Kafka coordinates)."""
-    data = read_table(uri, storage_options)
+    data = read_table(file, storage_options)
     if not redelivered:
         return data
     keep = [(t, p, o) not in redelivered for t, p, o in zip(*(data.column(c).to_pylist()
@@ -428,8 +428,8 @@ RESULT_ROW_GROUPS = {"entities": "collection", "partial_responses": "parts"}
 the partial_responses row groups of `parts` > 1, the others skipped by their statistics."""
 
 
-def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options, patch_files: list[str],
-              state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
+def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options, patch_files: list[TableFile],
+              state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
               publishing: Publishing | None = None) -> Iterator[dict]:
     """Tasks: {"buckets"}: the state buckets a task owns; it folds the slice's patches of each, in order."""
     order = [(c, "ascending") for c in core.ENTITY_KEY + core.ORDER]
@@ -438,12 +438,12 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
                       updates="entity_updates")
         store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options,
                             state_file_rows)
-        with RowGroups(patch_files, "bucket", storage_options) as slice_patches:  # each file opened once per task
-            for bucket in task["buckets"]:
-                patches = slice_patches.read(bucket)
-                if patches.num_rows:
-                    store.switch(bucket, pc.unique(key_strings(patches, core.ENTITY_KEY)))
-                    _fold_bucket(out, store, patches.sort_by(order), bucket, slice_key)
+        slice_patches = RowGroups(patch_files, "bucket", storage_options)  # each footer read once per task
+        for bucket in task["buckets"]:
+            patches = slice_patches.read(bucket)
+            if patches.num_rows:
+                store.switch(bucket, pc.unique(key_strings(patches, core.ENTITY_KEY)))
+                _fold_bucket(out, store, patches.sort_by(order), bucket, slice_key)
         out.close_state("entities", store)
         yield from out.report()
 
@@ -486,7 +486,7 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
 
 
 def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                     state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
+                     state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                      publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: the slice's schema patches, sorted by (bucket, dbid, core.ORDER)."""
     out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS, updates="schema_updates")
@@ -525,7 +525,7 @@ def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: di
 
 def learn_task(tasks: Iterator[dict], *, storage_options) -> Iterator[dict]:
     """Partial learning summaries per (dbid, collection) of the entity rows in each task's files
-    ({"uris"}): small, merged on the driver. The task reads its parquet itself, four columns of it."""
+    ({"files"}): small, merged on the driver. The task reads its parquet itself, four columns of it."""
     from entity_assets.learning import Summary
 
     summaries: dict[tuple[str, str], Summary] = {}
@@ -542,7 +542,7 @@ def learn_task(tasks: Iterator[dict], *, storage_options) -> Iterator[dict]:
 def over_files(tasks: Iterator[dict], *, body, storage_options, columns: list[str] | None = None,
                **kwargs) -> Iterator[dict]:
     """Runs `body` (input batches in, report batches out) over the rows of each task's files
-    ({"uris"}; `columns` of them, None: all), for `run_tasks`.
+    ({"files"}; `columns` of them, None: all), for `run_tasks`.
 
     The task reads its parquet files itself: no scan in Spark's JVM, no Arrow hand-over.
     """
@@ -552,9 +552,9 @@ def over_files(tasks: Iterator[dict], *, body, storage_options, columns: list[st
 
 
 def _file_batches(task: dict, storage_options, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
-    """The rows of a task's files ({"uris"}), batch by batch."""
-    for uri in task["uris"]:
-        yield from read_batches(uri, storage_options, columns=columns)
+    """The rows of a task's files ({"files"}), batch by batch."""
+    for file in task["files"]:
+        yield from read_batches(file, storage_options, columns=columns)
 
 
 def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str, uris: dict[str, str],
@@ -612,7 +612,7 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
 
 
 def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-               state_files: dict[int, list[str]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
+               state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: notifications and acks of the slice, sorted by (bucket, device, kind, ended).
 
@@ -646,7 +646,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
 
 
 def devices_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                 state_files: dict[int, list[str]], write_state: bool,
+                 state_files: dict[int, list[TableFile]], write_state: bool,
                  state_file_rows: int = shards.FILE_ROWS) -> Iterator[pa.RecordBatch]:
     """Input: the slice's connections, sorted by (bucket, dbid, user, device, begun).
 

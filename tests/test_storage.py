@@ -158,9 +158,9 @@ def test_file_tasks_use_every_core_on_a_large_slice_and_one_task_on_a_small_one(
     def files(*rows):
         return [TableFile(path=f"f{i}", uri=f"/t/f{i}", size=1, rows=n) for i, n in enumerate(rows)]
 
-    assert file_tasks(files(30, 40, 30), max_rows=200_000, parallelism=2) == [{"uris": ["/t/f0", "/t/f1", "/t/f2"]}]
+    assert file_tasks(files(30, 40, 30), max_rows=200_000, parallelism=2) == [{"files": files(30, 40, 30)}]
     big = file_tasks(files(*[50_000] * 4), max_rows=200_000, parallelism=2)
-    assert [len(t["uris"]) for t in big] == [2, 2]
+    assert [len(t["files"]) for t in big] == [2, 2]
     capped = file_tasks(files(*[200_000] * 5), max_rows=200_000, parallelism=2)
     assert len(capped) == 5
 
@@ -171,6 +171,11 @@ def test_key_strings_tell_apart_keys_that_a_plain_separator_would_merge():
     strings = key_strings(table, ["x", "y"]).to_pylist()
     assert strings == [key_string(k) for k in keys]
     assert len(set(strings)) == len(keys)
+
+
+def committed(root, f) -> TableFile:
+    """A written file as a commit of it lists it (as `DeltaRsEngine.files` gives it)."""
+    return TableFile(path=f.path, uri=str(root / f.path), size=f.size, rows=f.rows)
 
 
 def entity_row(i: int, slice_key: str = KEY, version: int = 1) -> dict:
@@ -186,7 +191,7 @@ def test_a_bucket_rewrite_reads_only_the_wanted_keys_and_keeps_every_other_row(t
     (stored,) = first.close()
 
     second = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], "0000000002", stats_columns=("slice", "bucket"))
-    store = BucketStore(second, key, {0: [str(tmp_path / stored.path)]}, enabled=True)
+    store = BucketStore(second, key, {0: [committed(tmp_path, stored)]}, enabled=True)
     wanted = [("db", "C", "z", "e5"), ("db", "C", "z", "new")]
     store.switch(0, pa.array([key_string(k) for k in wanted]))
     assert set(store.stored) == {("db", "C", "z", "e5")}  # only the slice's keys became dicts
@@ -200,7 +205,7 @@ def test_a_bucket_rewrite_reads_only_the_wanted_keys_and_keeps_every_other_row(t
     by_entity = {r["entity"]: r for r in rows}
     assert len(rows) == len(by_entity) == 1001 and store.repeated_keys == 0
     assert by_entity["e5"]["version"] == 2 and by_entity["e6"]["version"] == 1 and "new" in by_entity
-    assert store.replaced == [str(tmp_path / stored.path)] and shards.of_file(rewritten.path) == shards.WHOLE
+    assert store.replaced == [committed(tmp_path, stored)] and shards.of_file(rewritten.path) == shards.WHOLE
 
 
 def test_a_bucket_outgrowing_its_file_bound_splits_and_a_later_change_rewrites_one_file(tmp_path):
@@ -219,13 +224,13 @@ def test_a_bucket_outgrowing_its_file_bound_splits_and_a_later_change_rewrites_o
     assert store.replaced == [] and all(f.rows <= 300 for f in first) and sum(f.rows for f in first) == 1000
     assert len(first) >= 4 and shards.overlapping(shards.of_file(f.path) for f in first) == 0
 
-    uris = {str(tmp_path / f.path): f for f in first}
-    second, store = fold("0000000002", {0: list(uris)}, [entity_row(7, "0000000002", version=2)])
+    stored = [committed(tmp_path, f) for f in first]
+    second, store = fold("0000000002", {0: stored}, [entity_row(7, "0000000002", version=2)])
     # only the file holding e7 is read and rewritten
     (replaced,) = store.replaced
     (rewritten,) = second
-    assert rewritten.rows == uris[replaced].rows and shards.of_file(rewritten.path) == shards.of_file(replaced)
-    live = [str(tmp_path / rewritten.path)] + [u for u in uris if u != replaced]
+    assert rewritten.rows == replaced.rows and shards.of_file(rewritten.path) == shards.of_file(replaced.path)
+    live = [str(tmp_path / rewritten.path)] + [f.uri for f in stored if f != replaced]
     rows = pa.concat_tables([read_table(u) for u in live]).to_pylist()
     assert len(rows) == len({r["entity"] for r in rows}) == 1000
     assert [r["version"] for r in rows if r["entity"] == "e7"] == [2]
@@ -253,7 +258,7 @@ def test_a_bucket_left_untouched_is_not_rewritten(tmp_path):
     writer.append(entity_row(1))
     (stored,) = writer.close()
     rewrite = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], "0000000002")
-    store = BucketStore(rewrite, ("entity",), {0: [str(tmp_path / stored.path)]}, enabled=True)
+    store = BucketStore(rewrite, ("entity",), {0: [committed(tmp_path, stored)]}, enabled=True)
     store.switch(0)
     assert store.get(("e1",))["document"] == '{"n": 1}'
     store.close()

@@ -21,6 +21,7 @@ from entity_assets.assets import common
 from entity_assets.maintenance import lake_maintenance
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
+from entity_assets.storage import TableFile
 from resources import LakeResource, SparkResource
 
 K1, K2, K3, K4 = slice_key(1), slice_key(2), slice_key(3), slice_key(4)
@@ -502,11 +503,13 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
 
     assert [event(d, "")["bucket"] for d in ("device1", "device4")] == [6, 9]
     [first], _ = task([event("device1", "a-notify", "n1", 1), event("device1", "a-notify", "n2", 2)], K1, {})
+    stored = TableFile(path=first["path"], uri=f"{uris['device_inboxes']}/{first['path']}", size=first["size"],
+                       rows=first["rows"])
     written, replaced = task([event("device1", "b-ack", up_to=1), event("device4", "b-ack", up_to=samples.ACK_ALL)], K2,
-                   {6: [f"{uris['device_inboxes']}/{first['path']}"]})
+                             {6: [stored]})
     # device1's file is rewritten and reported as replaced, with device1's new inbox in it
     assert [json.loads(f["stats"])["minValues"]["bucket"] for f in written] == [6]
-    assert replaced == [f"{uris['device_inboxes']}/{first['path']}"]
+    assert replaced == [stored.uri]
     stored = pq.read_table(f"{uris['device_inboxes']}/{written[0]['path']}").to_pylist()
     assert [(r["device"], r["bucket"], list(json.loads(r["document"])["pending"])) for r in stored] == [
         ("device1", 6, ["n2"])]

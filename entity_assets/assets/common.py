@@ -8,7 +8,7 @@ from functools import partial
 
 from dagster import AssetCheckResult, Failure, MetadataValue
 
-from entity_assets.storage import DataFile, DeltaRsEngine, repeated_deliveries
+from entity_assets.storage import DataFile, DeltaRsEngine, TableFile, repeated_deliveries
 from entity_assets.tables import SCHEMAS
 from resources import SparkResource
 
@@ -71,7 +71,7 @@ def run_tasks(spark: SparkResource, tasks: list[dict], fn: Callable, rows: int |
 
 
 def file_tasks(files, max_rows: int, parallelism: int) -> list[dict]:
-    """Tasks of whole files, {"uris": [...]}: one per core on a large slice, each up to `max_rows` rows,
+    """Tasks of whole files, {"files": [...]}: one per core on a large slice, each up to `max_rows` rows,
     and a single one on a small slice (every task has a fixed cost)."""
     total = sum(f.rows for f in files)
     target = min(max_rows, max(SMALL_TASK_ROWS, -(-total // parallelism)))
@@ -79,9 +79,9 @@ def file_tasks(files, max_rows: int, parallelism: int) -> list[dict]:
     rows = target
     for f in files:
         if rows + f.rows > target:
-            tasks.append({"uris": []})
+            tasks.append({"files": []})
             rows = 0
-        tasks[-1]["uris"].append(f.uri)
+        tasks[-1]["files"].append(f)
         rows += f.rows
     return tasks
 
@@ -172,7 +172,7 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     if not rows_in:  # nothing to look for: no Spark job (most slices carry no schema patches)
         return 0, frozenset()
     prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
-    find = partial(repeated_deliveries, [f.uri for f in files], [f.uri for f in prior], identity, COORDINATES,
+    find = partial(repeated_deliveries, files, prior, identity, COORDINATES,
                    engine.storage_options, split_by=SPLIT_BY)
     if spark.on_driver(rows_in):
         return rows_in, frozenset(find())
@@ -260,9 +260,9 @@ def state_as_of(engine: DeltaRsEngine, table: str, slice_key: str):
 def state_snapshot(engine: DeltaRsEngine, table: str, slice_key: str):
     """(apply, snapshot, files by bucket) of a bucketed state table (see `state_as_of`)."""
     apply, _, snapshot = state_as_of(engine, table, slice_key)
-    by_bucket: dict[int, list[str]] = defaultdict(list)
+    by_bucket: dict[int, list[TableFile]] = defaultdict(list)
     for f in snapshot:
-        by_bucket[f.min["bucket"]].append(f.uri)
+        by_bucket[f.min["bucket"]].append(f)
     return apply, snapshot, dict(by_bucket)
 
 
@@ -321,7 +321,7 @@ def run_buckets(spark, sources: dict[str, list], reader: Callable, body: Callabl
     rows = sum(f.rows for fs in sources.values() for f in fs) if rows is None else rows
     if not rows:
         return defaultdict(list)
-    fn = partial(over_buckets, body=body, sources={t: [f.uri for f in fs] for t, fs in sources.items()},
+    fn = partial(over_buckets, body=body, sources=sources,
                  reader=reader, key_columns=key_columns, order=order, **body_args)
     return run_tasks(spark, bucket_tasks(spark, rows), fn, rows)
 

@@ -123,7 +123,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     apply, snapshot, state_files = state_snapshot(engine, "entities", key)
     patch_files = engine.slice_files("entity_patches", [key])
     fn = partial(fold.fold_task, slice_key=key, uris=uris, storage_options=engine.storage_options,
-                 patch_files=[f.uri for f in patch_files], state_files=state_files, write_state=apply,
+                 patch_files=patch_files, state_files=state_files, write_state=apply,
                  state_file_rows=lake.state_file_rows, publishing=publish_to)
     rows = sum(f.rows for f in patch_files)
     entity_files = run_tasks(spark, bucket_tasks(spark, rows), fn, rows)
@@ -197,7 +197,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
 def _preview(engine, key: str, n: int = 5) -> str:
     cols = ["entity", "collection", "zone", "part", "action", "after"]
     files = sorted(engine.slice_files("entity_updates", [key]), key=lambda f: f.rows)
-    rows = next(read_batches(files[0].uri, engine.storage_options, batch_size=n, columns=cols)).to_pylist() if files else []
+    rows = next(read_batches(files[0], engine.storage_options, batch_size=n, columns=cols)).to_pylist() if files else []
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c])[:60] for c in cols) + " |" for r in rows]
     return "\n".join(lines)

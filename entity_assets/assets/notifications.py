@@ -62,7 +62,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     if version is None:
         raise Failure(f"entities has no state for slice {key}: materialize apply_patches for it first")
     # state files hold a row group per collection: the others are skipped by their statistics
-    state = read_row_groups([f.uri for f in engine.files("entities", version)], "collection", SUBSCRIPTIONS,
+    state = read_row_groups(engine.files("entities", version), "collection", SUBSCRIPTIONS,
                             engine.storage_options)
     subscriptions = [(r["dbid"], r["entity"], r["document"]) for r in to_rows(state)
                      if not r["deleted"]] if state.num_rows else []
