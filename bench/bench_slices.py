@@ -4,6 +4,7 @@
     python bench/bench_slices.py --n 1000000 --entities 1000000  # a larger store
     python bench/bench_slices.py --n 100000 --entities 10000 --devices 2000   # the whole graph
     python bench/bench_slices.py --n 20000 --process-per-slice connect   # each slice a run process, as the daemon
+    python bench/bench_slices.py --n 20000 --lake s3 --rtt-ms 20  # the lake on S3, 20 ms a request
 
 One slice of N patches builds the state (its time is printed, not the point), then each small
 slice spreads `--slice-size` patches over as many new entities, which touches about every state
@@ -14,18 +15,23 @@ the median slice time and the median of each step.
 (`entity-assets run`) that starts its Dagster run from nothing: on its own local Spark (`local`,
 a JVM per run), or on a Spark Connect server started once before them (`connect`, what
 scripts/ui.sh gives the daemon's runs). The time is the whole process's; steps are not split.
+
+`--lake s3` puts the lake in a bucket of moto's S3 server (the `dev` set-up's), reached through
+`local_stores.LatencyProxy`, which holds each request for `--rtt-ms`: what an object store's
+round trips cost a slice, which loopback alone does not show.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 
 from bench_pipeline import CORE_STEPS, produce
-from common import BenchEnv, Timer, driver_peak_mb, kv_line, log, step_seconds
+from common import BenchEnv, Timer, driver_peak_mb, free_port, kv_line, log, step_seconds
 
 
 def main(argv=None) -> int:
@@ -39,6 +45,9 @@ def main(argv=None) -> int:
                         help="LakeResource.state_file_rows (default the definitions')")
     parser.add_argument("--process-per-slice", choices=["local", "connect"], default=None,
                         help="run each small slice in a new process, on its own local Spark or on a Spark Connect server")
+    parser.add_argument("--lake", choices=["local", "s3"], default="local",
+                        help="the lake in the home's folder, or in a bucket of a local S3 server")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="with --lake s3: milliseconds added to each request")
     parser.add_argument("--keep", action="store_true", help="keep the temporary home (lake, broker data)")
     args = parser.parse_args(argv)
     if args.state_file_rows:
@@ -46,7 +55,9 @@ def main(argv=None) -> int:
     entities = args.entities or args.n
     graph = args.devices > 0
     steps = None if graph or args.process_per_slice else CORE_STEPS  # a run process runs the whole job
-    with BenchEnv(keep=args.keep) as env:
+    with BenchEnv(keep=args.keep) as env, contextlib.ExitStack() as stores:
+        if args.lake == "s3":
+            s3_lake(env, args.rtt_ms, stores)
         produce(env, args.n, entities, args.devices, graph, 7)
         from entity_assets.cli import run_pending
         from entity_assets.definitions import build_resources
@@ -62,7 +73,6 @@ def main(argv=None) -> int:
         state = {f.path: f for f in lake.files("entities")}
         server = None
         if args.process_per_slice == "connect":
-            from common import free_port
 
             from entity_assets.spark_connect import LocalSparkConnect
 
@@ -84,13 +94,35 @@ def main(argv=None) -> int:
             if server is not None:
                 server.stop()
     print(kv_line(n=args.n, entities=entities, devices=args.devices, slice_size=args.slice_size, slices=args.slices,
-                  process_per_slice=args.process_per_slice or "no",
+                  process_per_slice=args.process_per_slice or "no", lake=args.lake, rtt_ms=args.rtt_ms,
                   state_s=round(big.s, 1), median_s=round(statistics.median(times), 2),
                   state_file_rows=build_resources()["lake"].state_file_rows,
                   rewritten_rows=round(statistics.median(rewritten)),
                   peak_driver_mb=round(driver_peak_mb()),
                   **{f"{k}_s": round(statistics.median(v), 2) for k, v in by_step.items()}))
     return 0
+
+
+def s3_lake(env: BenchEnv, rtt_ms: float, stores: contextlib.ExitStack) -> None:
+    """Starts moto's S3 server and a latency proxy to it (stopped by `stores`), and points the
+    lake at a bucket through the proxy, by the standard AWS variables (the Spark workers, children
+    of this process, inherit them)."""
+    import boto3
+
+    from entity_assets.local_stores import LatencyProxy, LocalS3
+
+    s3 = LocalS3(env.home / "s3", port=free_port())
+    s3.start(timeout=60)
+    stores.callback(s3.stop)
+    proxy = LatencyProxy(env.home / "proxy", port=free_port(), target=s3.port, rtt_ms=rtt_ms)
+    proxy.start(timeout=30)
+    stores.callback(proxy.stop)
+    aws = {"AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true", "AWS_EC2_METADATA_DISABLED": "true"}
+    os.environ.update(aws, ENTITY_ASSETS_LAKE="s3://bench/lake")
+    boto3.client("s3", endpoint_url=s3.endpoint, region_name=aws["AWS_REGION"], aws_access_key_id="bench",
+                 aws_secret_access_key="bench").create_bucket(Bucket="bench")
+    log(f"lake on s3://bench/lake: moto pid {s3.pid()}, {rtt_ms:g} ms a request through proxy pid {proxy.pid()}")
 
 
 def _run_slice(mode: str | None, server, steps) -> list[dict] | None:

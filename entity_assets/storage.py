@@ -68,13 +68,15 @@ S3_OPTIONS = {
     "aws_session_token": "session_token", "aws_token": "session_token", "session_token": "session_token",
     "token": "session_token",
     "aws_region": "region", "aws_default_region": "region", "region": "region",
-    "aws_endpoint_url": "endpoint", "aws_endpoint": "endpoint", "endpoint_url": "endpoint", "endpoint": "endpoint",
+    "aws_endpoint_url": "endpoint", "aws_endpoint_url_s3": "endpoint", "aws_endpoint": "endpoint",
+    "endpoint_url": "endpoint", "endpoint": "endpoint",
     "aws_virtual_hosted_style_request": "force_virtual_addressing",
     "virtual_hosted_style_request": "force_virtual_addressing",
 }
 """delta-rs's S3 storage options (object_store's names, any case) that the task-side files need
 too, by the pyarrow S3FileSystem argument each sets; the others (locking, AWS_ALLOW_HTTP, which
-an http:// endpoint implies) concern the Delta log only."""
+an http:// endpoint implies) concern the Delta log only. `AWS_*` variables count as options too,
+under the storage options, as they do for delta-rs."""
 
 
 AZURE_SCHEMES = ("az", "azure", "abfs", "abfss", "adl")
@@ -91,6 +93,7 @@ AZURE_OPTIONS = {
     **dict.fromkeys(("azure_storage_sas_key", "azure_storage_sas_token", "sas_key", "sas_token"), "sas_token"),
     **dict.fromkeys(("azure_storage_use_emulator", "use_emulator"), "use_emulator"),
     **dict.fromkeys(("azure_storage_endpoint", "azure_endpoint", "endpoint"), "endpoint"),
+    "azurite_blob_storage_url": "azurite_url",
 }
 """delta-rs's Azure storage options (object_store's names, any case) by the pyarrow
 AzureFileSystem argument each sets, or by what `_azure` makes of them (`use_emulator`,
@@ -113,16 +116,26 @@ def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.F
     if parsed.scheme in ("", "file"):
         return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
     scheme = {"s3a": "s3", "s3n": "s3"}.get(parsed.scheme, parsed.scheme)
-    if scheme == "s3" and storage_options and (fs := _s3(tuple(sorted(storage_options.items())))) is not None:
-        return fs, f"{parsed.netloc}{parsed.path}"
+    if scheme == "s3":
+        settings = _settings(storage_options, S3_OPTIONS, "AWS_")
+        return _s3(parsed.netloc, tuple(sorted(settings.items()))), f"{parsed.netloc}{parsed.path}"
     if scheme in AZURE_SCHEMES:
         container, _, host = parsed.netloc.partition("@")
-        settings = {**_azure_settings(os.environ), **_azure_settings(storage_options or {})}
+        settings = _settings(storage_options, AZURE_OPTIONS, "AZURE_", "AZURITE_")
         if host:  # the account named in the URI is the account
             settings["account_name"] = host.split(".")[0]
         return _azure(tuple(sorted(settings.items()))), f"{container}{parsed.path}"
     fs, path = pafs.FileSystem.from_uri(uri.replace(parsed.scheme + "://", scheme + "://", 1))
     return fs, path
+
+
+def _settings(storage_options: dict[str, str] | None, names: dict[str, str], *prefixes: str) -> dict[str, str]:
+    """The filesystem arguments `names` gives the environment's variables of `prefixes` and,
+    over them, the storage options."""
+    settings = {}
+    for options in ({k: v for k, v in os.environ.items() if k.startswith(prefixes)}, storage_options or {}):
+        settings.update((argument, value) for name, value in options.items() if (argument := names.get(name.lower())))
+    return settings
 
 
 def _endpoint(endpoint: str) -> tuple[str, str]:
@@ -132,36 +145,29 @@ def _endpoint(endpoint: str) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=8)
-def _s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem | None:
-    """One S3FileSystem per set of options in a process (a task opens every file through it);
-    None when no option concerns the files, which then resolve as without options."""
-    settings: dict = {}
-    for name, value in options:
-        argument = S3_OPTIONS.get(name.lower())
-        if argument == "force_virtual_addressing":
-            settings[argument] = value.lower() == "true"
-        elif argument:
-            settings[argument] = value
-    if not settings:
-        return None
+def _s3(bucket: str, options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
+    """One S3FileSystem per bucket and set of settings (`_settings`) in a process: a task opens
+    every file through it.
+
+    Credentials that no setting gives come from pyarrow's own lookup (profiles, instance role);
+    a region that none gives is the bucket's, as pyarrow's URI lookup finds it. A written file
+    that fits one part goes up in one PUT (`allow_delayed_open`), not in a multipart upload of
+    three requests.
+    """
+    settings: dict = dict(options)
+    if "force_virtual_addressing" in settings:
+        settings["force_virtual_addressing"] = settings["force_virtual_addressing"].lower() == "true"
     endpoint = settings.pop("endpoint", None)
     if endpoint:
         settings["scheme"], settings["endpoint_override"] = _endpoint(endpoint)
-    return pafs.S3FileSystem(**settings)
-
-
-def _azure_settings(options) -> dict[str, str]:
-    """`AZURE_OPTIONS` among `options` (storage options or the environment), by pyarrow argument;
-    the emulator's URL as `azurite_url`."""
-    settings = {argument: value for name, value in options.items() if (argument := AZURE_OPTIONS.get(name.lower()))}
-    if "AZURITE_BLOB_STORAGE_URL" in options:
-        settings["azurite_url"] = options["AZURITE_BLOB_STORAGE_URL"]
-    return settings
+    if "region" not in settings and not endpoint:  # an S3-compatible store's endpoint needs none
+        settings["region"] = pafs.FileSystem.from_uri(f"s3://{bucket}")[0].region
+    return pafs.S3FileSystem(allow_delayed_open=True, **settings)
 
 
 @functools.lru_cache(maxsize=8)
 def _azure(options: tuple[tuple[str, str], ...]) -> pafs.AzureFileSystem:
-    """One AzureFileSystem per set of settings (`_azure_settings`) in a process.
+    """One AzureFileSystem per set of settings (`_settings`) in a process.
 
     An endpoint on the account's own host name (`https://acct.blob.core.windows.net`) keeps
     pyarrow's virtual-host addressing; any other (an emulator's `http://127.0.0.1:10000/acct`,

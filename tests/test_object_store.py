@@ -7,52 +7,19 @@ through `LakeResource.storage_options` alone, or (the slow test) through the env
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import ClassVar
 
 import boto3
 import pyarrow.fs as pafs
 import pytest
 
 from entity_assets import samples
-from entity_assets.local_service import LocalService
+from entity_assets.local_stores import AZURITE, LatencyProxy, LocalAzurite, LocalS3
 from entity_assets.storage import AZURITE_KEY, filesystem
 from resources import LakeResource
 
 BUCKET = "entity-lake"
-AZURITE = Path(__file__).resolve().parents[1] / ".venv" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
-
-
-@dataclass(frozen=True)
-class LocalStore(LocalService):
-    """An object store's emulator on 127.0.0.1, ready once it listens; `account` is its URL path."""
-
-    account: ClassVar[str] = ""
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{self.address}{self.account}"
-
-    def ready(self) -> bool:
-        return self.listening()
-
-
-class LocalS3(LocalStore):
-    name = "s3"
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
-
-
-class LocalAzurite(LocalStore):
-    """Azure Blob Storage's emulator, in memory, on the Blob API only (as a flat-namespace account)."""
-
-    name, account = "azurite", "/devstoreaccount1"
-
-    def command(self) -> list[str]:
-        return [str(AZURITE), "--blobHost", self.host, "--blobPort", str(self.port), "--inMemoryPersistence",
-                "--skipApiVersionCheck", "--loose", "--silent"]
 
 
 def _client(options: dict[str, str]):
@@ -124,6 +91,20 @@ def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, n
     from_env, _ = filesystem(f"s3://{BUCKET}/lake/entities/part-1.parquet", {"AWS_S3_ALLOW_UNSAFE_RENAME": "true"})
     with from_env.open_input_stream(path) as source:
         assert source.read() == b"PAR1"
+
+
+def test_the_latency_proxy_of_the_benches_holds_each_request_and_passes_what_it_carries(s3_options, tmp_path, free_port):
+    target = int(s3_options["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    proxy = LatencyProxy(tmp_path / "proxy", port=free_port(), target=target, rtt_ms=300)
+    proxy.start(timeout=30)
+    try:
+        client = _client({**s3_options, "AWS_ENDPOINT_URL": proxy.endpoint})
+        for _ in range(2):  # a new connection, then a request on a kept-alive one
+            started = time.monotonic()
+            assert [b["Name"] for b in client.list_buckets()["Buckets"]] == [BUCKET]
+            assert time.monotonic() - started >= 0.3
+    finally:
+        proxy.stop()
 
 
 def _traffic() -> list:
