@@ -463,13 +463,22 @@ class DeltaRsEngine:
     """Commits and reads Delta tables with delta-rs (the default engine where Spark lacks the Delta jars).
 
     An engine lives for one step (`LakeResource.open`) and is used by one thread.
+
+    `snapshot`: each table is read as of the engine's first look at it, plus the engine's own
+    commits, as one step of a run needs it: the slices' order makes the run the lake's only
+    writer of the tables it writes, and a commit still checks for conflicting commits of
+    others (delta-rs's conflict checker). It spares a request for new commits at each look,
+    a round trip on an object store. Without it (the CLI, the sensor, tests), each look at the
+    latest version sees other writers' commits.
     """
 
-    def __init__(self, root: str, storage_options: dict[str, str] | None = None):
+    def __init__(self, root: str, storage_options: dict[str, str] | None = None, *, snapshot: bool = False):
         self.root = root.rstrip("/")
         self.storage_options = storage_options or None
+        self.snapshot = snapshot
         self._handles: dict[tuple[str, int | None], object] = {}
         self._existing: set[str] = set()
+        self._written: set[str] = set()  # tables this engine committed to since it last brought them up to date
 
     def uri(self, table: str) -> str:
         return f"{self.root}/{table}"
@@ -477,8 +486,9 @@ class DeltaRsEngine:
     def _open(self, table: str, version: int | None = None):
         """One handle per table and version for the engine's life: opening reads the Delta log
         since its last checkpoint (`CHECKPOINT_INTERVAL`), and a step asks for the same tables
-        many times. The latest is brought up to date from the log's new commits, which sees
-        other writers' commits too (~2 ms when there are none); a past version never changes.
+        many times. The latest is brought up to date from the log's new commits at each look
+        (~2 ms locally when there are none, a round trip on an object store), unless `snapshot`
+        and the engine made none of them; a past version never changes.
         """
         from deltalake import DeltaTable
 
@@ -486,18 +496,23 @@ class DeltaRsEngine:
         if dt is None:
             dt = self._handles[(table, version)] = DeltaTable(self.uri(table), version=version,
                                                               storage_options=self.storage_options)
-        elif version is None:
+        elif version is None and (not self.snapshot or table in self._written):
             dt.update_incremental()
+            self._written.discard(table)
         return dt
 
     def exists(self, table: str) -> bool:
-        """A table once found stays: later asks of the step make no request (`ensure` asks for each table it writes)."""
-        from deltalake import DeltaTable
+        """A table once found stays: later asks of the step make no request (`ensure` asks for each
+        table it writes). Found by opening it: its callers read it next."""
+        from deltalake.exceptions import TableNotFoundError
 
-        if table not in self._existing and DeltaTable.is_deltatable(self.uri(table),
-                                                                    storage_options=self.storage_options):
+        if table not in self._existing:
+            try:
+                self._open(table)
+            except TableNotFoundError:
+                return False
             self._existing.add(table)
-        return table in self._existing
+        return True
 
     def ensure(self, table: str, schema: pa.Schema) -> None:
         """Creates the table if missing; gives a table of an older lake the `CHECKPOINT_INTERVAL` (one commit, once)."""
@@ -511,6 +526,7 @@ class DeltaRsEngine:
         dt = self._open(table)  # the step's handle of the table, which it uses anyway
         if dt.metadata().configuration.get(CHECKPOINT_SETTING) != setting[CHECKPOINT_SETTING]:
             dt.alter.set_table_properties(setting)
+            self._written.add(table)
 
     def _check_layout(self, table: str, dt, schema: pa.Schema) -> None:
         """Refuses a table written by an older release that lacks a column the code writes."""
@@ -607,6 +623,7 @@ class DeltaRsEngine:
         dt = self._open(table)
         self._check_layout(table, dt, schema)  # on the table this commit opens anyway: no extra read of the log
         dt.create_write_transaction(actions, "append", schema, commit_properties=props)
+        self._written.add(table)
         return self.version(table)
 
     def replace_slice(self, table: str, schema: pa.Schema, files: Sequence[DataFile], slice_key: str) -> int:
@@ -674,6 +691,7 @@ class DeltaRsEngine:
         state's size at each slice. Time travel (and so a slice's replay) reaches back
         `retention_hours`.
         """
+        self._written.add(table)  # its commits record the vacuum
         return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                                         full=True)
 
@@ -707,5 +725,6 @@ class DeltaRsEngine:
                 app_transactions=[Transaction(*app_txn)] if app_txn else None,
             ),
         )
+        self._written.add(table)
         return self.version(table)
 

@@ -38,8 +38,9 @@ class LakeResource(ConfigurableResource):
                     "so smaller files rewrite less per small slice and make more files per table",
     )
 
-    def open(self) -> DeltaRsEngine:
+    def open(self, *, snapshot: bool = False) -> DeltaRsEngine:
+        """`snapshot`: for one step of a run, which reads each table as of its first look (see `DeltaRsEngine`)."""
         if self.engine != "delta-rs":
             raise ValueError(f"unknown lake engine {self.engine!r}: this build ships 'delta-rs'")
         root = self.root if "://" in self.root else os.path.abspath(self.root)
-        return DeltaRsEngine(root, self.storage_options)
+        return DeltaRsEngine(root, self.storage_options, snapshot=snapshot)

@@ -324,3 +324,15 @@ def test_tables_checkpoint_every_ten_commits_and_an_older_table_is_given_the_int
     fresh.ensure(table, SCHEMAS[table])
     assert DeltaTable(fresh.uri(table)).metadata().configuration == {CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)}
     assert fresh.version(table) == 0
+
+
+def test_a_step_engine_reads_each_table_as_of_its_first_look_and_its_own_commits(tmp_path):
+    step, other = DeltaRsEngine(str(tmp_path), snapshot=True), DeltaRsEngine(str(tmp_path))
+    step.ensure("entities", SCHEMAS["entities"])
+    start = step.version("entities")
+    other.commit("entities", SCHEMAS["entities"], add=[], operation="apply", slice_key=KEY)
+    assert step.version("entities") == start  # no request for others' commits at each look
+    assert other.version("entities") == start + 1  # an engine without snapshot follows them
+    # its own commit lands after the others' (delta-rs finds the newer version) and brings it up to date
+    assert step.commit("entities", SCHEMAS["entities"], add=[], operation="apply", slice_key="0000000002") == start + 2
+    assert step.version_after("entities", KEY, "apply") == start + 1

@@ -30,7 +30,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
 
     A bucketed state like entities: a slice rewrites only the files of the devices it saw.
     """
-    engine, key = lake.open(), context.partition_key
+    engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["devices"])
     connections = engine.slice_files("connections", [key])
     # the app-version counts of the state the slice makes: the counts recorded by the slice

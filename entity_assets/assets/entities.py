@@ -58,7 +58,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     log, and is counted here. Spark finds duplicates on the identity columns alone; the
     tasks then read the batch files, explode, write and publish in one pass.
     """
-    engine, key = lake.open(), context.partition_key
+    engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["entity_patches"])
     batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"),
                                            slicing.dedupe_window_slices)
@@ -114,7 +114,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     Entity and schema results share one step because both feed partial and complete
     responses and schema learning.
     """
-    engine, key = lake.open(), context.partition_key
+    engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, APPLY_TABLES)
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
     publish_to = publishing(kafka, engine, PUBLISHED)

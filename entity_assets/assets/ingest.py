@@ -37,7 +37,7 @@ TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("dead_letters",)
 def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaResource,
            lake: LakeResource, slicing: SlicingResource):
     """Reads exactly the manifest's offset ranges, so any re-run re-reads the same records."""
-    engine = lake.open()
+    engine = lake.open(snapshot=True)
     if kafka.publish:  # the later steps publish from this process: their producer starts now
         warm_producer(kafka.config())
     manifest = ManifestStore(engine).get(context.partition_key)

@@ -35,7 +35,7 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
                    "they subscribe to.")
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
-    engine, key = lake.open(), context.partition_key
+    engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["zone_changes"])
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
                                     "zone_changes", key, fold.copy_task, target="zone_changes", count_by="subjectZone")
@@ -56,7 +56,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     So a subscription created in a slice already receives the changes of that slice that
     follow it in the entity state, and every change of later slices.
     """
-    engine, key = lake.open(), context.partition_key
+    engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["changes_by_device"])
     version = engine.version_after("entities", key, "apply")
     if version is None:
@@ -82,7 +82,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                          kafka: KafkaResource) -> MaterializeResult:
     """Device inboxes are bucketed state; acks of a slice apply after its new notifications."""
-    engine, key = lake.open(), context.partition_key
+    engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["device_notifications", "device_inboxes"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
