@@ -585,9 +585,9 @@ class DeltaRsEngine:
         """(min, max) of a column over a slice's files, from their parquet footers (no data read)."""
         lows, highs = [], []
         for f in self.slice_files(table, [slice_key]):
-            fs, path = filesystem(f.uri, self.storage_options)
-            with fs.open_input_file(path) as source:
-                meta = pq.ParquetFile(source).metadata
+            fragment = parquet_file(f, self.storage_options)
+            fragment.ensure_complete_metadata()
+            meta = fragment.metadata
             index = meta.schema.to_arrow_schema().get_field_index(column)
             for g in range(meta.num_row_groups):
                 st = meta.row_group(g).column(index).statistics
