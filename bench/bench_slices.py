@@ -18,7 +18,8 @@ scripts/ui.sh gives the daemon's runs). The time is the whole process's; steps a
 
 `--lake s3` puts the lake in a bucket of moto's S3 server (the `dev` set-up's), reached through
 `local_stores.LatencyProxy`, which holds each request for `--rtt-ms`: what an object store's
-round trips cost a slice, which loopback alone does not show.
+round trips cost a slice, which loopback alone does not show. `--request-log FILE` has the proxy
+write each request's time and first line, to see which of them wait one after the other.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lake", choices=["local", "s3"], default="local",
                         help="the lake in the home's folder, or in a bucket of a local S3 server")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="with --lake s3: milliseconds added to each request")
+    parser.add_argument("--request-log", default="",
+                        help="with --lake s3: append each request's time, connection and first line to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary home (lake, broker data)")
     args = parser.parse_args(argv)
     if args.state_file_rows:
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
     steps = None if graph or args.process_per_slice else CORE_STEPS  # a run process runs the whole job
     with BenchEnv(keep=args.keep) as env, contextlib.ExitStack() as stores:
         if args.lake == "s3":
-            s3_lake(env, args.rtt_ms, stores)
+            s3_lake(env, args.rtt_ms, stores, args.request_log)
         produce(env, args.n, entities, args.devices, graph, 7)
         from entity_assets.cli import run_pending
         from entity_assets.definitions import build_resources
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def s3_lake(env: BenchEnv, rtt_ms: float, stores: contextlib.ExitStack) -> None:
+def s3_lake(env: BenchEnv, rtt_ms: float, stores: contextlib.ExitStack, request_log: str = "") -> None:
     """Starts moto's S3 server and a latency proxy to it (stopped by `stores`), and points the
     lake at a bucket through the proxy, by the standard AWS variables (the Spark workers, children
     of this process, inherit them)."""
@@ -114,7 +117,8 @@ def s3_lake(env: BenchEnv, rtt_ms: float, stores: contextlib.ExitStack) -> None:
     s3 = LocalS3(env.home / "s3", port=free_port())
     s3.start(timeout=60)
     stores.callback(s3.stop)
-    proxy = LatencyProxy(env.home / "proxy", port=free_port(), target=s3.port, rtt_ms=rtt_ms)
+    proxy = LatencyProxy(env.home / "proxy", port=free_port(), target=s3.port, rtt_ms=rtt_ms,
+                         log=os.path.abspath(request_log) if request_log else "")
     proxy.start(timeout=30)
     stores.callback(proxy.stop)
     aws = {"AWS_ENDPOINT_URL": proxy.endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TextIO
 
 from entity_assets.local_service import LocalService
 
@@ -60,14 +62,16 @@ class LatencyProxy(LocalStore):
 
     target: int = 0
     rtt_ms: float = 0.0
+    log: str = ""
+    """A file to which each request's time, connection and first line are appended (to see which wait in a row)."""
     name = "latency-proxy"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "entity_assets.local_stores", "--port", str(self.port), "--target",
-                str(self.target), "--rtt-ms", str(self.rtt_ms)]
+                str(self.target), "--rtt-ms", str(self.rtt_ms), *(["--log", self.log] if self.log else [])]
 
 
-async def _proxy(port: int, target: int, rtt_ms: float) -> None:
+async def _proxy(port: int, target: int, rtt_ms: float, log: TextIO | None = None) -> None:
     async def connect(client_reader, client_writer):
         try:
             server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
@@ -79,8 +83,12 @@ async def _proxy(port: int, target: int, rtt_ms: float) -> None:
         async def pipe(reader, writer, request: bool):
             try:
                 while data := await reader.read(1 << 16):
-                    if request and answered[0] and rtt_ms:
-                        await asyncio.sleep(rtt_ms / 1000)
+                    if request and answered[0]:
+                        if log:
+                            line = data[:200].split(b"\r\n", 1)[0].decode(errors="replace")
+                            log.write(f"{time.time():.4f} {id(writer):x} {line}\n")
+                        if rtt_ms:
+                            await asyncio.sleep(rtt_ms / 1000)
                     answered[0] = not request
                     writer.write(data)
                     await writer.drain()
@@ -101,8 +109,10 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--target", type=int, required=True)
     parser.add_argument("--rtt-ms", type=float, default=0.0)
+    parser.add_argument("--log", help="append each request's time, connection and first line to this file")
     args = parser.parse_args(argv)
-    asyncio.run(_proxy(args.port, args.target, args.rtt_ms))
+    with open(args.log, "a", buffering=1) if args.log else contextlib.nullcontext() as log:
+        asyncio.run(_proxy(args.port, args.target, args.rtt_ms, log))
     return 0
 
 
