@@ -15,14 +15,15 @@ import ctypes
 import json
 from collections.abc import Iterator
 from itertools import groupby
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from entity_assets import core, encode, notify, shards
 from entity_assets.publish import Publisher, Publishing
-from entity_assets.storage import (FileWriter, RowGroups, TableFile, from_rows, key_string, key_strings, read_batches,
-                                   read_table, to_rows)
+from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, from_rows, is_remote, key_string,
+                                   key_strings, prefetched, read_batches, read_table, to_rows)
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -149,6 +150,8 @@ class Outputs:
         self._respond_held()
         for table in list(self._batched):
             self._write_batched(table)
+        for w in self.writers.values():  # every table's last file on its way before any is waited for
+            w.flush()
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
         spool = self.publisher.close() if self.publisher is not None else None
         return files + ([spool] if spool else []) + self.replaced + [
@@ -208,6 +211,15 @@ def _buckets(batches: Iterator[pa.RecordBatch], key_columns: tuple[str, ...]) ->
         yield group(bucket, rows)
 
 
+class Fetched(NamedTuple):
+    """A bucket's stored rows that `BucketStore.switch` reads (`BucketStore.fetch`)."""
+    bucket: int
+    wanted: pa.Array | None
+    files: dict[shards.Shard, list[TableFile]]
+    owners: shards.ShardMap
+    loaded: dict[shards.Shard, tuple[pa.Table, pa.ChunkedArray]]
+
+
 class BucketStore:
     """The rows of one bucketed state table that a task owns, one bucket at a time.
 
@@ -229,26 +241,36 @@ class BucketStore:
         self.repeated_keys = 0
         """Rows written whose key another written row of the bucket has (must stay 0)."""
 
-    def switch(self, bucket: int, wanted: pa.Array | None = None) -> None:
-        """Loads `bucket`; `wanted`: the `key_strings` of the keys to be read (None: every key)."""
+    def fetch(self, bucket: int, wanted: pa.Array | None = None) -> Fetched:
+        """Reads what `switch` needs of `bucket`: only reads, so it may run in another thread
+        (`storage.prefetched`) while the task folds the bucket before it."""
+        files: dict[shards.Shard, list[TableFile]] = {}
+        for f in self.state_files.get(bucket, []):
+            files.setdefault(shards.of_file(f.path), []).append(f)
+        owners = shards.ShardMap(files)
+        if wanted is None:
+            needed = set(files)
+        else:
+            needed = {owners.owner(shards.key_hash(k)) for k in wanted.to_pylist()} & files.keys()
+        return Fetched(bucket, wanted, files, owners, {shard: self._read(files[shard]) for shard in sorted(needed)})
+
+    def switch(self, bucket: int, wanted: pa.Array | None = None, fetched: Fetched | None = None) -> None:
+        """Loads `bucket`; `wanted`: the `key_strings` of the keys to be read (None: every key);
+        `fetched`: what `fetch` read of them already."""
         if bucket == self.bucket:
             return
         self.close()
-        self.bucket, self.changed, self.stored, self.files, self.loaded = bucket, {}, {}, {}, {}
-        for f in self.state_files.get(bucket, []):
-            self.files.setdefault(shards.of_file(f.path), []).append(f)
-        self.map = shards.ShardMap(self.files)
-        if wanted is None:
-            needed = set(self.files)
-        else:
-            needed = {self.map.owner(shards.key_hash(k)) for k in wanted.to_pylist()} & self.files.keys()
-        for shard in sorted(needed):
-            self._load(shard, wanted)
+        fetched = fetched or self.fetch(bucket, wanted)
+        self.bucket, self.changed, self.stored = bucket, {}, {}
+        self.files, self.map, self.loaded = fetched.files, fetched.owners, fetched.loaded
+        for data, keys in self.loaded.values():
+            self._keep(data, keys, fetched.wanted)
 
-    def _load(self, shard: shards.Shard, wanted: pa.Array | None) -> None:
-        data = pa.concat_tables([read_table(f, self.storage_options) for f in self.files[shard]])
-        keys = key_strings(data, self.key_columns)
-        self.loaded[shard] = data, keys
+    def _read(self, files: list[TableFile]) -> tuple[pa.Table, pa.ChunkedArray]:
+        data = pa.concat_tables([read_table(f, self.storage_options) for f in files])
+        return data, key_strings(data, self.key_columns)
+
+    def _keep(self, data: pa.Table, keys: pa.ChunkedArray, wanted: pa.Array | None) -> None:
         for row in to_rows(data if wanted is None else data.filter(pc.is_in(keys, value_set=wanted))):
             self.stored[tuple(row[c] for c in self.key_columns)] = row
 
@@ -272,7 +294,7 @@ class BucketStore:
             kept, kept_keys = self.writer.schema.empty_table(), pa.chunked_array([], pa.string())
             if shard in self.files:
                 if shard not in self.loaded:
-                    self._load(shard, pa.array([], pa.string()))
+                    self.loaded[shard] = self._read(self.files[shard])
                 data, keys = self.loaded[shard]
                 untouched = pc.invert(pc.is_in(keys, value_set=changed_keys))
                 kept, kept_keys = data.filter(untouched), keys.filter(untouched)
@@ -428,22 +450,41 @@ RESULT_ROW_GROUPS = {"entities": "collection", "partial_responses": "parts"}
 the partial_responses row groups of `parts` > 1, the others skipped by their statistics."""
 
 
+PREFETCH_BYTES = 64 << 20
+"""State file bytes a task reads ahead of its fold at most (`prefetch_depth`)."""
+
+
+def prefetch_depth(state_uri: str, state_files: dict[int, list[TableFile]]) -> int:
+    """Buckets a fold task reads ahead on an object store: as many as `PREFETCH_BYTES` of the
+    largest bucket's state files allow, up to `REQUESTS_IN_FLIGHT`. None on a local disk, where
+    a read is no round trip and the task's core is busy folding."""
+    if not is_remote(state_uri):
+        return 0
+    largest = max((sum(f.size for f in files) for files in state_files.values()), default=0)
+    return max(1, min(REQUESTS_IN_FLIGHT, PREFETCH_BYTES // max(largest, 1)))
+
+
 def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], storage_options, patch_files: list[TableFile],
               state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
               publishing: Publishing | None = None) -> Iterator[dict]:
     """Tasks: {"buckets"}: the state buckets a task owns; it folds the slice's patches of each, in order."""
     order = [(c, "ascending") for c in core.ENTITY_KEY + core.ORDER]
+    ahead = prefetch_depth(uris["entities"], state_files)
     for task in tasks:
         out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS,
                       updates="entity_updates")
         store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options,
                             state_file_rows)
         slice_patches = RowGroups(patch_files, "bucket", storage_options)  # each footer read once per task
-        for bucket in task["buckets"]:
+
+        def inputs(bucket: int) -> tuple[pa.Table, Fetched | None]:
             patches = slice_patches.read(bucket)
+            return patches, store.fetch(bucket, pc.unique(key_strings(patches, core.ENTITY_KEY))) if patches.num_rows else None
+
+        for patches, fetched in prefetched(inputs, task["buckets"], ahead):
             if patches.num_rows:
-                store.switch(bucket, pc.unique(key_strings(patches, core.ENTITY_KEY)))
-                _fold_bucket(out, store, patches.sort_by(order), bucket, slice_key)
+                store.switch(fetched.bucket, fetched=fetched)
+                _fold_bucket(out, store, patches.sort_by(order), fetched.bucket, slice_key)
         out.close_state("entities", store)
         yield from out.report()
 

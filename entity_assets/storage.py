@@ -15,7 +15,9 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from urllib.parse import urlparse
@@ -34,6 +36,10 @@ READ_BATCH_ROWS = 20_000
 
 SLICE = "slice"
 """Every table carries the slice key column; file statistics on it find a slice's files."""
+
+REQUESTS_IN_FLIGHT = 8
+"""A task's concurrent requests to an object store (uploads of its files, reads ahead of its
+folds): each costs a round trip, which a task would otherwise wait out one after the other."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,36 @@ def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.F
     return fs, path
 
 
+def is_remote(uri: str) -> bool:
+    """Whether a lake URI names an object store, whose every request is a round trip."""
+    return urlparse(uri).scheme not in ("", "file")
+
+
+@functools.cache
+def _requests() -> ThreadPoolExecutor:
+    """This process's threads for object-store requests (made on first use: a forked worker makes its own)."""
+    return ThreadPoolExecutor(REQUESTS_IN_FLIGHT, thread_name_prefix="lake-io")
+
+
+def prefetched(fn: Callable, items: Iterable, ahead: int) -> Iterator:
+    """`fn` of each item, in order, with up to `ahead` items' calls running in threads before
+    they are needed (pyarrow releases the GIL while it waits on a request); `ahead` 0: in line."""
+    if ahead <= 0:
+        yield from map(fn, items)
+        return
+    pending: deque[Future] = deque()
+    try:
+        for item in items:
+            pending.append(_requests().submit(fn, item))
+            if len(pending) > ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
 def _settings(storage_options: dict[str, str] | None, names: dict[str, str], *prefixes: str) -> dict[str, str]:
     """The filesystem arguments `names` gives the environment's variables of `prefixes` and,
     over them, the storage options."""
@@ -217,11 +253,12 @@ class FileWriter:
         self.row_groups_by = row_groups_by
         self.max_rows = max_rows
         self._fs, self._root = filesystem(table_uri, storage_options)
+        self._remote = is_remote(table_uri)
         self.struct = pa.struct(list(schema))
         self._rows: list[dict] = []
         self._tables: list[pa.Table] = []
         self._table_rows = 0
-        self.files: list[DataFile] = []
+        self._files: list[DataFile | Future] = []  # uploads to an object store run in threads
 
     def append(self, row: dict) -> None:
         """Buffers `row` as it is (columns by name, extra keys ignored): do not change it afterwards."""
@@ -265,20 +302,31 @@ class FileWriter:
             self._write(data)
 
     def close(self) -> list[DataFile]:
+        """The files written, in the order written, once every upload has ended (its error raised here)."""
         self.flush()
-        return self.files
+        self._files = [f.result() if isinstance(f, Future) else f for f in self._files]
+        return self._files
 
     def _write(self, data: pa.Table, tag: str | None = None) -> None:
+        """In line on a local disk; on an object store in a thread, at most `REQUESTS_IN_FLIGHT`
+        of the writer's files (and their rows) at a time."""
         name = f"part-{self.slice_key}-{tag + '-' if tag else ''}{uuid.uuid4().hex}.parquet"
-        path = f"{self._root}/{name}"
-        with self._fs.open_output_stream(path) as sink:
+        if not self._remote:
+            self._files.append(self._put(data, name))
+            return
+        uploading = [f for f in self._files if isinstance(f, Future) and not f.done()]
+        if len(uploading) >= REQUESTS_IN_FLIGHT:
+            uploading[0].result()
+        self._files.append(_requests().submit(self._put, data, name))
+
+    def _put(self, data: pa.Table, name: str) -> DataFile:
+        with self._fs.open_output_stream(f"{self._root}/{name}") as sink:
             if self.row_groups_by is None:
                 pq.write_table(data, sink, compression="snappy", row_group_size=ROW_GROUP_ROWS)
             else:
                 self._write_groups(data, sink)
             size = sink.tell()  # not a stat of the file: on an object store that is one more request
-        self.files.append(DataFile(self.table, name, size, data.num_rows, _stats(data, self.stats_columns)))
-
+        return DataFile(self.table, name, size, data.num_rows, _stats(data, self.stats_columns))
 
     def _write_groups(self, data: pa.Table, sink) -> None:
         """One row group per value of `row_groups_by`: readers of one value skip the rest by its statistics."""
@@ -484,6 +532,12 @@ class DeltaRsEngine:
 
     def uri(self, table: str) -> str:
         return f"{self.root}/{table}"
+
+    def each(self, fn: Callable, tables: Iterable[str]) -> list:
+        """`fn(table)` for each table, in order; at once on an object store, where each is round
+        trips of its own (a commit ~8), and delta-rs waits on them without the GIL."""
+        tables = list(tables)
+        return list(prefetched(fn, tables, len(tables) if is_remote(self.root) else 0))
 
     def _open(self, table: str, version: int | None = None):
         """One handle per table and version for the engine's life: opening reads the Delta log

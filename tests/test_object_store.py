@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import boto3
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
 from entity_assets import samples
 from entity_assets.local_stores import AZURITE, LatencyProxy, LocalAzurite, LocalS3
-from entity_assets.storage import AZURITE_KEY, filesystem
+from entity_assets.storage import AZURITE_KEY, FileWriter, filesystem, read_table
+from entity_assets.tables import SCHEMAS
 from resources import LakeResource
 
 BUCKET = "entity-lake"
@@ -93,9 +95,32 @@ def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, n
         assert source.read() == b"PAR1"
 
 
+def test_task_files_upload_in_threads_come_back_in_written_order_and_a_failed_upload_fails_the_close(
+        s3_options, no_aws_environment):
+    def writer(bucket: str) -> FileWriter:
+        return FileWriter("entities", f"s3://{bucket}/lake/entities", SCHEMAS["entities"], "0000000001",
+                          storage_options=s3_options)
+
+    files = writer(BUCKET)
+    for i in range(20):  # more than the uploads a writer keeps in flight
+        files.write_table(pa.Table.from_pylist([{"slice": "0000000001", "entity": f"e{i}"}] * (i + 1), SCHEMAS["entities"]),
+                          tag=f"t{i:02d}")
+    written = files.close()
+    assert [f.path.split("-")[2] for f in written] == [f"t{i:02d}" for i in range(20)]
+    for i, f in enumerate(written):
+        table = read_table(f"s3://{BUCKET}/lake/entities/{f.path}", s3_options)
+        assert f.rows == table.num_rows == i + 1 and set(table.column("entity").to_pylist()) == {f"e{i}"}
+
+    lost = writer("no-such-bucket")
+    lost.write_table(pa.Table.from_pylist([{"slice": "0000000001", "entity": "e"}], SCHEMAS["entities"]))
+    with pytest.raises(OSError):
+        lost.close()
+
+
 def test_the_latency_proxy_of_the_benches_holds_each_request_and_passes_what_it_carries(s3_options, tmp_path, free_port):
     target = int(s3_options["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
-    proxy = LatencyProxy(tmp_path / "proxy", port=free_port(), target=target, rtt_ms=300)
+    proxy = LatencyProxy(tmp_path / "proxy", port=free_port(), target=target, rtt_ms=300,
+                         log=str(tmp_path / "requests.log"))
     proxy.start(timeout=30)
     try:
         client = _client({**s3_options, "AWS_ENDPOINT_URL": proxy.endpoint})
@@ -105,6 +130,8 @@ def test_the_latency_proxy_of_the_benches_holds_each_request_and_passes_what_it_
             assert time.monotonic() - started >= 0.3
     finally:
         proxy.stop()
+    requests = (tmp_path / "requests.log").read_text().splitlines()
+    assert len(requests) == 2 and all(r.split(" ", 2)[2].startswith("GET / HTTP/1.1") for r in requests)
 
 
 def _traffic() -> list:

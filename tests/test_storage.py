@@ -9,16 +9,18 @@ import pyarrow.parquet as pq
 
 from entity_assets import shards
 from entity_assets.assets.common import file_tasks
-from entity_assets.fold import BucketStore
+from entity_assets.fold import PREFETCH_BYTES, BucketStore, prefetch_depth
 from entity_assets.storage import (
     CHECKPOINT_INTERVAL,
     CHECKPOINT_SETTING,
     DeltaRsEngine,
     FileWriter,
+    REQUESTS_IN_FLIGHT,
     LayoutError,
     TableFile,
     key_string,
     key_strings,
+    prefetched,
     read_row_groups,
     read_table,
     repeated_deliveries,
@@ -336,3 +338,71 @@ def test_a_step_engine_reads_each_table_as_of_its_first_look_and_its_own_commits
     # its own commit lands after the others' (delta-rs finds the newer version) and brings it up to date
     assert step.commit("entities", SCHEMAS["entities"], add=[], operation="apply", slice_key="0000000002") == start + 2
     assert step.version_after("entities", KEY, "apply") == start + 1
+
+
+def test_prefetched_calls_run_ahead_in_threads_and_come_back_in_order():
+    import threading
+    import time
+
+    threads = set()
+
+    def slow(i):
+        threads.add(threading.get_ident())
+        time.sleep(0.01 * (5 - i % 5))  # later items end first
+        return i * i
+
+    assert list(prefetched(slow, range(20), 4)) == [i * i for i in range(20)]
+    assert threading.get_ident() not in threads
+    threads.clear()
+    assert list(prefetched(slow, range(5), 0)) == [i * i for i in range(5)] and threads == {threading.get_ident()}
+
+    def failing(i):
+        if i == 3:
+            raise ValueError("item 3")
+        return i
+
+    results = prefetched(failing, range(10), 4)
+    assert [next(results) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="item 3"):
+        next(results)
+
+
+def test_fold_tasks_read_ahead_only_on_an_object_store_and_within_a_byte_budget():
+    def files(*sizes):
+        return {b: [TableFile(f"p{b}-{i}", f"s3://b/p{b}-{i}", size, 1) for i, size in enumerate(bucket)]
+                for b, bucket in enumerate(sizes)}
+
+    assert prefetch_depth("/lake/entities", files([100])) == 0
+    assert prefetch_depth("file:///lake/entities", files([100])) == 0
+    assert prefetch_depth("s3://b/lake/entities", {}) == REQUESTS_IN_FLIGHT  # no state yet
+    assert prefetch_depth("s3://b/lake/entities", files([100], [200, 300])) == REQUESTS_IN_FLIGHT
+    assert prefetch_depth("abfss://c@a.dfs.core.windows.net/lake/entities",
+                          files([PREFETCH_BYTES // 3], [PREFETCH_BYTES // 8])) == 3
+    assert prefetch_depth("s3://b/lake/entities", files([PREFETCH_BYTES * 2])) == 1
+
+
+def test_a_bucket_fetched_in_another_thread_switches_in_as_a_read_in_line_would(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = ("dbid", "collection", "zone", "entity")
+    first = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], KEY, stats_columns=("slice", "bucket"))
+    for i in range(100):
+        first.append(entity_row(i))
+    state = {0: [committed(tmp_path, f) for f in first.close()]}
+    wanted = pa.array([key_string(("db", "C", "z", f"e{i}")) for i in (3, 50)])
+
+    def rewrite(fetch: bool) -> list[dict]:
+        writer = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], "0000000002", stats_columns=("slice", "bucket"))
+        store = BucketStore(writer, key, state, enabled=True)
+        if fetch:
+            with ThreadPoolExecutor(1) as pool:
+                store.switch(0, fetched=pool.submit(store.fetch, 0, wanted).result())
+        else:
+            store.switch(0, wanted)
+        assert set(store.stored) == {("db", "C", "z", "e3"), ("db", "C", "z", "e50")}
+        store.put(("db", "C", "z", "e3"), entity_row(3, "0000000002", version=2))
+        store.close()
+        (written,) = writer.close()
+        return sorted(read_table(str(tmp_path / written.path)).drop_columns(["slice"]).to_pylist(), key=str)
+
+    assert rewrite(fetch=True) == rewrite(fetch=False)

@@ -14,8 +14,7 @@ from resources import SparkResource
 
 
 def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str]) -> None:
-    for table in tables:
-        engine.ensure(table, SCHEMAS[table])
+    engine.each(lambda table: engine.ensure(table, SCHEMAS[table]), tables)
 
 
 def collect_tasks(spark: SparkResource, tasks: list[dict], fn: Callable, rows: int | None = None) -> list:
@@ -126,12 +125,11 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
 
 def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str) -> dict[str, dict]:
     """Replaces the slice in each table; returns rows and Delta version per table."""
-    out = {}
-    for table in tables:
-        written = files.get(table, [])
-        version = engine.replace_slice(table, SCHEMAS[table], written, slice_key)
-        out[table] = {"rows": sum(f.rows for f in written), "files": len(written), "version": version}
-    return out
+    tables = list(tables)
+    versions = engine.each(lambda table: engine.replace_slice(table, SCHEMAS[table], files.get(table, []), slice_key),
+                           tables)
+    return {table: {"rows": sum(f.rows for f in files.get(table, [])), "files": len(files.get(table, [])),
+                    "version": version} for table, version in zip(tables, versions)}
 
 
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
