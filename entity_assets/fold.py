@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from entity_assets import core, encode, notify, shards
 from entity_assets.publish import Publisher, Publishing
 from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, from_rows, is_remote, key_string,
-                                   key_strings, prefetched, read_batches, read_table, to_rows)
+                                   key_strings, prefetched, read_files, read_table, to_rows)
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -594,8 +594,7 @@ def over_files(tasks: Iterator[dict], *, body, storage_options, columns: list[st
 
 def _file_batches(task: dict, storage_options, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
     """The rows of a task's files ({"files"}), batch by batch."""
-    for file in task["files"]:
-        yield from read_batches(file, storage_options, columns=columns)
+    return read_files(task["files"], storage_options, columns=columns)
 
 
 def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str, uris: dict[str, str],

@@ -409,7 +409,9 @@ def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Seq
     column `split_by` has `part` as its low bits, so it holds 1/parts of the slice.
     """
     identity = list(identity)
-    rows = pa.concat_tables([read_table(f, storage_options, [*identity, *coordinates]) for f in slice_files])
+    remote = any(is_remote(_uri(f)) for f in slice_files)
+    rows = pa.concat_tables(prefetched(lambda f: read_table(f, storage_options, [*identity, *coordinates]), slice_files,
+                                       REQUESTS_IN_FLIGHT if remote else 0))
     if parts > 1:
         rows = rows.filter(pc.equal(pc.bit_wise_and(rows.column(split_by), parts - 1), part))
     if not rows.num_rows:
@@ -425,12 +427,11 @@ def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Seq
     # each probed against the slice's identities: the join builds its table on those, the
     # driver's memory stays that of a small batch and a task's work stays linear in the window
     keys = rows.select(identity)
-    for f in prior_files:
-        for batch in read_batches(f, storage_options, max(READ_BATCH_ROWS, rows.num_rows), columns=identity):
-            seen = pa.Table.from_batches([batch]).join(keys, identity, join_type="left semi", use_threads=False)
-            if seen.num_rows:
-                again = rows.join(seen, identity, join_type="left semi", use_threads=False)
-                found.update(zip(*(again.column(c).to_pylist() for c in coordinates)))
+    for batch in read_files(prior_files, storage_options, max(READ_BATCH_ROWS, rows.num_rows), columns=identity):
+        seen = pa.Table.from_batches([batch]).join(keys, identity, join_type="left semi", use_threads=False)
+        if seen.num_rows:
+            again = rows.join(seen, identity, join_type="left semi", use_threads=False)
+            found.update(zip(*(again.column(c).to_pylist() for c in coordinates)))
     return found
 
 
@@ -443,10 +444,42 @@ def read_batches(file: str | TableFile, storage_options: dict[str, str] | None =
     task's one core gains nothing from threads. On an object store the read-ahead stays: it
     fetches a row group's columns in one request instead of one per column chunk.
     """
-    fs, path = filesystem(file.uri if isinstance(file, TableFile) else file, storage_options)
+    fs, path = filesystem(_uri(file), storage_options)
     with fs.open_input_file(path) as source:
         parquet = pq.ParquetFile(source, pre_buffer=not isinstance(fs, pafs.LocalFileSystem))
         yield from parquet.iter_batches(batch_size=batch_size, columns=columns, use_threads=False)
+
+
+SMALL_FILE_BYTES = 4 << 20
+"""On an object store, files up to this size are read whole, ahead of need (`read_files`)."""
+
+
+def read_files(files: Sequence[str | TableFile], storage_options: dict[str, str] | None = None,
+               batch_size: int = READ_BATCH_ROWS, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """The rows of `files`, in order, in bounded batches.
+
+    On an object store a file's read is round trips, and a small slice's files are many and
+    small: those are read whole in threads ahead of need (`REQUESTS_IN_FLIGHT` of them, so at
+    most that many times `SMALL_FILE_BYTES` of parquet), larger ones streamed when their turn comes.
+    """
+    def whole(file):
+        return read_table(file, storage_options, columns) if ahead and _small(file) else None
+
+    files = list(files)
+    ahead = REQUESTS_IN_FLIGHT if any(is_remote(_uri(f)) for f in files) else 0
+    for file, data in zip(files, prefetched(whole, files, ahead)):
+        if data is None:
+            yield from read_batches(file, storage_options, batch_size, columns)
+        else:
+            yield from data.to_batches(max_chunksize=batch_size)
+
+
+def _uri(file: str | TableFile) -> str:
+    return file.uri if isinstance(file, TableFile) else file
+
+
+def _small(file: str | TableFile) -> bool:
+    return isinstance(file, TableFile) and file.size <= SMALL_FILE_BYTES
 
 
 class RowGroups:

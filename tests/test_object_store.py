@@ -17,7 +17,7 @@ import pytest
 
 from entity_assets import samples
 from entity_assets.local_stores import AZURITE, LatencyProxy, LocalAzurite, LocalS3
-from entity_assets.storage import AZURITE_KEY, FileWriter, filesystem, read_table
+from entity_assets.storage import AZURITE_KEY, FileWriter, TableFile, filesystem, read_files, read_table
 from entity_assets.tables import SCHEMAS
 from resources import LakeResource
 
@@ -115,6 +115,23 @@ def test_task_files_upload_in_threads_come_back_in_written_order_and_a_failed_up
     lost.write_table(pa.Table.from_pylist([{"slice": "0000000001", "entity": "e"}], SCHEMAS["entities"]))
     with pytest.raises(OSError):
         lost.close()
+
+
+def test_files_read_ahead_whole_or_streamed_give_their_rows_in_order(s3_options, no_aws_environment, monkeypatch):
+    from entity_assets import storage
+
+    files = FileWriter("entities", f"s3://{BUCKET}/lake/entities", SCHEMAS["entities"], "0000000001",
+                       storage_options=s3_options)
+    for i in range(6):
+        files.write_table(pa.Table.from_pylist([{"slice": "0000000001", "entity": f"e{i}-{j}"} for j in range(50)],
+                                               SCHEMAS["entities"]))
+    written = [TableFile(f.path, f"s3://{BUCKET}/lake/entities/{f.path}", f.size, f.rows) for f in files.close()]
+    expected = [f"e{i}-{j}" for i in range(6) for j in range(50)]
+    sizes = sorted(f.size for f in written)
+    monkeypatch.setattr(storage, "SMALL_FILE_BYTES", sizes[2])  # some read whole ahead, the others streamed
+    batches = list(read_files(written, s3_options, batch_size=20, columns=["entity"]))
+    assert max(b.num_rows for b in batches) == 20
+    assert [e for b in batches for e in b.column("entity").to_pylist()] == expected
 
 
 def test_the_latency_proxy_of_the_benches_holds_each_request_and_passes_what_it_carries(s3_options, tmp_path, free_port):
