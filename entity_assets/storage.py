@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 import uuid
 from collections import deque
@@ -140,16 +141,24 @@ def is_remote(uri: str) -> bool:
     return urlparse(uri).scheme not in ("", "file")
 
 
+_IO_THREAD = "lake-io"
+
+
 @functools.cache
 def _requests() -> ThreadPoolExecutor:
     """This process's threads for object-store requests (made on first use: a forked worker makes its own)."""
-    return ThreadPoolExecutor(REQUESTS_IN_FLIGHT, thread_name_prefix="lake-io")
+    return ThreadPoolExecutor(REQUESTS_IN_FLIGHT, thread_name_prefix=_IO_THREAD)
+
+
+def _in_io_thread() -> bool:
+    """Work asked for by one of those threads runs in line: queued behind them, it could wait forever."""
+    return threading.current_thread().name.startswith(_IO_THREAD)
 
 
 def prefetched(fn: Callable, items: Iterable, ahead: int) -> Iterator:
     """`fn` of each item, in order, with up to `ahead` items' calls running in threads before
     they are needed (pyarrow releases the GIL while it waits on a request); `ahead` 0: in line."""
-    if ahead <= 0:
+    if ahead <= 0 or _in_io_thread():
         yield from map(fn, items)
         return
     pending: deque[Future] = deque()
@@ -311,7 +320,7 @@ class FileWriter:
         """In line on a local disk; on an object store in a thread, at most `REQUESTS_IN_FLIGHT`
         of the writer's files (and their rows) at a time."""
         name = f"part-{self.slice_key}-{tag + '-' if tag else ''}{uuid.uuid4().hex}.parquet"
-        if not self._remote:
+        if not self._remote or _in_io_thread():
             self._files.append(self._put(data, name))
             return
         uploading = [f for f in self._files if isinstance(f, Future) and not f.done()]
@@ -492,22 +501,27 @@ class RowGroups:
     """
 
     def __init__(self, files: Iterable[str | TableFile], column: str, storage_options: dict[str, str] | None = None):
-        self.column, self._files = column, []
-        for file in files:
+        def footer(file):
             fragment = parquet_file(file, storage_options)
             fragment.ensure_complete_metadata()  # reads the footer; row group subsets keep it
-            self._files.append((fragment, fragment.physical_schema.get_field_index(column)))
+            return fragment, fragment.physical_schema.get_field_index(column)
+
+        files = list(files)
+        self.column = column
+        self._ahead = REQUESTS_IN_FLIGHT if any(is_remote(_uri(f)) for f in files) else 0  # one file after the other locally
+        self._files = list(prefetched(footer, files, self._ahead))
 
     def read(self, value) -> pa.Table:
         """The rows whose `column` is `value`, from the row groups whose statistics admit it."""
-        pieces = []
+        subsets = []
         for fragment, index in self._files:
             metadata = fragment.metadata
             groups = [g for g in range(metadata.num_row_groups)
                       if (st := metadata.row_group(g).column(index).statistics) is None
                       or (st.has_min_max and st.min <= value <= st.max)]
             if groups:
-                pieces.append(fragment.subset(row_group_ids=groups).to_table(use_threads=False))
+                subsets.append(fragment.subset(row_group_ids=groups))
+        pieces = list(prefetched(lambda subset: subset.to_table(use_threads=False), subsets, self._ahead))
         if not pieces:
             return pa.table({})
         data = pa.concat_tables(pieces)

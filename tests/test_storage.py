@@ -361,6 +361,16 @@ def test_prefetched_calls_run_ahead_in_threads_and_come_back_in_order():
             raise ValueError("item 3")
         return i
 
+    # asked for from a reading thread, reads run in that thread: queued behind it, they would wait forever
+    def nested(i):
+        return [j * i for j in prefetched(slow, range(3), 4)]
+
+    done = []
+    outer = threading.Thread(target=lambda: done.append(list(prefetched(nested, range(3 * REQUESTS_IN_FLIGHT), 64))))
+    outer.start()
+    outer.join(timeout=60)
+    assert done == [[[j * j * i for j in range(3)] for i in range(3 * REQUESTS_IN_FLIGHT)]]
+
     results = prefetched(failing, range(10), 4)
     assert [next(results) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(ValueError, match="item 3"):
