@@ -367,7 +367,7 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     """
     from entity_assets.kafka_io import ensure_topics, partition_counts
     from entity_assets.publish import STREAMS, Publishing
-    from entity_assets.storage import filesystem
+    from entity_assets.storage import filesystem, is_remote
 
     if not kafka.publish:
         return None
@@ -376,8 +376,9 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     ensure_topics(config, topics.values(), kafka.new_topic_partitions, topic_config=kafka.new_topic_config)
     partitions = partition_counts(config, topics.values())
     outbox = engine.uri(OUTBOX_FOLDER)
-    fs, path = filesystem(outbox, engine.storage_options)
-    fs.create_dir(path, recursive=True)
+    if not is_remote(outbox):  # an object store has no folders to make: it would be three requests for nothing
+        fs, path = filesystem(outbox, engine.storage_options)
+        fs.create_dir(path, recursive=True)
     return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()}, outbox,
                       engine.storage_options)
 
