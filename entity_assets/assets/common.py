@@ -13,8 +13,12 @@ from entity_assets.tables import SCHEMAS
 from resources import SparkResource
 
 
-def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str]) -> None:
-    engine.each(lambda table: engine.ensure(table, SCHEMAS[table]), tables)
+def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str], reads: Iterable[str] = ()) -> None:
+    """Makes the tables a step writes and opens those it `reads`, all at once on an object store,
+    where each is a few round trips."""
+    writes = set(tables)
+    engine.each(lambda table: engine.ensure(table, SCHEMAS[table]) if table in writes else engine.exists(table),
+                [*tables, *reads])
 
 
 def collect_tasks(spark: SparkResource, tasks: list[dict], fn: Callable, rows: int | None = None) -> list:

@@ -31,7 +31,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
     A bucketed state like entities: a slice rewrites only the files of the devices it saw.
     """
     engine, key = lake.open(snapshot=True), context.partition_key
-    ensure_tables(engine, ["devices"])
+    ensure_tables(engine, ["devices"], reads=["connections"])
     connections = engine.slice_files("connections", [key])
     # the app-version counts of the state the slice makes: the counts recorded by the slice
     # before it plus this slice's changes, recorded on the state commit (no read of the state)

@@ -59,7 +59,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     tasks then read the batch files, explode, write and publish in one pass.
     """
     engine, key = lake.open(snapshot=True), context.partition_key
-    ensure_tables(engine, ["entity_patches"])
+    ensure_tables(engine, ["entity_patches"], reads=["entity_batches"])
     batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"),
                                            slicing.dedupe_window_slices)
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
@@ -115,7 +115,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     responses and schema learning.
     """
     engine, key = lake.open(snapshot=True), context.partition_key
-    ensure_tables(engine, APPLY_TABLES)
+    ensure_tables(engine, APPLY_TABLES, reads=["entity_patches", "schema_patches"])
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
     publish_to = publishing(kafka, engine, PUBLISHED)
 

@@ -36,7 +36,7 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     engine, key = lake.open(snapshot=True), context.partition_key
-    ensure_tables(engine, ["zone_changes"])
+    ensure_tables(engine, ["zone_changes"], reads=["entity_updates"])
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
                                     "zone_changes", key, fold.copy_task, target="zone_changes", count_by="subjectZone")
     zones = sorted(((name.split(":", 1)[1], n) for name, n in counts.items() if name.startswith("subjectZone:")),
@@ -57,7 +57,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     follow it in the entity state, and every change of later slices.
     """
     engine, key = lake.open(snapshot=True), context.partition_key
-    ensure_tables(engine, ["changes_by_device"])
+    ensure_tables(engine, ["changes_by_device"], reads=["zone_changes", "entities"])
     version = engine.version_after("entities", key, "apply")
     if version is None:
         raise Failure(f"entities has no state for slice {key}: materialize apply_patches for it first")
@@ -83,7 +83,8 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                          kafka: KafkaResource) -> MaterializeResult:
     """Device inboxes are bucketed state; acks of a slice apply after its new notifications."""
     engine, key = lake.open(snapshot=True), context.partition_key
-    ensure_tables(engine, ["device_notifications", "device_inboxes"])
+    ensure_tables(engine, ["device_notifications", "device_inboxes"],
+                  reads=["changes_by_device", "notification_acks"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
     publish_to = publishing(kafka, engine, ["device_notifications"])

@@ -37,7 +37,7 @@ from resources import LakeResource, SlicingResource, SparkResource
 def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, slicing: SlicingResource):
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
     engine, key = lake.open(snapshot=True), context.partition_key
-    ensure_tables(engine, ["learned_schemas"])
+    ensure_tables(engine, ["learned_schemas"], reads=["schema_learning", "schemas"])
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
     # each task summarizes the rows of its files (no shuffle); summaries merge exactly
     files = engine.slice_files("schema_learning", [key])
