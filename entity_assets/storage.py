@@ -150,6 +150,9 @@ def _requests() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(REQUESTS_IN_FLIGHT, thread_name_prefix=_IO_THREAD)
 
 
+os.register_at_fork(after_in_child=_requests.cache_clear)  # a forked child has none of its parent's threads
+
+
 def _in_io_thread() -> bool:
     """Work asked for by one of those threads runs in line: queued behind them, it could wait forever."""
     return threading.current_thread().name.startswith(_IO_THREAD)

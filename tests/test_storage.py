@@ -377,6 +377,23 @@ def test_prefetched_calls_run_ahead_in_threads_and_come_back_in_order():
         next(results)
 
 
+def test_a_forked_child_reads_ahead_with_threads_of_its_own():
+    import os
+    import signal
+    import time
+
+    def later(i):
+        time.sleep(0.01)
+        return i + 1
+
+    assert list(prefetched(later, range(32), 32)) == list(range(1, 33))  # every thread of the parent's pool started
+    pid = os.fork()
+    if pid == 0:  # the parent's threads are not in the child: waiting on them would never end
+        signal.alarm(30)
+        os._exit(0 if list(prefetched(lambda i: i + 1, range(4), 2)) == [1, 2, 3, 4] else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
 def test_fold_tasks_read_ahead_only_on_an_object_store_and_within_a_byte_budget():
     def files(*sizes):
         return {b: [TableFile(f"p{b}-{i}", f"s3://b/p{b}-{i}", size, 1) for i, size in enumerate(bucket)]
