@@ -42,6 +42,10 @@ REQUESTS_IN_FLIGHT = 8
 """A task's concurrent requests to an object store (uploads of its files, reads ahead of its
 folds): each costs a round trip, which a task would otherwise wait out one after the other."""
 
+UPLOAD_BYTES = 64 << 20
+"""Arrow bytes of the rows a writer's uploads in flight hold at most (`FileWriter`): a large
+slice's files each hold up to `max_rows`, and 8 of them would be hundreds of MB."""
+
 
 @dataclass(frozen=True)
 class DataFile:
@@ -271,6 +275,7 @@ class FileWriter:
         self._tables: list[pa.Table] = []
         self._table_rows = 0
         self._files: list[DataFile | Future] = []  # uploads to an object store run in threads
+        self._uploading: list[tuple[Future, int]] = []  # those not done yet, with their rows' bytes
 
     def append(self, row: dict) -> None:
         """Buffers `row` as it is (columns by name, extra keys ignored): do not change it afterwards."""
@@ -320,16 +325,19 @@ class FileWriter:
         return self._files
 
     def _write(self, data: pa.Table, tag: str | None = None) -> None:
-        """In line on a local disk; on an object store in a thread, at most `REQUESTS_IN_FLIGHT`
-        of the writer's files (and their rows) at a time."""
+        """In line on a local disk; on an object store in a thread, with at most `REQUESTS_IN_FLIGHT`
+        of the writer's files and `UPLOAD_BYTES` of their rows on their way at a time."""
         name = f"part-{self.slice_key}-{tag + '-' if tag else ''}{uuid.uuid4().hex}.parquet"
         if not self._remote or _in_io_thread():
             self._files.append(self._put(data, name))
             return
-        uploading = [f for f in self._files if isinstance(f, Future) and not f.done()]
-        if len(uploading) >= REQUESTS_IN_FLIGHT:
-            uploading[0].result()
-        self._files.append(_requests().submit(self._put, data, name))
+        self._uploading = [(f, n) for f, n in self._uploading if not f.done()]
+        while self._uploading and (len(self._uploading) >= REQUESTS_IN_FLIGHT
+                                   or sum(n for _, n in self._uploading) + data.nbytes > UPLOAD_BYTES):
+            self._uploading.pop(0)[0].result()
+        future = _requests().submit(self._put, data, name)
+        self._uploading.append((future, data.nbytes))
+        self._files.append(future)
 
     def _put(self, data: pa.Table, name: str) -> DataFile:
         with self._fs.open_output_stream(f"{self._root}/{name}") as sink:

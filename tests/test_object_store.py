@@ -95,8 +95,14 @@ def test_task_files_reach_the_store_through_the_lake_options_alone(s3_options, n
         assert source.read() == b"PAR1"
 
 
+@pytest.mark.parametrize("upload_bytes", [None, 1], ids=["default", "one-at-a-time"])
 def test_task_files_upload_in_threads_come_back_in_written_order_and_a_failed_upload_fails_the_close(
-        s3_options, no_aws_environment):
+        s3_options, no_aws_environment, monkeypatch, upload_bytes):
+    from entity_assets import storage
+
+    if upload_bytes:  # rows bigger than the bound: each upload waits for the one before it
+        monkeypatch.setattr(storage, "UPLOAD_BYTES", upload_bytes)
+
     def writer(bucket: str) -> FileWriter:
         return FileWriter("entities", f"s3://{bucket}/lake/entities", SCHEMAS["entities"], "0000000001",
                           storage_options=s3_options)
