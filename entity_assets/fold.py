@@ -456,8 +456,8 @@ PREFETCH_BYTES = 64 << 20
 
 def prefetch_depth(state_uri: str, state_files: dict[int, list[TableFile]]) -> int:
     """Buckets a fold task reads ahead on an object store: as many as `PREFETCH_BYTES` of the
-    largest bucket's state files allow, up to `REQUESTS_IN_FLIGHT`. None on a local disk, where
-    a read is no round trip and the task's core is busy folding."""
+    largest bucket's state files allow, up to `REQUESTS_IN_FLIGHT`; 0 on a local disk, where a
+    read is no round trip and the task's core is busy folding."""
     if not is_remote(state_uri):
         return 0
     largest = max((sum(f.size for f in files) for files in state_files.values()), default=0)

@@ -128,7 +128,8 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
 
 
 def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str) -> dict[str, dict]:
-    """Replaces the slice in each table; returns rows and Delta version per table."""
+    """Replaces the slice in each table (the tables at once on an object store); returns rows and
+    Delta version per table."""
     tables = list(tables)
     versions = engine.each(lambda table: engine.replace_slice(table, SCHEMAS[table], files.get(table, []), slice_key),
                            tables)
