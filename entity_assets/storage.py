@@ -429,9 +429,8 @@ def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Seq
     column `split_by` has `part` as its low bits, so it holds 1/parts of the slice.
     """
     identity = list(identity)
-    remote = any(is_remote(_uri(f)) for f in slice_files)
     rows = pa.concat_tables(prefetched(lambda f: read_table(f, storage_options, [*identity, *coordinates]), slice_files,
-                                       REQUESTS_IN_FLIGHT if remote else 0))
+                                       _files_ahead(slice_files)))
     if parts > 1:
         rows = rows.filter(pc.equal(pc.bit_wise_and(rows.column(split_by), parts - 1), part))
     if not rows.num_rows:
@@ -482,11 +481,12 @@ def read_files(files: Sequence[str | TableFile], storage_options: dict[str, str]
     small: those are read whole in threads ahead of need (`REQUESTS_IN_FLIGHT` of them, so at
     most that many times `SMALL_FILE_BYTES` of parquet), larger ones streamed when their turn comes.
     """
+    files = list(files)
+    ahead = _files_ahead(files)
+
     def whole(file):
         return read_table(file, storage_options, columns) if ahead and _small(file) else None
 
-    files = list(files)
-    ahead = REQUESTS_IN_FLIGHT if any(is_remote(_uri(f)) for f in files) else 0
     for file, data in zip(files, prefetched(whole, files, ahead)):
         if data is None:
             yield from read_batches(file, storage_options, batch_size, columns)
@@ -496,6 +496,11 @@ def read_files(files: Sequence[str | TableFile], storage_options: dict[str, str]
 
 def _uri(file: str | TableFile) -> str:
     return file.uri if isinstance(file, TableFile) else file
+
+
+def _files_ahead(files: Iterable[str | TableFile]) -> int:
+    """How many of `files` to read ahead: `REQUESTS_IN_FLIGHT` on an object store, none (one after the other) locally."""
+    return REQUESTS_IN_FLIGHT if any(is_remote(_uri(f)) for f in files) else 0
 
 
 def _small(file: str | TableFile) -> bool:
@@ -518,8 +523,7 @@ class RowGroups:
             return fragment, fragment.physical_schema.get_field_index(column)
 
         files = list(files)
-        self.column = column
-        self._ahead = REQUESTS_IN_FLIGHT if any(is_remote(_uri(f)) for f in files) else 0  # one file after the other locally
+        self.column, self._ahead = column, _files_ahead(files)
         self._files = list(prefetched(footer, files, self._ahead))
 
     def read(self, value) -> pa.Table:
