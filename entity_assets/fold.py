@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from entity_assets import core, encode, notify, shards
 from entity_assets.publish import Publisher, Publishing
 from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, from_rows, is_remote, key_string,
-                                   key_strings, prefetched, read_files, read_table, to_rows)
+                                   key_strings, prefetched, read_files, read_table, read_tables, to_rows)
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -267,7 +267,7 @@ class BucketStore:
             self._keep(data, keys, fetched.wanted)
 
     def _read(self, files: list[TableFile]) -> tuple[pa.Table, pa.ChunkedArray]:
-        data = pa.concat_tables([read_table(f, self.storage_options) for f in files])
+        data = pa.concat_tables(read_tables(files, self.storage_options))
         return data, key_strings(data, self.key_columns)
 
     def _keep(self, data: pa.Table, keys: pa.ChunkedArray, wanted: pa.Array | None) -> None:

@@ -416,6 +416,12 @@ def read_table(file: str | TableFile, storage_options: dict[str, str] | None = N
         columns=columns, filter=None if filters is None else pq.filters_to_expression(filters))
 
 
+def read_tables(files: Sequence[str | TableFile], storage_options: dict[str, str] | None = None,
+                columns: list[str] | None = None) -> Iterator[pa.Table]:
+    """Each of `files` read whole, in order: at once on an object store (`_files_ahead`)."""
+    return prefetched(lambda f: read_table(f, storage_options, columns), files, _files_ahead(files))
+
+
 def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Sequence[str | TableFile],
                         identity: Sequence[str],
                         coordinates: Sequence[str], storage_options: dict[str, str] | None = None, *,
@@ -429,8 +435,7 @@ def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Seq
     column `split_by` has `part` as its low bits, so it holds 1/parts of the slice.
     """
     identity = list(identity)
-    rows = pa.concat_tables(prefetched(lambda f: read_table(f, storage_options, [*identity, *coordinates]), slice_files,
-                                       _files_ahead(slice_files)))
+    rows = pa.concat_tables(read_tables(slice_files, storage_options, [*identity, *coordinates]))
     if parts > 1:
         rows = rows.filter(pc.equal(pc.bit_wise_and(rows.column(split_by), parts - 1), part))
     if not rows.num_rows:
@@ -465,7 +470,7 @@ def read_batches(file: str | TableFile, storage_options: dict[str, str] | None =
     """
     fs, path = filesystem(_uri(file), storage_options)
     with fs.open_input_file(path) as source:
-        parquet = pq.ParquetFile(source, pre_buffer=not isinstance(fs, pafs.LocalFileSystem))
+        parquet = pq.ParquetFile(source, pre_buffer=is_remote(_uri(file)))
         yield from parquet.iter_batches(batch_size=batch_size, columns=columns, use_threads=False)
 
 
@@ -786,7 +791,7 @@ class DeltaRsEngine:
         schema = pa.schema(dt.schema().to_arrow())
         if columns:
             schema = pa.schema([schema.field(c) for c in columns])
-        parts = [read_table(f, self.storage_options, columns) for f in files]
+        parts = list(read_tables(files, self.storage_options, columns))
         data = pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
         for k, v in (where or {}).items():
             data = data.filter(pc.equal(data[k], v))
