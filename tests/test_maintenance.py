@@ -69,3 +69,26 @@ def test_observed_tables_are_the_graphs_assets():
     assert ASSET_TABLES <= assets
     assert not (set(SCHEMAS) - ASSET_TABLES) & assets
     assert defs.resolve_schedule_def("lake_maintenance_schedule").job_name == "lake_maintenance"
+
+
+def test_commits_leave_expired_log_files_to_maintenance(tmp_path):
+    from deltalake import DeltaTable
+
+    engine = DeltaRsEngine(str(tmp_path))
+    engine.ensure("dead_letters", SCHEMAS["dead_letters"])
+    # every log file is expired at once, as a 30-day-old one is by default
+    DeltaTable(engine.uri("dead_letters")).alter.set_table_properties({"delta.logRetentionDuration": "interval 0 seconds"})
+    for seq in range(1, 13):  # a checkpoint at version 9, the tenth commit
+        key = f"{seq:010d}"
+        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+    log = tmp_path / "dead_letters" / "_delta_log"
+    assert (log / f"{0:020d}.json").exists() and (log / f"{9:020d}.checkpoint.parquet").exists()
+
+    result = lake_maintenance.execute_in_process(resources={"lake": LakeResource(root=str(tmp_path))})
+    assert result.success
+
+    assert not (log / f"{0:020d}.json").exists() and (log / f"{13:020d}.json").exists()
+    observed = [e.event_specific_data.asset_observation for e in result.all_events
+                if e.event_type == DagsterEventType.ASSET_OBSERVATION]
+    assert observed[0].metadata["expired_log_files"].value == 9  # versions 0-8, before the checkpoint
+    assert engine.read("dead_letters").num_rows == 12  # the latest version opens from its checkpoint
