@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 
 from entity_assets import core, encode, notify, shards
 from entity_assets.publish import Publisher, Publishing
-from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, from_rows, is_remote, key_string,
-                                   key_strings, prefetched, read_files, read_table, read_tables, to_rows)
+from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, files_ahead, from_rows, is_remote,
+                                   key_string, key_strings, prefetched, read_files, read_table, read_tables, to_rows)
 from entity_assets.tables import SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
@@ -337,17 +337,18 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[TableFi
     file, storage_options, buckets)` (a file's rows in the body's columns; `buckets`, the task's, let
     a reader of files with row groups by bucket skip the others), keeps its buckets' rows and
     sorts them by (bucket, *order), as the body expects. Spark only schedules the tasks: no
-    shuffle, no JVM scan.
+    shuffle, no JVM scan. On an object store the files are read at once (`storage.files_ahead`):
+    the task holds all their rows anyway.
     """
     sort = [(c, "ascending", "at_start") for c in ("bucket",) + tuple(order)]  # nulls first, as Spark sorts
+    inputs = [(table, file) for table, files in sources.items() for file in files]
+    ahead = files_ahead(file for _, file in inputs)
     for task in tasks:
         wanted = pa.array(task["buckets"], pa.int32())
         parts = []
-        for table, files in sources.items():
-            for file in files:
-                data = reader(table, file, storage_options, task["buckets"])
-                buckets = key_buckets(data, key_columns)
-                parts.append(data.append_column("bucket", buckets).filter(pc.is_in(buckets, value_set=wanted)))
+        for data in prefetched(lambda input: reader(*input, storage_options, task["buckets"]), inputs, ahead):
+            buckets = key_buckets(data, key_columns)
+            parts.append(data.append_column("bucket", buckets).filter(pc.is_in(buckets, value_set=wanted)))
         if not parts:
             continue
         # permissive: a state file of an older layout lacks later columns (null, as a Spark read gives)

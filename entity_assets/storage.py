@@ -418,8 +418,8 @@ def read_table(file: str | TableFile, storage_options: dict[str, str] | None = N
 
 def read_tables(files: Sequence[str | TableFile], storage_options: dict[str, str] | None = None,
                 columns: list[str] | None = None) -> Iterator[pa.Table]:
-    """Each of `files` read whole, in order: at once on an object store (`_files_ahead`)."""
-    return prefetched(lambda f: read_table(f, storage_options, columns), files, _files_ahead(files))
+    """Each of `files` read whole, in order: at once on an object store (`files_ahead`)."""
+    return prefetched(lambda f: read_table(f, storage_options, columns), files, files_ahead(files))
 
 
 def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Sequence[str | TableFile],
@@ -487,7 +487,7 @@ def read_files(files: Sequence[str | TableFile], storage_options: dict[str, str]
     most that many times `SMALL_FILE_BYTES` of parquet), larger ones streamed when their turn comes.
     """
     files = list(files)
-    ahead = _files_ahead(files)
+    ahead = files_ahead(files)
 
     def whole(file):
         return read_table(file, storage_options, columns) if ahead and _small(file) else None
@@ -503,7 +503,7 @@ def _uri(file: str | TableFile) -> str:
     return file.uri if isinstance(file, TableFile) else file
 
 
-def _files_ahead(files: Iterable[str | TableFile]) -> int:
+def files_ahead(files: Iterable[str | TableFile]) -> int:
     """How many of `files` to read ahead: `REQUESTS_IN_FLIGHT` on an object store, none (one after the other) locally."""
     return REQUESTS_IN_FLIGHT if any(is_remote(_uri(f)) for f in files) else 0
 
@@ -528,7 +528,7 @@ class RowGroups:
             return fragment, fragment.physical_schema.get_field_index(column)
 
         files = list(files)
-        self.column, self._ahead = column, _files_ahead(files)
+        self.column, self._ahead = column, files_ahead(files)
         self._files = list(prefetched(footer, files, self._ahead))
 
     def read(self, value) -> pa.Table:

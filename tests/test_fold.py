@@ -59,6 +59,38 @@ def test_tasks_read_every_file_and_keep_their_buckets_sorted_by_the_fold_order(t
             assert r["bucket"] == core.key_bucket(f"{r['dbid']}\x1f{r['user']}\x1f{r['device']}")
 
 
+def test_on_an_object_store_tasks_read_their_files_at_once_and_fold_the_same_rows(tmp_path, monkeypatch):
+    import threading
+
+    sources = {"connections": [_write(tmp_path / f"{i}.parquet", [_connection(i * 10 + j, f"d{j}", 1000 - j) for j in range(10)],
+                                      "connections") for i in range(6)]}
+    threads = set()
+
+    def reader(*args):
+        threads.add(threading.current_thread().name)
+        return fold.connection_rows(*args)
+
+    def folded() -> list:
+        seen = []
+
+        def body(batches, *, storage_options):
+            seen.append(pa.Table.from_batches(list(batches)).to_pylist())
+            return iter(())
+
+        for task in ({"buckets": list(range(0, 32, 2))}, {"buckets": list(range(1, 32, 2))}):
+            list(fold.over_buckets(iter([task]), body=body, sources=sources, reader=reader,
+                                   key_columns=("dbid", "user", "device"), order=("dbid", "user", "device", "begun"),
+                                   storage_options=None))
+        return seen
+
+    inline = folded()
+    assert threads == {threading.current_thread().name}
+    monkeypatch.setattr(fold, "files_ahead", lambda files: 8)  # what an object store's files get
+    threads.clear()
+    assert folded() == inline and sum(map(len, inline)) == 60
+    assert threads and all(name.startswith("lake-io") for name in threads)
+
+
 def test_inbox_events_put_notifications_and_acks_in_one_layout(tmp_path):
     note = {"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": 1,
             "kafka_timestamp": 5, "dbid": "db", "collection": "Contacts", "zone": "A", "entity": "e1",
