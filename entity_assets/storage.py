@@ -623,11 +623,17 @@ class DeltaRsEngine:
         since its last checkpoint (`CHECKPOINT_INTERVAL`), and a step asks for the same tables
         many times. The latest is brought up to date from the log's new commits at each look
         (~2 ms locally when there are none, a round trip on an object store), unless `snapshot`
-        and the engine made none of them; a past version never changes.
+        and the engine made none of them. A past version never changes; the one the latest handle
+        is at (a state a step just committed, then checks) is read from that handle, as callers
+        use a handle at once.
         """
         from deltalake import DeltaTable
 
         dt = self._handles.get((table, version))
+        if dt is None and version is not None:
+            latest = self._handles.get((table, None))
+            if latest is not None and latest.version() == version:
+                return latest  # a version just committed or read as the latest: no second open of the log
         if dt is None:
             dt = self._handles[(table, version)] = DeltaTable(self.uri(table), version=version,
                                                               storage_options=self.storage_options)
@@ -863,14 +869,14 @@ class DeltaRsEngine:
 
         if app_txn and (self.applied(table, app_txn[0]) or -1) >= app_txn[1]:
             return self.version(table)
-        write_deltalake(
-            self.uri(table), data, mode="append", storage_options=self.storage_options,
+        dt = self._open(table)
+        write_deltalake(  # through the handle, which advances to the new version: no second open of the log
+            dt, data, mode="append",
             commit_properties=CommitProperties(
                 custom_metadata={"entity_assets.operation": "append", "entity_assets.slice": slice_key},
                 app_transactions=[Transaction(*app_txn)] if app_txn else None,
             ),
             post_commithook_properties=_post_commit(),
         )
-        self._written.add(table)
-        return self.version(table)
+        return dt.version()
 

@@ -340,6 +340,31 @@ def test_a_step_engine_reads_each_table_as_of_its_first_look_and_its_own_commits
     assert step.version_after("entities", KEY, "apply") == start + 1
 
 
+def test_the_version_the_latest_handle_is_at_is_read_without_opening_the_log_again(tmp_path, monkeypatch):
+    import deltalake
+
+    engine = DeltaRsEngine(str(tmp_path), snapshot=True)
+    engine.ensure("entity_updates", SCHEMAS["entity_updates"])
+    writer = FileWriter("entity_updates", engine.uri("entity_updates"), SCHEMAS["entity_updates"], KEY)
+    writer.append({"slice": KEY, "status": 1})
+    version = engine.replace_slice("entity_updates", SCHEMAS["entity_updates"], writer.close(), KEY)
+    opened, open_table = [], deltalake.DeltaTable.__init__
+
+    def counting(self, *args, **kwargs):
+        opened.append(kwargs.get("version"))
+        open_table(self, *args, **kwargs)
+
+    monkeypatch.setattr(deltalake.DeltaTable, "__init__", counting)
+    assert engine.files("entity_updates", version) == engine.files("entity_updates") != []  # as a state check reads it
+    assert engine.files("entity_updates", version - 1) == []
+    assert opened == [version - 1]  # only the older version is opened
+    # a manifest-like append goes through the table's handle, which it leaves at the new version
+    appended = engine.append_small("entity_updates", pa.Table.from_pylist([{"slice": "0000000002", "status": 1}],
+                                                                          SCHEMAS["entity_updates"]), slice_key="0000000002")
+    assert appended == version + 1 == engine.version("entity_updates") and opened == [version - 1]
+    assert len(engine.files("entity_updates")) == 2
+
+
 def test_prefetched_calls_run_ahead_in_threads_and_come_back_in_order():
     import threading
     import time
