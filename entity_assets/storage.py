@@ -583,7 +583,6 @@ def _post_commit():
     return PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
 
 
-
 class LayoutError(RuntimeError):
     """A table's layout is older than the code's (a column it needs is missing)."""
 
