@@ -199,6 +199,11 @@ def test_a_lake_on_object_storage_holds_what_a_local_lake_holds(make_pipeline, o
     assert any(k.startswith("slice_manifests/_delta_log/") for k in keys)
     # every message published: no spool is left in the outbox
     assert not [k for k in keys if k.endswith(".spool")]
+    # lake maintenance (vacuum, log expiry) works there too; nothing is old enough to delete
+    from entity_assets.maintenance import lake_maintenance
+
+    assert lake_maintenance.execute_in_process(resources={"lake": remote.lake}).success
+    assert lake_rows(remote.lake) == tables
 
 
 @pytest.mark.slow
