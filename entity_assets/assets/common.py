@@ -130,11 +130,10 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
 def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str) -> dict[str, dict]:
     """Replaces the slice in each table (the tables at once on an object store); returns rows and
     Delta version per table."""
-    tables = list(tables)
-    versions = engine.each(lambda table: engine.replace_slice(table, SCHEMAS[table], files.get(table, []), slice_key),
-                           tables)
-    return {table: {"rows": sum(f.rows for f in files.get(table, [])), "files": len(files.get(table, [])),
-                    "version": version} for table, version in zip(tables, versions)}
+    written = {table: files.get(table, []) for table in tables}
+    versions = engine.each(lambda table: engine.replace_slice(table, SCHEMAS[table], written[table], slice_key), written)
+    return {table: {"rows": sum(f.rows for f in fs), "files": len(fs), "version": version}
+            for (table, fs), version in zip(written.items(), versions)}
 
 
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
