@@ -84,9 +84,11 @@ def lake_rows() -> Callable[[LakeResource], dict[str, list[str]]]:
 
 
 @pytest.fixture
-def project_instance(tmp_path) -> Iterable[DagsterInstance]:
-    """A Dagster instance on the project's own dagster.yaml (pools, run monitoring, run launcher)."""
+def project_instance(tmp_path, monkeypatch) -> Iterable[DagsterInstance]:
+    """A Dagster instance on the project's own dagster.yaml (storage, pools, run monitoring, run
+    launcher), in DAGSTER_HOME as the project's scripts make it."""
     (tmp_path / "dagster.yaml").write_text((Path(__file__).resolve().parents[1] / "dagster.yaml").read_text())
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
     instance = DagsterInstance.from_config(str(tmp_path))
     yield instance
     instance.dispose()

@@ -69,7 +69,7 @@ def _rows(lake: Path) -> dict[str, int]:
     return {t: DeltaTable(str(lake / t)).to_pyarrow_dataset().count_rows() for t in TABLES}
 
 
-def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path):
+def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path, monkeypatch):
     home, port, spark_port = tmp_path / "home", free_port(), free_port()
     kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="daemon.")
     ensure_topics(kafka.config(), [kafka.topic(s) for s in INPUT_STREAMS], 4)
@@ -84,6 +84,7 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
     for name in ("DAGSTER_HOME", "ENTITY_ASSETS_SPARK_MASTER"):  # ui.sh's runs use its Spark Connect server
         env.pop(name, None)
     spark_connect = LocalSparkConnect(home / "spark", port=spark_port)
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))  # this process opens ui.sh's instance (its dagster.yaml's storage)
 
     # `entity-assets run` killed in its first slice: its run stays STARTED and holds the lake pool.
     with open(tmp_path / "run.log", "wb") as log:

@@ -1,0 +1,93 @@
+"""The instance storage of dagster.yaml: Dagster's SQLite files, with connections kept per process."""
+
+import time
+
+import pytest
+from dagster import AssetKey, AssetMaterialization, DagsterEventType, DagsterInstance, EventRecordsFilter
+from dagster._core.events import DagsterEvent, StepMaterializationData
+from dagster._core.events.log import EventLogEntry
+
+from entity_assets import instance_storage
+from entity_assets.instance_storage import PooledSqliteEventLogStorage, PooledSqliteRunStorage
+
+def _materialization(run_id: str, asset: str) -> EventLogEntry:
+    event = DagsterEvent(DagsterEventType.ASSET_MATERIALIZATION.value, "slice_job", step_key="ingest",
+                         event_specific_data=StepMaterializationData(AssetMaterialization(asset_key=asset)))
+    return EventLogEntry(error_info=None, level=10, user_message="", run_id=run_id, timestamp=time.time(),
+                         step_key="ingest", job_name="slice_job", dagster_event=event)
+
+
+def _asset_runs(instance: DagsterInstance, asset: str) -> list[str]:
+    records = instance.fetch_materializations(AssetKey(asset), limit=100).records
+    return sorted(record.run_id for record in records)
+
+
+@pytest.fixture
+def home(tmp_path, project_instance):
+    """The project's instance (its dagster.yaml) and its folder."""
+    return project_instance, tmp_path
+
+
+def test_the_project_instance_uses_the_pooled_storages(home):
+    instance, _ = home
+    assert isinstance(instance.event_log_storage, PooledSqliteEventLogStorage)
+    assert isinstance(instance.run_storage, PooledSqliteRunStorage)
+
+
+def test_events_land_in_dagsters_own_files(home):
+    """An instance on Dagster's stock `storage: sqlite` over the same folder reads what the pooled one
+    wrote, and the other way round: switching between them loses nothing."""
+    instance, folder = home
+    for n in range(3):
+        instance.event_log_storage.store_event(_materialization(f"run-{n}", "entity_batches"))
+    stock_home = folder / "stock-home"
+    stock_home.mkdir()
+    (stock_home / "dagster.yaml").write_text(f"storage:\n  sqlite:\n    base_dir: '{folder}'\n")
+    stock = DagsterInstance.from_config(str(stock_home))
+    try:
+        assert type(stock.event_log_storage).__name__ == "SqliteEventLogStorage"
+        assert _asset_runs(stock, "entity_batches") == ["run-0", "run-1", "run-2"]
+        stock.event_log_storage.store_event(_materialization("run-stock", "entity_batches"))
+    finally:
+        stock.dispose()
+    assert _asset_runs(instance, "entity_batches") == ["run-0", "run-1", "run-2", "run-stock"]
+    assert (folder / "history" / "runs" / "run-0.db").exists() and (folder / "history" / "runs.db").exists()
+
+
+def test_a_process_keeps_few_run_files_open(home, monkeypatch):
+    """Engines are kept for the index and the latest run files; older ones are closed and reopened when used."""
+    monkeypatch.setattr(instance_storage, "RUN_FILES_OPEN", 2)
+    instance, folder = home
+    storage = PooledSqliteEventLogStorage(str(folder / "history" / "runs"))
+    try:
+        for n in range(6):
+            storage.store_event(_materialization(f"run-{n}", "entities"))
+        assert len(storage._engines._engines) <= 3
+        assert len(storage.get_logs_for_run("run-0")) == 1  # reopened
+        records = storage.get_event_records(EventRecordsFilter(DagsterEventType.ASSET_MATERIALIZATION,
+                                                               asset_key=AssetKey("entities")))
+        assert sorted(r.run_id for r in records) == [f"run-{n}" for n in range(6)]
+    finally:
+        storage.dispose()
+
+
+def test_a_forked_process_opens_its_own_connections(home, monkeypatch):
+    instance, _ = home
+    engines = instance.event_log_storage._engines
+    instance.event_log_storage.store_event(_materialization("run-a", "entities"))
+    before = dict(engines._engines)
+    monkeypatch.setattr(engines, "_pid", -1)  # as a child sees its parent's pid
+    instance.event_log_storage.store_event(_materialization("run-b", "entities"))
+    assert not set(map(id, engines._engines.values())) & set(map(id, before.values()))
+    assert _asset_runs(instance, "entities") == ["run-a", "run-b"]
+
+
+def test_wipe_closes_the_run_files_it_deletes(home):
+    instance, folder = home
+    storage = instance.event_log_storage
+    storage.store_event(_materialization("run-w", "entities"))
+    storage.wipe()
+    assert not (folder / "history" / "runs" / "run-w.db").exists()
+    storage.store_event(_materialization("run-w", "entities"))
+    assert (folder / "history" / "runs" / "run-w.db").exists()
+    assert len(storage.get_logs_for_run("run-w")) == 1
