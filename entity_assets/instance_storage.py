@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from dagster._core.storage.event_log import SqliteEventLogStorage
+from dagster._core.storage.event_log.sqlite.sqlite_event_log import INDEX_SHARD_NAME
 from dagster._core.storage.runs import SqliteRunStorage
 from dagster._core.storage.schedules import SqliteScheduleStorage
 from dagster._core.storage.sqlite import SQLITE_BUSY_TIMEOUT_SECONDS
@@ -73,6 +74,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
 
     def __init__(self, base_dir: str, inst_data=None):
         self._engines = _Engines(limit=RUN_FILES_OPEN + 1)  # + the index shard; set before Dagster's init connects
+        self._tables: set[str] = set()
         super().__init__(base_dir, inst_data)
 
     @classmethod
@@ -89,6 +91,18 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
             with engine.connect() as conn, conn.begin():
                 yield conn
 
+    def has_table(self, table_name: str) -> bool:
+        # Dagster asks before writing an asset event's tags or a dynamic partition, each time with
+        # an engine of its own; a table, once there, stays (only migrations add them)
+        if table_name not in self._tables:
+            engine, _ = self._engines.get(INDEX_SHARD_NAME, self.conn_string_for_shard(INDEX_SHARD_NAME),
+                                          SQLITE_BUSY_TIMEOUT_SECONDS)
+            with engine.connect() as conn:  # not `_connect`: callers may hold it
+                if not engine.dialect.has_table(conn, table_name):
+                    return False
+            self._tables.add(table_name)
+        return True
+
     def wipe(self) -> None:
         self._engines.dispose()  # Dagster deletes the run files: no connection may write to an unlinked one
         super().wipe()
@@ -98,8 +112,10 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         self._engines.dispose()
 
 
-class PooledSqliteRunStorage(SqliteRunStorage):
-    """`SqliteRunStorage` with its engine kept open."""
+class _OneFile:
+    """`connect` through one engine kept by the process: Dagster's run and schedule storages."""
+
+    _conn_string: str
 
     def __init__(self, conn_string: str, inst_data=None):
         self._engines = _Engines()
@@ -107,7 +123,7 @@ class PooledSqliteRunStorage(SqliteRunStorage):
 
     @contextmanager
     def connect(self) -> Iterator[Connection]:
-        engine, _ = self._engines.get("runs", self._conn_string, 5.0)  # sqlite3's default busy timeout, as Dagster's
+        engine, _ = self._engines.get("file", self._conn_string, 5.0)  # sqlite3's default busy timeout, as Dagster's
         with engine.connect() as conn, conn.begin():
             yield conn
 
@@ -116,8 +132,16 @@ class PooledSqliteRunStorage(SqliteRunStorage):
         self._engines.dispose()
 
 
+class PooledSqliteRunStorage(_OneFile, SqliteRunStorage):
+    """`SqliteRunStorage` with its engine kept open."""
+
+
+class PooledSqliteScheduleStorage(_OneFile, SqliteScheduleStorage):
+    """`SqliteScheduleStorage` (sensor ticks and cursors) with its engine kept open."""
+
+
 class PooledSqliteStorage(DagsterSqliteStorage):
-    """`storage: sqlite` with the pooled run and event log storages, in the same files:
+    """`storage: sqlite` with the pooled storages, in the same files:
 
         storage:
           custom:
@@ -131,7 +155,7 @@ class PooledSqliteStorage(DagsterSqliteStorage):
         self.base_dir = base_dir
         self._run_storage = PooledSqliteRunStorage.from_local(_runs_directory(base_dir))
         self._event_log_storage = PooledSqliteEventLogStorage(_event_logs_directory(base_dir))
-        self._schedule_storage = SqliteScheduleStorage.from_local(_schedule_directory(base_dir))
+        self._schedule_storage = PooledSqliteScheduleStorage.from_local(_schedule_directory(base_dir))
         self._inst_data = inst_data
         super(DagsterSqliteStorage, self).__init__()
 

@@ -6,9 +6,14 @@ import pytest
 from dagster import AssetKey, AssetMaterialization, DagsterEventType, DagsterInstance, EventRecordsFilter
 from dagster._core.events import DagsterEvent, StepMaterializationData
 from dagster._core.events.log import EventLogEntry
+from dagster._core.storage.event_log.sqlite import sqlite_event_log
 
 from entity_assets import instance_storage
-from entity_assets.instance_storage import PooledSqliteEventLogStorage, PooledSqliteRunStorage
+from entity_assets.instance_storage import (
+    PooledSqliteEventLogStorage,
+    PooledSqliteRunStorage,
+    PooledSqliteScheduleStorage,
+)
 
 def _materialization(run_id: str, asset: str) -> EventLogEntry:
     event = DagsterEvent(DagsterEventType.ASSET_MATERIALIZATION.value, "slice_job", step_key="ingest",
@@ -32,6 +37,7 @@ def test_the_project_instance_uses_the_pooled_storages(home):
     instance, _ = home
     assert isinstance(instance.event_log_storage, PooledSqliteEventLogStorage)
     assert isinstance(instance.run_storage, PooledSqliteRunStorage)
+    assert isinstance(instance.schedule_storage, PooledSqliteScheduleStorage)
 
 
 def test_events_land_in_dagsters_own_files(home):
@@ -91,3 +97,14 @@ def test_wipe_closes_the_run_files_it_deletes(home):
     storage.store_event(_materialization("run-w", "entities"))
     assert (folder / "history" / "runs" / "run-w.db").exists()
     assert len(storage.get_logs_for_run("run-w")) == 1
+
+
+def test_table_checks_use_the_index_engine(home, monkeypatch):
+    instance, _ = home
+    storage = instance.event_log_storage
+    assert storage.has_table("dynamic_partitions") and not storage.has_table("no_such_table")
+    for module in (instance_storage, sqlite_event_log):  # no new engine from here on
+        monkeypatch.setattr(module, "create_engine", None)
+    assert storage.has_table("dynamic_partitions") and not storage.has_table("no_such_table")
+    instance.add_dynamic_partitions("slices", ["s1"])
+    assert instance.has_dynamic_partition("slices", "s1")
