@@ -43,8 +43,7 @@ class _Engines:
         self._limit, self._engines, self._pid = limit, OrderedDict(), os.getpid()
         self._lock = threading.Lock()
 
-    def get(self, key: str, conn_string: str, timeout: float) -> tuple[Engine, bool]:
-        """(engine, whether it is new)."""
+    def get(self, key: str, conn_string: str, timeout: float) -> Engine:
         with self._lock:
             if self._pid != os.getpid():  # the parent's connections are its own (SQLite forbids sharing them)
                 for engine in self._engines.values():
@@ -53,14 +52,14 @@ class _Engines:
             engine = self._engines.get(key)
             if engine is not None:
                 self._engines.move_to_end(key)
-                return engine, False
+                return engine
             engine = create_engine(conn_string, poolclass=QueuePool, pool_size=1, max_overflow=8,
                                    connect_args={"timeout": timeout, "check_same_thread": False})
             self._engines[key] = engine
             if self._limit is not None and len(self._engines) > self._limit:
                 _, oldest = self._engines.popitem(last=False)
-                oldest.dispose()
-            return engine, True
+                oldest.dispose()  # a connection still checked out closes when it is returned
+            return engine
 
     def dispose(self) -> None:
         with self._lock:
@@ -84,7 +83,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     @contextmanager
     def _connect(self, shard: str) -> Iterator[Connection]:
         with self._db_lock:
-            engine, new = self._engines.get(shard, self.conn_string_for_shard(shard), SQLITE_BUSY_TIMEOUT_SECONDS)
+            engine = self._engines.get(shard, self.conn_string_for_shard(shard), SQLITE_BUSY_TIMEOUT_SECONDS)
             if shard not in self._initialized_dbs:
                 self._initdb(engine)
                 self._initialized_dbs.add(shard)
@@ -95,7 +94,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         # Dagster asks before writing an asset event's tags or a dynamic partition, each time with
         # an engine of its own; a table, once there, stays (only migrations add them)
         if table_name not in self._tables:
-            engine, _ = self._engines.get(INDEX_SHARD_NAME, self.conn_string_for_shard(INDEX_SHARD_NAME),
+            engine = self._engines.get(INDEX_SHARD_NAME, self.conn_string_for_shard(INDEX_SHARD_NAME),
                                           SQLITE_BUSY_TIMEOUT_SECONDS)
             with engine.connect() as conn:  # not `_connect`: callers may hold it
                 if not engine.dialect.has_table(conn, table_name):
@@ -123,7 +122,7 @@ class _OneFile:
 
     @contextmanager
     def connect(self) -> Iterator[Connection]:
-        engine, _ = self._engines.get("file", self._conn_string, 5.0)  # sqlite3's default busy timeout, as Dagster's
+        engine = self._engines.get("file", self._conn_string, 5.0)  # sqlite3's default busy timeout, as Dagster's
         with engine.connect() as conn, conn.begin():
             yield conn
 
