@@ -1,11 +1,15 @@
 """The instance storage of dagster.yaml: Dagster's SQLite files, with connections kept per process."""
 
+import contextlib
+import os
+import sqlite3
 import time
 
 import pytest
 from dagster import AssetKey, AssetMaterialization, DagsterEventType, DagsterInstance, EventRecordsFilter
 from dagster._core.events import DagsterEvent, StepMaterializationData
 from dagster._core.events.log import EventLogEntry
+from dagster._core.storage.event_log import SqliteEventLogStorage
 from dagster._core.storage.event_log.sqlite import sqlite_event_log
 
 from entity_assets import instance_storage
@@ -108,3 +112,45 @@ def test_table_checks_use_the_index_engine(home, monkeypatch):
     assert storage.has_table("dynamic_partitions") and not storage.has_table("no_such_table")
     instance.add_dynamic_partitions("slices", ["s1"])
     assert instance.has_dynamic_partition("slices", "s1")
+
+
+def _layout(path) -> tuple:
+    """A SQLite file's schema, alembic stamp and journal mode."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return (sorted(conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall()),
+                conn.execute("SELECT version_num FROM alembic_version").fetchall(),
+                conn.execute("PRAGMA journal_mode").fetchone())
+
+
+def test_new_run_files_are_made_as_dagster_makes_them(home, tmp_path):
+    """After the first, a process's new run files are copies; they match one made by Dagster's init."""
+    instance, folder = home
+    storage = instance.event_log_storage
+    for run in ("run-1", "run-2", "run-3"):
+        storage.store_event(_materialization(run, "entities"))
+    stock = SqliteEventLogStorage(str(tmp_path / "stock"))
+    stock.store_event(_materialization("run-0", "entities"))
+    runs = folder / "history" / "runs"
+    assert _layout(runs / "run-3.db") == _layout(runs / "run-1.db") == _layout(tmp_path / "stock" / "run-0.db")
+    assert _layout(runs / "run-3.db")[2] == ("wal",)
+    assert [len(storage.get_logs_for_run(r)) for r in ("run-1", "run-2", "run-3")] == [1, 1, 1]
+    assert not [p for p in runs.iterdir() if p.name.endswith(".new")]
+
+
+def test_a_run_file_another_process_made_first_is_kept(home, monkeypatch, tmp_path):
+    """Between the copy and its link, another process (here Dagster's stock storage) makes the run's
+    file and stores an event: the copy is dropped and the event stays."""
+    instance, folder = home
+    storage = instance.event_log_storage
+    storage.store_event(_materialization("run-1", "entities"))  # the process's first: Dagster's init
+    other = SqliteEventLogStorage(str(folder / "history" / "runs"))
+    link = os.link
+
+    def raced(src, dst):
+        other.store_event(_materialization("run-2", "entity_updates"))
+        link(src, dst)
+
+    monkeypatch.setattr(instance_storage.os, "link", raced)
+    storage.store_event(_materialization("run-2", "entities"))
+    assert len(storage.get_logs_for_run("run-2")) == 2
+    assert not [p for p in (folder / "history" / "runs").iterdir() if p.name.endswith(".new")]
