@@ -55,7 +55,8 @@ class _Engines:
             if engine is not None:
                 self._engines.move_to_end(key)
                 return engine
-            engine = create_engine(conn_string, poolclass=QueuePool, pool_size=1, max_overflow=8,
+            # one connection kept; more at once (the webserver's threads) are opened and closed as before
+            engine = create_engine(conn_string, poolclass=QueuePool, pool_size=1, max_overflow=-1,
                                    connect_args={"timeout": timeout, "check_same_thread": False})
             self._engines[key] = engine
             if self._limit is not None and len(self._engines) > self._limit:

@@ -154,3 +154,12 @@ def test_a_run_file_another_process_made_first_is_kept(home, monkeypatch, tmp_pa
     storage.store_event(_materialization("run-2", "entities"))
     assert len(storage.get_logs_for_run("run-2")) == 2
     assert not [p for p in (folder / "history" / "runs").iterdir() if p.name.endswith(".new")]
+
+
+def test_many_threads_at_once_each_get_a_connection(home):
+    """The webserver answers queries in many threads: none waits for a pooled connection."""
+    instance, _ = home
+    storage = instance.run_storage
+    with contextlib.ExitStack() as held:
+        connections = [held.enter_context(storage.connect()) for _ in range(20)]
+        assert len({id(c) for c in connections}) == 20
