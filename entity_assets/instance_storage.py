@@ -14,9 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from dagster._core.storage.event_log import SqliteEventLogStorage
@@ -32,7 +33,7 @@ from dagster._core.storage.sqlite_storage import (
 )
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import NullPool, QueuePool
 
 RUN_FILES_OPEN = 8
 """Run databases whose engine a process keeps; the webserver reads many runs, a run writes one."""
@@ -71,13 +72,65 @@ class _Engines:
             self._engines.clear()
 
 
+def _stamped(path: str) -> bool:
+    """Whether a SQLite file exists with an alembic stamp (Dagster's init then does nothing)."""
+    if not os.path.exists(path):
+        return False
+    with contextlib.closing(sqlite3.connect(path, timeout=SQLITE_BUSY_TIMEOUT_SECONDS)) as conn:
+        try:
+            return conn.execute("SELECT version_num FROM alembic_version").fetchone() is not None
+        except sqlite3.OperationalError:  # no such table: made by a process still in its init
+            return False
+
+
+class _RunFileTemplate:
+    """An empty run file as Dagster's init makes it (tables, WAL mode, alembic stamp), made once
+    per process in a private folder and held in memory; new run files are copies of it."""
+
+    def __init__(self):
+        self._lock, self._pid, self._db = threading.Lock(), 0, None
+
+    def copy_to(self, path: str, init: Callable[[Engine], None]) -> bool:
+        """Makes `path` a copy, linked into place only if no other process made the file
+        meanwhile (then False). `init` is Dagster's init, for the template."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._db, self._pid = self._made_by(init), os.getpid()
+            staged = f"{path}.{os.getpid()}.new"
+            try:
+                with contextlib.closing(sqlite3.connect(staged)) as copy:
+                    self._db.backup(copy)
+                    copy.execute("PRAGMA journal_mode=WAL")
+                os.link(staged, path)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged)
+
+    @staticmethod
+    def _made_by(init: Callable[[Engine], None]) -> sqlite3.Connection:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "template.db")
+            engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+            init(engine)
+            engine.dispose()
+            db = sqlite3.connect(":memory:", check_same_thread=False)
+            with contextlib.closing(sqlite3.connect(path)) as made:
+                made.backup(db)
+        return db
+
+
+_RUN_FILE = _RunFileTemplate()
+
+
 class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     """`SqliteEventLogStorage` with the index's engine and the latest run files' kept open."""
 
     def __init__(self, base_dir: str, inst_data=None):
         self._engines = _Engines(limit=RUN_FILES_OPEN + 1)  # + the index shard; set before Dagster's init connects
         self._tables: set[str] = set()
-        self._template: tuple[int, sqlite3.Connection] | None = None
         super().__init__(base_dir, inst_data)
 
     @classmethod
@@ -95,31 +148,16 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
                 yield conn
 
     def _initdb(self, engine: Engine, for_index_shard: bool = False) -> None:
-        # Dagster's init of a run file has alembic load its ~90 migration scripts twice: ~130 ms
-        # per run. A new run file is instead a copy of the first one this process made with it
-        # (tables, WAL mode, alembic stamp; no events), linked into place only if no other
-        # process made the file meanwhile.
+        # Dagster's init of a run file has alembic load its ~90 migration scripts, twice for a new
+        # file (~130 ms), once to find an existing file stamped (~60 ms): each process that runs,
+        # creates or shows a run pays it. A stamped file needs nothing; a new one is a copy.
         path = engine.url.database
-        if for_index_shard or not path or os.path.exists(path):
-            return super()._initdb(engine, for_index_shard)
-        if self._template is None or self._template[0] != os.getpid():
-            super()._initdb(engine)
-            template = sqlite3.connect(":memory:", check_same_thread=False)
-            with contextlib.closing(sqlite3.connect(path)) as made:
-                made.backup(template)
-            self._template = (os.getpid(), template)
-            return
-        staged = f"{path}.{os.getpid()}.new"
-        try:
-            with contextlib.closing(sqlite3.connect(staged)) as copy:
-                self._template[1].backup(copy)
-                copy.execute("PRAGMA journal_mode=WAL")
-            os.link(staged, path)
-        except FileExistsError:
-            super()._initdb(engine)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staged)
+        if not for_index_shard and path:
+            if _stamped(path):
+                return
+            if not os.path.exists(path) and _RUN_FILE.copy_to(path, super()._initdb):
+                return
+        super()._initdb(engine, for_index_shard)
 
     def has_table(self, table_name: str) -> bool:
         # Dagster asks before writing an asset event's tags or a dynamic partition, each time with

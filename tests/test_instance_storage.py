@@ -123,7 +123,7 @@ def _layout(path) -> tuple:
 
 
 def test_new_run_files_are_made_as_dagster_makes_them(home, tmp_path):
-    """After the first, a process's new run files are copies; they match one made by Dagster's init."""
+    """New run files are copies of a template; they match one made by Dagster's init."""
     instance, folder = home
     storage = instance.event_log_storage
     for run in ("run-1", "run-2", "run-3"):
@@ -156,10 +156,24 @@ def test_a_run_file_another_process_made_first_is_kept(home, monkeypatch, tmp_pa
     assert not [p for p in (folder / "history" / "runs").iterdir() if p.name.endswith(".new")]
 
 
-def test_many_threads_at_once_each_get_a_connection(home):
+def test_connections_at_once_are_not_capped(home):
     """The webserver answers queries in many threads: none waits for a pooled connection."""
     instance, _ = home
     storage = instance.run_storage
     with contextlib.ExitStack() as held:
         connections = [held.enter_context(storage.connect()) for _ in range(20)]
         assert len({id(c) for c in connections}) == 20
+
+
+def test_a_stamped_run_file_is_opened_without_alembic(home, monkeypatch, tmp_path):
+    """A run file another process made (the daemon creates a run, its worker writes it) is used as
+    it is: Dagster's init would only load alembic's scripts to find it stamped."""
+    instance, folder = home
+    SqliteEventLogStorage(str(folder / "history" / "runs")).store_event(_materialization("run-1", "entities"))
+
+    def no_alembic(*_):
+        raise AssertionError("alembic loaded")
+
+    monkeypatch.setattr(sqlite_event_log, "check_alembic_revision", no_alembic)
+    instance.event_log_storage.store_event(_materialization("run-1", "entity_updates"))
+    assert len(instance.event_log_storage.get_logs_for_run("run-1")) == 2
