@@ -92,7 +92,7 @@ class _RunFileTemplate:
 
     def copy_to(self, path: str, init: Callable[[Engine], None]) -> bool:
         """Makes `path` a copy, linked into place only if no other process made the file
-        meanwhile (then False). `init` is Dagster's init, for the template."""
+        meanwhile; False if it did not. `init` is Dagster's init, for the template."""
         with self._lock:
             if self._pid != os.getpid():
                 self._db, self._pid = self._made_by(init), os.getpid()
@@ -101,9 +101,9 @@ class _RunFileTemplate:
                 with contextlib.closing(sqlite3.connect(staged)) as copy:
                     self._db.backup(copy)
                     copy.execute("PRAGMA journal_mode=WAL")
-                os.link(staged, path)
+                os.link(staged, path)  # fails if the file exists: another process made it meanwhile
                 return True
-            except FileExistsError:
+            except (OSError, sqlite3.Error):  # that, or a file system without hard links: Dagster's init
                 return False
             finally:
                 with contextlib.suppress(FileNotFoundError):
@@ -164,7 +164,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         # an engine of its own; a table, once there, stays (only migrations add them)
         if table_name not in self._tables:
             engine = self._engines.get(INDEX_SHARD_NAME, self.conn_string_for_shard(INDEX_SHARD_NAME),
-                                          SQLITE_BUSY_TIMEOUT_SECONDS)
+                                       SQLITE_BUSY_TIMEOUT_SECONDS)
             with engine.connect() as conn:  # not `_connect`: callers may hold it
                 if not engine.dialect.has_table(conn, table_name):
                     return False

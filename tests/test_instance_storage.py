@@ -177,3 +177,14 @@ def test_a_stamped_run_file_is_opened_without_alembic(home, monkeypatch, tmp_pat
     monkeypatch.setattr(sqlite_event_log, "check_alembic_revision", no_alembic)
     instance.event_log_storage.store_event(_materialization("run-1", "entity_updates"))
     assert len(instance.event_log_storage.get_logs_for_run("run-1")) == 2
+
+
+def test_without_hard_links_run_files_get_dagsters_init(home, monkeypatch):
+    instance, _ = home
+
+    def unsupported(*_):
+        raise PermissionError("hard links not supported")
+
+    monkeypatch.setattr(instance_storage.os, "link", unsupported)
+    instance.event_log_storage.store_event(_materialization("run-1", "entities"))
+    assert len(instance.event_log_storage.get_logs_for_run("run-1")) == 1
