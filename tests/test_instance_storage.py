@@ -188,3 +188,28 @@ def test_without_hard_links_run_files_get_dagsters_init(home, monkeypatch):
     monkeypatch.setattr(instance_storage.os, "link", unsupported)
     instance.event_log_storage.store_event(_materialization("run-1", "entities"))
     assert len(instance.event_log_storage.get_logs_for_run("run-1")) == 1
+
+
+def _write_runs(home: str, worker: int, runs: int) -> None:
+    os.environ["DAGSTER_HOME"] = home
+    with DagsterInstance.from_config(home) as instance:
+        for n in range(runs):
+            for asset in ("entities", "entity_updates"):
+                instance.event_log_storage.store_event(_materialization(f"w{worker}-run-{n}", asset))
+
+
+def test_processes_writing_at_once_lose_nothing(home, tmp_path):
+    """The daemon, the webserver and run workers share the files, each with its connections kept."""
+    import multiprocessing
+
+    instance, folder = home
+    spawn = multiprocessing.get_context("spawn")
+    workers = [spawn.Process(target=_write_runs, args=(str(folder), w, 15)) for w in range(3)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(120)
+    assert [p.exitcode for p in workers] == [0, 0, 0]
+    assert len(_asset_runs(instance, "entity_updates")) == 45
+    assert all(len(instance.event_log_storage.get_logs_for_run(f"w{w}-run-{n}")) == 2
+               for w in range(3) for n in range(15))
