@@ -42,11 +42,12 @@ RUN_FILES_OPEN = 8
 class _Engines:
     """Engines by database file for this process; a forked child starts with none of its parent's."""
 
-    def __init__(self, limit: int | None = None):
-        self._limit, self._engines, self._pid = limit, OrderedDict(), os.getpid()
+    def __init__(self, timeout: float, limit: int | None = None):
+        """`timeout`: seconds a statement waits for another process's write lock."""
+        self._timeout, self._limit, self._engines, self._pid = timeout, limit, OrderedDict(), os.getpid()
         self._lock = threading.Lock()
 
-    def get(self, key: str, conn_string: str, timeout: float) -> Engine:
+    def get(self, key: str, conn_string: str) -> Engine:
         with self._lock:
             if self._pid != os.getpid():  # the parent's connections are its own (SQLite forbids sharing them)
                 for engine in self._engines.values():
@@ -58,7 +59,7 @@ class _Engines:
                 return engine
             # one connection kept; more at once (the webserver's threads) are opened and closed as before
             engine = create_engine(conn_string, poolclass=QueuePool, pool_size=1, max_overflow=-1,
-                                   connect_args={"timeout": timeout, "check_same_thread": False})
+                                   connect_args={"timeout": self._timeout, "check_same_thread": False})
             self._engines[key] = engine
             if self._limit is not None and len(self._engines) > self._limit:
                 _, oldest = self._engines.popitem(last=False)
@@ -129,7 +130,8 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     """`SqliteEventLogStorage` with the index's engine and the latest run files' kept open."""
 
     def __init__(self, base_dir: str, inst_data=None):
-        self._engines = _Engines(limit=RUN_FILES_OPEN + 1)  # + the index shard; set before Dagster's init connects
+        # + the index shard; set before Dagster's init connects
+        self._engines = _Engines(SQLITE_BUSY_TIMEOUT_SECONDS, limit=RUN_FILES_OPEN + 1)
         self._tables: set[str] = set()
         super().__init__(base_dir, inst_data)
 
@@ -140,7 +142,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     @contextmanager
     def _connect(self, shard: str) -> Iterator[Connection]:
         with self._db_lock:
-            engine = self._engines.get(shard, self.conn_string_for_shard(shard), SQLITE_BUSY_TIMEOUT_SECONDS)
+            engine = self._engines.get(shard, self.conn_string_for_shard(shard))
             if shard not in self._initialized_dbs:
                 self._initdb(engine)
                 self._initialized_dbs.add(shard)
@@ -163,8 +165,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         # Dagster asks before writing an asset event's tags or a dynamic partition, each time with
         # an engine of its own; a table, once there, stays (only migrations add them)
         if table_name not in self._tables:
-            engine = self._engines.get(INDEX_SHARD_NAME, self.conn_string_for_shard(INDEX_SHARD_NAME),
-                                       SQLITE_BUSY_TIMEOUT_SECONDS)
+            engine = self._engines.get(INDEX_SHARD_NAME, self.conn_string_for_shard(INDEX_SHARD_NAME))
             with engine.connect() as conn:  # not `_connect`: callers may hold it
                 if not engine.dialect.has_table(conn, table_name):
                     return False
@@ -186,12 +187,12 @@ class _OneFile:
     _conn_string: str
 
     def __init__(self, conn_string: str, inst_data=None):
-        self._engines = _Engines()
+        self._engines = _Engines(5.0)  # sqlite3's default, as Dagster's engines for these files have
         super().__init__(conn_string, inst_data)
 
     @contextmanager
     def connect(self) -> Iterator[Connection]:
-        engine = self._engines.get("file", self._conn_string, 5.0)  # sqlite3's default busy timeout, as Dagster's
+        engine = self._engines.get("file", self._conn_string)
         with engine.connect() as conn, conn.begin():
             yield conn
 
