@@ -19,15 +19,16 @@ ASSET_TABLES = frozenset(SCHEMAS) - {"pending_responses", "device_inboxes"}
     description="Deletes files no Delta version within the retention needs, and expired log files, table by table.")
 def vacuum_lake(context: OpExecutionContext, lake: LakeResource):
     """A state table rewrites the files of the keys each slice changed: the replaced files stay for time
-    travel until this deletes them."""
+    travel until this deletes them. Log entries go at the same age: a version whose replaced files
+    are gone cannot be read, and every commit lists the whole log (docs/storage.md)."""
     engine, hours = lake.open(), lake.vacuum_retention_hours
     total = 0
     for table in [*SCHEMAS, MANIFESTS]:
         if not engine.exists(table):
             continue
-        deleted, expired = engine.vacuum(table, hours), engine.expire_log(table)
+        deleted, expired = engine.vacuum(table, hours), engine.expire_log(table, hours)
         total += len(deleted) + expired
-        context.log.info(f"{table}: {len(deleted)} file(s) deleted (retention {hours} h), {expired} expired log file(s)")
+        context.log.info(f"{table}: {len(deleted)} file(s) deleted, {expired} expired log file(s) (retention {hours} h)")
         if table in ASSET_TABLES:
             yield AssetObservation(asset_key=AssetKey(table), metadata={
                 "vacuumed_files": len(deleted), "retention_hours": hours, "expired_log_files": expired})

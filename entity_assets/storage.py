@@ -570,6 +570,7 @@ CHECKPOINT_INTERVAL = 10
 last checkpoint: at Delta's default of 100, up to 99 commit files, which a step pays per table it
 opens (measured at 65 commits: 35 ms, and 134 requests to an S3 endpoint; at 10: 12 ms and 25
 requests). A checkpoint of a 20,000-file table took 0.09 s to write."""
+LOG_RETENTION_SETTING = "delta.logRetentionDuration"
 
 
 def _post_commit():
@@ -577,7 +578,8 @@ def _post_commit():
     `CHECKPOINT_INTERVAL` commits, but not the deletion of expired log files, which lists the
     table's whole log at every commit (a log of 3,300 files, 30 days of 15-minute slices: 35 ms
     a commit locally, a request per 1,000 files on an object store) to delete nothing until its
-    oldest files are 30 days old. `lake_maintenance` does it once a day (`expire_log`)."""
+    oldest files are 30 days old (Delta's default). `lake_maintenance` does it once a day
+    (`expire_log`), at the vacuum's retention."""
     from deltalake import PostCommitHookProperties
 
     return PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False)
@@ -779,16 +781,19 @@ class DeltaRsEngine:
         return None if entry is None else entry["version"]
 
     def commit_after(self, table: str, slice_key: str, operation: str) -> dict | None:
-        """The commit info of `version_after`'s commit: `version` and the `entity_assets.*` metadata.
+        """The commit info of `version_after`'s commit: `version` and the `entity_assets.*` metadata."""
+        return self._newest_commit(table, lambda entry: entry.get("entity_assets.slice") == slice_key
+                                   and entry.get("entity_assets.operation") == operation)
 
-        Reads the history newest first in growing pages: the commits a step asks for are
-        recent, and a table's whole history grows with its age (~70 ms at 1,000 commits).
-        """
+    def _newest_commit(self, table: str, match: Callable[[dict], bool]) -> dict | None:
+        """The newest commit info that `match`es, from the history read newest first in growing
+        pages: the commits a step asks for are recent, and a table's whole history grows with its
+        age (~70 ms at 1,000 commits)."""
         dt, limit = self._open(table), 16
         while True:
             entries = dt.history(limit)
             for entry in entries:
-                if entry.get("entity_assets.slice") == slice_key and entry.get("entity_assets.operation") == operation:
+                if match(entry):
                     return entry
             if len(entries) < limit:
                 return None
@@ -836,14 +841,32 @@ class DeltaRsEngine:
         return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                                         full=True, post_commithook_properties=_post_commit())
 
-    def expire_log(self, table: str) -> int:
-        """Deletes the Delta log files older than the table's log retention (`delta.logRetentionDuration`,
-        30 days by default) that precede a checkpoint, as delta-rs would at each commit (see
-        `_post_commit`); returns how many. Versions they held can no longer be opened."""
+    def expire_log(self, table: str, retention_hours: int) -> int:
+        """Deletes the Delta log files older than `retention_hours` that precede a checkpoint, as
+        delta-rs would at each commit (see `_post_commit`); returns how many. Versions they held
+        can no longer be opened.
+
+        The retention becomes the table's `delta.logRetentionDuration` (one commit, when it
+        changes), so any Delta engine that cleans the log keeps the same versions. The log keeps
+        the table's newest slice commit, which the next slice looks for (`commit_after`): while
+        that commit is old and a checkpoint follows it (maintenance commits of an idle lake),
+        nothing is deleted.
+        """
+        dt = self._open(table)
+        setting = {LOG_RETENTION_SETTING: f"interval {retention_hours} hours"}
+        if dt.metadata().configuration.get(LOG_RETENTION_SETTING) != setting[LOG_RETENTION_SETTING]:
+            dt.alter.set_table_properties(setting, post_commithook_properties=_post_commit())
+            self._written.add(table)
+            dt = self._open(table)
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)
-        before = len(fs.get_file_info(pafs.FileSelector(path)))
-        self._open(table).cleanup_metadata()
-        return before - len(fs.get_file_info(pafs.FileSelector(path)))
+        before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
+        newest = self._newest_commit(table, lambda entry: "entity_assets.slice" in entry)
+        checkpoints = [int(info.base_name[:20]) for info in before if ".checkpoint." in info.base_name]
+        cutoff_ms = (time.time() - retention_hours * 3600) * 1000
+        if newest and checkpoints and newest["version"] < max(checkpoints) and newest["timestamp"] < cutoff_ms:
+            return 0
+        dt.cleanup_metadata()
+        return len({info.path for info in before} - {info.path for info in fs.get_file_info(pafs.FileSelector(path))})
 
     def delete_older(self, folder: str, hours: float) -> list[str]:
         """Deletes the files of a lake folder (not a table: e.g. the steps' outbox) last written

@@ -29,7 +29,8 @@ class LakeResource(ConfigurableResource):
     engine: str = Field(default="delta-rs", description="table engine; delta-rs is the one shipped")
     vacuum_retention_hours: int = Field(
         default=168, ge=0,
-        description="lake_maintenance deletes files replaced longer ago than this; replays reach back as far",
+        description="lake_maintenance deletes files replaced longer ago than this, and Delta log files as old; "
+                    "time travel and replays reach back as far",
     )
 
     state_file_rows: int = Field(

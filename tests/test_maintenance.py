@@ -71,24 +71,45 @@ def test_observed_tables_are_the_graphs_assets():
     assert defs.resolve_schedule_def("lake_maintenance_schedule").job_name == "lake_maintenance"
 
 
-def test_commits_leave_expired_log_files_to_maintenance(tmp_path):
+def test_commits_leave_expired_log_files_to_maintenance_at_the_vacuum_retention(tmp_path):
     from deltalake import DeltaTable
 
     engine = DeltaRsEngine(str(tmp_path))
-    engine.ensure("dead_letters", SCHEMAS["dead_letters"])
-    # every log file is expired at once, as a 30-day-old one is by default
-    DeltaTable(engine.uri("dead_letters")).alter.set_table_properties({"delta.logRetentionDuration": "interval 0 seconds"})
     for seq in range(1, 13):  # a checkpoint at version 9, the tenth commit
         key = f"{seq:010d}"
         engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
     log = tmp_path / "dead_letters" / "_delta_log"
     assert (log / f"{0:020d}.json").exists() and (log / f"{9:020d}.checkpoint.parquet").exists()
 
-    result = lake_maintenance.execute_in_process(resources={"lake": LakeResource(root=str(tmp_path))})
-    assert result.success
+    def maintain(hours: int) -> int:
+        result = lake_maintenance.execute_in_process(
+            resources={"lake": LakeResource(root=str(tmp_path), vacuum_retention_hours=hours)})
+        assert result.success
+        [observed] = [e.event_specific_data.asset_observation for e in result.all_events
+                      if e.event_type == DagsterEventType.ASSET_OBSERVATION]
+        return observed.metadata["expired_log_files"].value
 
-    assert not (log / f"{0:020d}.json").exists() and (log / f"{13:020d}.json").exists()
-    observed = [e.event_specific_data.asset_observation for e in result.all_events
-                if e.event_type == DagsterEventType.ASSET_OBSERVATION]
-    assert observed[0].metadata["expired_log_files"].value == 9  # versions 0-8, before the checkpoint
+    # the log retention follows the vacuum's, as a table property that other Delta engines honour
+    assert maintain(168) == 0 and (log / f"{0:020d}.json").exists()
+    assert DeltaTable(engine.uri("dead_letters")).metadata().configuration["delta.logRetentionDuration"] == (
+        "interval 168 hours")
+    assert maintain(0) == 9  # versions 0-8, before the checkpoint (versions 13 and 14 set the two retentions)
+    assert not (log / f"{0:020d}.json").exists() and (log / f"{14:020d}.json").exists()
     assert engine.read("dead_letters").num_rows == 12  # the latest version opens from its checkpoint
+
+
+def test_the_log_keeps_a_table_s_newest_slice_commit_which_the_next_slice_looks_for(tmp_path):
+    from deltalake import DeltaTable
+
+    engine, first, second = DeltaRsEngine(str(tmp_path)), "0000000001", "0000000002"
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", first, 1), first)
+    assert engine.expire_log("dead_letters", 0) == 0  # version 2 sets the retention; no checkpoint yet
+    DeltaTable(engine.uri("dead_letters")).create_checkpoint()  # as an idle lake's maintenance commits make one
+    assert engine.expire_log("dead_letters", 0) == 0
+    assert engine.version_after("dead_letters", first, "replace_slice") == 1
+
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", second, 1), second)
+    assert engine.expire_log("dead_letters", 0) == 2  # versions 0 and 1, before the checkpoint
+    assert engine.version_after("dead_letters", first, "replace_slice") is None
+    assert engine.version_after("dead_letters", second, "replace_slice") == 3
+    assert engine.read("dead_letters").num_rows == 2

@@ -234,7 +234,9 @@ def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bo
         return True, None
     version = 0 if seq == 1 else engine.version_after(table, key_of(seq - 1), "apply")
     if version is None:
-        raise OutOfOrder(f"no version of {table} records slice {key_of(seq - 1)}: cannot replay {slice_key}")
+        raise OutOfOrder(f"slice {slice_key} cannot be replayed: no version of {table} in its Delta log records slice "
+                         f"{key_of(seq - 1)}. lake_maintenance keeps versions (log and replaced files) for "
+                         f"LakeResource.vacuum_retention_hours.")
     return False, version
 
 
