@@ -452,7 +452,10 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
 
 def test_app_version_counts_come_from_the_commit_before_or_from_an_older_lake_s_state(tmp_path):
     """Each devices commit records the counts of the state it makes; a lake written before that
-    (no counts on its commits) has them counted from the state's appVersion column once."""
+    (no counts on its commits), or whose commit left the log, has them counted from the state's
+    appVersion column once."""
+    from deltalake import DeltaTable
+
     from entity_assets.assets.devices import _app_versions_before
     from entity_assets.storage import DeltaRsEngine, FileWriter
     from entity_assets.tables import SCHEMAS
@@ -467,6 +470,14 @@ def test_app_version_counts_come_from_the_commit_before_or_from_an_older_lake_s_
     assert _app_versions_before(engine, K2) == {"1.0": 2, "2.0": 1}
     common.commit_state(engine, "devices", K2, [], [], metadata={"app_versions": json.dumps({"1.0": 1, "2.1": 2})})
     assert _app_versions_before(engine, K3) == {"1.0": 1, "2.1": 2}  # recorded: the state is not read
+    # another Delta engine cleans the log at the retention lake_maintenance set, up to a checkpoint
+    # after slice 2's commit (lake_maintenance itself keeps a table's newest slice commit)
+    engine.expire_log("devices", 0)  # sets the table's log retention: a commit
+    table = DeltaTable(engine.uri("devices"))
+    table.create_checkpoint()
+    table.cleanup_metadata()
+    assert engine.commit_after("devices", K2, "apply") is None
+    assert _app_versions_before(engine, K3) == {"1.0": 2, "2.0": 1}
 
 
 def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):

@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
-from entity_assets.assets.common import ensure_tables, fold_buckets, one_row_per_key, table_metadata
+from entity_assets.assets.common import STATE_APP, ensure_tables, fold_buckets, one_row_per_key, table_metadata
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from resources import LakeResource, SparkResource
@@ -60,8 +60,9 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
 
 def _app_versions_before(engine, slice_key: str) -> dict[str, int]:
     """The app-version counts of the state a slice folds over: those recorded on the commit that
-    applied the slice before it, or, for a lake written before counts were recorded, counted
-    from that state's `appVersion` column."""
+    applied the slice before it, or, where that commit is not in the log (a lake written before
+    counts were recorded, or a commit that lake_maintenance expired from the log), counted from
+    that state's `appVersion` column."""
     from entity_assets.slices import slice_key as key_of, slice_seq
 
     seq = slice_seq(slice_key)
@@ -69,8 +70,12 @@ def _app_versions_before(engine, slice_key: str) -> dict[str, int]:
         return {}
     commit = engine.commit_after("devices", key_of(seq - 1), "apply")
     if commit is None:
-        return {}  # no state before: state_version refuses such a slice, naming the missing one
-    if APP_VERSIONS_KEY in commit:
+        if engine.applied("devices", STATE_APP) != seq - 1:
+            return {}  # no state before, or a replay past the log: state_version refuses both, saying why
+        version = None  # the latest version is the state the slice folds over
+    elif APP_VERSIONS_KEY in commit:
         return json.loads(commit[APP_VERSIONS_KEY])
-    counts = pc.value_counts(engine.read("devices", commit["version"], ["appVersion"]).column("appVersion"))
+    else:
+        version = commit["version"]
+    counts = pc.value_counts(engine.read("devices", version, ["appVersion"]).column("appVersion"))
     return {v["values"]: v["counts"] for v in counts.to_pylist()}
