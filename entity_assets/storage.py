@@ -781,19 +781,16 @@ class DeltaRsEngine:
         return None if entry is None else entry["version"]
 
     def commit_after(self, table: str, slice_key: str, operation: str) -> dict | None:
-        """The commit info of `version_after`'s commit: `version` and the `entity_assets.*` metadata."""
-        return self._newest_commit(table, lambda entry: entry.get("entity_assets.slice") == slice_key
-                                   and entry.get("entity_assets.operation") == operation)
+        """The commit info of `version_after`'s commit: `version` and the `entity_assets.*` metadata.
 
-    def _newest_commit(self, table: str, match: Callable[[dict], bool]) -> dict | None:
-        """The newest commit info that `match`es, from the history read newest first in growing
-        pages: the commits a step asks for are recent, and a table's whole history grows with its
-        age (~70 ms at 1,000 commits)."""
+        Reads the history newest first in growing pages: the commits a step asks for are
+        recent, and a table's whole history grows with its age (~70 ms at 1,000 commits).
+        """
         dt, limit = self._open(table), 16
         while True:
             entries = dt.history(limit)
             for entry in entries:
-                if match(entry):
+                if entry.get("entity_assets.slice") == slice_key and entry.get("entity_assets.operation") == operation:
                     return entry
             if len(entries) < limit:
                 return None
@@ -848,9 +845,9 @@ class DeltaRsEngine:
 
         The retention becomes the table's `delta.logRetentionDuration` (one commit, when it
         changes), so any Delta engine that cleans the log keeps the same versions. The log keeps
-        the table's newest slice commit, which the next slice looks for (`commit_after`): while
-        that commit is old and a checkpoint follows it (maintenance commits of an idle lake),
-        nothing is deleted.
+        the commit of the table's last slice, which the next slice looks for (`commit_after`):
+        while that commit is old and a checkpoint follows it (maintenance commits of an idle
+        lake), nothing is deleted.
         """
         dt = self._open(table)
         setting = {LOG_RETENTION_SETTING: f"interval {retention_hours} hours"}
@@ -860,10 +857,12 @@ class DeltaRsEngine:
             dt = self._open(table)
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)
         before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
-        newest = self._newest_commit(table, lambda entry: "entity_assets.slice" in entry)
+        # the last slice's commit: not always the newest slice commit, as a re-run of an older slice comes after it
+        last = max((e for e in dt.history() if "entity_assets.slice" in e), default=None,
+                     key=lambda e: (e["entity_assets.slice"], e["version"]))
         checkpoints = [int(info.base_name[:20]) for info in before if ".checkpoint." in info.base_name]
         cutoff_ms = (time.time() - retention_hours * 3600) * 1000
-        if newest and checkpoints and newest["version"] < max(checkpoints) and newest["timestamp"] < cutoff_ms:
+        if last and checkpoints and last["version"] < max(checkpoints) and last["timestamp"] < cutoff_ms:
             return 0
         dt.cleanup_metadata()
         return len({info.path for info in before} - {info.path for info in fs.get_file_info(pafs.FileSelector(path))})

@@ -98,18 +98,25 @@ def test_commits_leave_expired_log_files_to_maintenance_at_the_vacuum_retention(
     assert engine.read("dead_letters").num_rows == 12  # the latest version opens from its checkpoint
 
 
-def test_the_log_keeps_a_table_s_newest_slice_commit_which_the_next_slice_looks_for(tmp_path):
+def test_the_log_keeps_the_commit_of_a_table_s_last_slice_which_the_next_slice_looks_for(tmp_path):
     from deltalake import DeltaTable
 
-    engine, first, second = DeltaRsEngine(str(tmp_path)), "0000000001", "0000000002"
-    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", first, 1), first)
-    assert engine.expire_log("dead_letters", 0) == 0  # version 2 sets the retention; no checkpoint yet
-    DeltaTable(engine.uri("dead_letters")).create_checkpoint()  # as an idle lake's maintenance commits make one
-    assert engine.expire_log("dead_letters", 0) == 0
-    assert engine.version_after("dead_letters", first, "replace_slice") == 1
+    engine = DeltaRsEngine(str(tmp_path))
 
-    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", second, 1), second)
-    assert engine.expire_log("dead_letters", 0) == 2  # versions 0 and 1, before the checkpoint
-    assert engine.version_after("dead_letters", first, "replace_slice") is None
-    assert engine.version_after("dead_letters", second, "replace_slice") == 3
-    assert engine.read("dead_letters").num_rows == 2
+    def commit(seq: int) -> None:
+        key = f"{seq:010d}"
+        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+
+    for seq in (1, 2):
+        commit(seq)
+    assert engine.expire_log("dead_letters", 0) == 0  # version 3 sets the retention; no checkpoint yet
+    DeltaTable(engine.uri("dead_letters")).create_checkpoint()  # as an idle lake's maintenance commits make one
+    commit(1)  # version 4: a re-run of slice 1, after the checkpoint
+    assert engine.expire_log("dead_letters", 0) == 0
+    assert engine.version_after("dead_letters", "0000000002", "replace_slice") == 2
+
+    commit(3)
+    assert engine.expire_log("dead_letters", 0) == 3  # versions 0-2, before the checkpoint
+    assert engine.version_after("dead_letters", "0000000002", "replace_slice") is None
+    assert engine.version_after("dead_letters", "0000000003", "replace_slice") == 5
+    assert engine.read("dead_letters").num_rows == 3

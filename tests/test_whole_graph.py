@@ -471,7 +471,7 @@ def test_app_version_counts_come_from_the_commit_before_or_from_an_older_lake_s_
     common.commit_state(engine, "devices", K2, [], [], metadata={"app_versions": json.dumps({"1.0": 1, "2.1": 2})})
     assert _app_versions_before(engine, K3) == {"1.0": 1, "2.1": 2}  # recorded: the state is not read
     # another Delta engine cleans the log at the retention lake_maintenance set, up to a checkpoint
-    # after slice 2's commit (lake_maintenance itself keeps a table's newest slice commit)
+    # after slice 2's commit (lake_maintenance itself keeps the commit of a table's last slice)
     engine.expire_log("devices", 0)  # sets the table's log retention: a commit
     table = DeltaTable(engine.uri("devices"))
     table.create_checkpoint()
