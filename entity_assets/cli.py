@@ -4,6 +4,7 @@
     entity-assets spark start|stop|status      a local Spark Connect server for the daemon's runs
     entity-assets produce sample|seed|file     put traffic on the input topics
     entity-assets run                          one sensor evaluation, then every pending slice in order
+    entity-assets run --slices 1..40           those slices again, in order (a rebuild; --assets to pick tables)
     entity-assets summary                      rows per table, dead letters per code
     entity-assets demo                         all of the above on the embedded default
 """
@@ -129,6 +130,20 @@ class RunsInFlight(Exception):
     """Slices are being applied outside this process; `run` beside them would break slice order."""
 
 
+def _instance_for_runs():
+    """The Dagster instance, once no slice is being applied elsewhere in it (RunsInFlight otherwise)."""
+    from dagster import DagsterInstance
+
+    from entity_assets.launcher import settle_runs
+    from entity_assets.sensors import kafka_offsets_sensor
+
+    instance = DagsterInstance.get()
+    blockers = settle_runs(instance, kafka_offsets_sensor.name)
+    if blockers:
+        raise RunsInFlight(blockers)
+    return instance
+
+
 def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] | None = None) -> list[dict]:
     """One sensor evaluation, then every slice without a successful run, in slice order.
 
@@ -137,19 +152,15 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     has no unfinished run and no daemon running the sensor (RunsInFlight otherwise).
     `steps` limits the runs to those steps (ops) of the job, e.g. the entity core only.
     """
-    from dagster import DagsterInstance, DagsterRunStatus, RunsFilter, build_sensor_context
+    from dagster import DagsterRunStatus, RunsFilter, build_sensor_context
 
-    from entity_assets.definitions import build_resources, defs
-    from entity_assets.launcher import settle_runs, worker_tag
+    from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
     from entity_assets.sensors import dump_cursor, kafka_offsets_sensor
     from entity_assets.slices import slice_key
     from resources import SlicingResource
 
-    instance = DagsterInstance.get()
-    blockers = settle_runs(instance, kafka_offsets_sensor.name)
-    if blockers:
-        raise RunsInFlight(blockers)
+    instance = _instance_for_runs()
     resources = build_resources()
     resources["slicing"] = SlicingResource(
         min_interval_seconds=0, max_messages=max_messages or resources["slicing"].max_messages
@@ -165,14 +176,55 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     done = {d.partition for d in instance.get_run_partition_data(
         RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS]))}
     pending = [slice_key(s) for s in range(1, store.latest_seq() + 1) if slice_key(s) not in done]
-    instance.add_dynamic_partitions("slices", pending)
+    return _materialize(instance, pending, _steps_selection(steps), log)
+
+
+def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=print) -> list[dict]:
+    """Materializes slices `first`..`last` again, in order, whatever their runs so far: the rebuild
+    of a table deleted after an upgrade (docs/operations.md), or slices re-run after a fix.
+
+    One run per slice in this process, as `run_pending` makes them: a backfill through the
+    daemon starts a process per slice, which costs each small slice ~4 s more (bench/README.md).
+    `assets`: those assets (with the other assets of their steps) instead of the whole graph.
+    """
+    from entity_assets.definitions import build_resources, defs
+    from entity_assets.manifests import ManifestStore
+    from entity_assets.slices import slice_key
+
+    instance = _instance_for_runs()
+    latest = ManifestStore(build_resources()["lake"].open()).latest_seq()
+    if not 1 <= first <= last <= latest:
+        raise ValueError(f"slices {first}..{last} do not exist: the sensor has closed slices 1..{latest}")
+    steps = None
+    if assets:
+        ops = {spec.key.to_user_string(): defs.resolve_assets_def(spec.key).op.name
+               for spec in defs.resolve_all_asset_specs()}
+        unknown = sorted(set(assets) - set(ops))
+        if unknown:
+            raise ValueError(f"no asset {', '.join(unknown)}; the assets are {', '.join(sorted(ops))}")
+        steps = sorted({ops[a] for a in assets})
+    return _materialize(instance, [slice_key(s) for s in range(first, last + 1)], _steps_selection(steps), log)
+
+
+def _steps_selection(steps: list[str] | None):
+    """The asset keys of those steps (ops) of slice_job; None: every asset."""
+    from entity_assets.definitions import defs
+
+    if not steps:
+        return None
+    return [spec.key for spec in defs.resolve_all_asset_specs() if defs.resolve_assets_def(spec.key).op.name in steps]
+
+
+def _materialize(instance, keys: list[str], selection, log) -> list[dict]:
+    """One slice_job run per slice key, in order, until one fails: later slices would be refused,
+    as state applies in slice order."""
+    from entity_assets.definitions import defs
+    from entity_assets.launcher import worker_tag
+
+    instance.add_dynamic_partitions("slices", keys)
     job = defs.resolve_job_def("slice_job")
-    selection = None
-    if steps:
-        selection = [k for a in defs.resolve_all_asset_specs() for k in [a.key]
-                     if defs.resolve_assets_def(a.key).op.name in steps]
     summaries = []
-    for key in pending:
+    for key in keys:
         started = time.monotonic()
         outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
                                          tags={"dagster/run_key": key, **worker_tag()}, asset_selection=selection)
@@ -189,24 +241,38 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
             + " ".join(f"{k}={v}" for k, v in materialized.items()))
         summaries.append(summary)
         if not outcome.success:
-            break  # later slices would be refused: state applies in slice order
+            break
     return summaries
 
 
-def _run_all(max_messages: int | None = None) -> int:
-    """0 when every pending slice succeeded, 1 when one failed, 2 when refused (RunsInFlight)."""
+def _run_all(runs=run_pending) -> int:
+    """0 when every slice run succeeded, 1 when one failed, 2 when refused (RunsInFlight, or slices
+    or assets that do not exist)."""
     try:
-        summaries = run_pending(max_messages=max_messages)
+        summaries = runs()
     except RunsInFlight as e:
         print("not running: slices are being applied elsewhere in this instance, and state applies in slice "
               "order:\n  " + "\n  ".join(e.args[0]) + "\nLet them finish (the daemon: scripts/ui.sh), or "
               "terminate them and turn the sensor off in the UI.", file=sys.stderr)
         return 2
+    except ValueError as e:
+        print(f"not running: {e}", file=sys.stderr)
+        return 2
     return 0 if all(s["success"] for s in summaries) else 1
 
 
 def cmd_run(args) -> int:
-    return _run_all(args.max_messages)
+    if args.slices is None:
+        if args.assets:
+            print("--assets needs --slices: pending slices run through the whole graph", file=sys.stderr)
+            return 2
+        return _run_all(lambda: run_pending(max_messages=args.max_messages))
+    first, _, last = args.slices.partition("..")
+    if not (first.isdigit() and (last or first).isdigit()):
+        print(f"--slices {args.slices}: give slice numbers, FIRST or FIRST..LAST", file=sys.stderr)
+        return 2
+    assets = [a.strip() for a in args.assets.split(",")] if args.assets else None
+    return _run_all(lambda: run_slices(int(first), int(last or first), assets=assets))
 
 
 def lake_summary() -> dict[str, dict]:
@@ -274,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     produce.add_argument("--bad", action="store_true", help="add one record per dead-letter path")
     run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
     run.add_argument("--max-messages", type=int, default=None, help="cap of messages per slice")
+    run.add_argument("--slices", metavar="FIRST[..LAST]", default=None,
+                     help="materialize these closed slices again, in order (numbers), instead of the pending ones")
+    run.add_argument("--assets", metavar="NAME[,NAME]", default=None,
+                     help="with --slices: only these assets (and the other assets of their steps)")
     sub.add_parser("summary", help="rows per table and dead letters per code")
     demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
     demo.add_argument("--patches", type=int, default=10_000)
