@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.compute as pc
-from dagster import AssetKey, DagsterRunStatus, Definitions
+from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions
 
 from entity_assets import samples
 from entity_assets.ingest import INPUT_STREAMS
@@ -170,6 +170,8 @@ def test_slice_rows_equal_what_was_produced(make_pipeline):
     assert meta["entity_batches"]["offsets"] == {f"{t}[{p}]": f"[0, {e})" for (t, p), e in ends.items() if e > 0}
     assert meta["entity_batches"]["delta_version"] == pipeline.engine.version("entity_batches")
     assert meta["dead_letters"]["rows"] == 0
+    [check] = result.get_asset_check_evaluations()
+    assert check.check_name == "no_dead_letters" and check.passed
 
 
 # --------------------------------------------------------------------------- sensor ticks
@@ -312,6 +314,10 @@ def test_bad_records_go_to_dead_letters_and_the_rest_is_written(pipeline):
     assert meta["entity_batches"]["rows"] == len(good)
     assert meta["entity_batches"]["dead_letters"] == len(BAD)
     assert meta["dead_letters"]["rows"] == len(BAD)
+    # the UI's warning on the slice, counting its dead letters by stream and code
+    [check] = result.get_asset_check_evaluations()
+    assert check.check_name == "no_dead_letters" and not check.passed and check.severity == AssetCheckSeverity.WARN
+    assert check.metadata["by_stream_and_code"].value == dict(Counter(f"{STREAM} {code}" for _, code, _ in BAD.values()))
 
     pipeline.run(request.partition_key, assets=ingest_only(pipeline))  # a re-run rewrites the dead letters too
     assert pipeline.read("dead_letters").num_rows == len(BAD)

@@ -1,9 +1,11 @@
 """Input streams: Kafka records of a slice become the raw tables and dead letters."""
 
 
+from collections import Counter
 from functools import partial
 
-from dagster import AssetExecutionContext, AssetSpec, MaterializeResult, MetadataValue, multi_asset
+from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetExecutionContext, AssetSpec,
+                     MaterializeResult, MetadataValue, multi_asset)
 
 from entity_assets.assets.common import commit_slice, ensure_tables, run_tasks, table_metadata
 from entity_assets.ingest import INPUT_STREAMS, ingest_tasks
@@ -31,6 +33,9 @@ TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("dead_letters",)
         AssetSpec(t, description=DESCRIPTIONS[t], group_name=GROUPS[t], kinds={"spark", "delta", "kafka"})
         for t in TABLES
     ],
+    check_specs=[AssetCheckSpec("no_dead_letters", asset="dead_letters",
+                                description="every record of the slice parsed and validated; a warning counts "
+                                            "the others by stream and code (their bytes and reasons are rows of the table)")],
     partitions_def=slices_partitions, pool=LAKE_POOL,
     can_subset=False,
 )
@@ -64,3 +69,16 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
             meta["offsets"] = MetadataValue.json(offsets.get(table, {}))
         meta["slice_messages"] = MetadataValue.int(manifest.messages)
         yield MaterializeResult(asset_key=table, metadata=meta)
+    yield _dead_letters_check(engine, manifest.key, summary["dead_letters"]["rows"])
+
+
+def _dead_letters_check(engine, slice_key: str, dead: int) -> AssetCheckResult:
+    """A warning, not a failure: bad input is expected of producers, and the slice's good records went on."""
+    by_code: Counter = Counter()
+    if dead:
+        rows = engine.read("dead_letters", columns=["slice", "stream", "code"], where={"slice": slice_key})
+        by_code.update(f"{r['stream']} {r['code']}" for r in rows.to_pylist() if r["slice"] == slice_key)
+    return AssetCheckResult(asset_key="dead_letters", check_name="no_dead_letters", passed=not dead,
+                            severity=AssetCheckSeverity.WARN,
+                            metadata={"dead_letters": MetadataValue.int(dead),
+                                      "by_stream_and_code": MetadataValue.json(dict(sorted(by_code.items())))})
