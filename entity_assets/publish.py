@@ -15,7 +15,8 @@ import functools
 import json
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -138,12 +139,22 @@ class Publishing:
     the outbox folder its tasks spool to.
 
     Built once per step on the driver (topics and outbox created there), shipped to the tasks.
+    Tasks that run in the process `held_by` names (a small slice's, in the driver) keep their
+    spools in `held`, by URI, for the step to replay from there: on an object store a spool
+    file costs six requests in a row (its upload, then a HEAD and a GET, a HEAD and a DELETE,
+    and the folder marker pyarrow writes back).
     """
 
     kafka_config: dict
     topics: dict[str, tuple[str, int]]
     outbox: str
     storage_options: dict | None = None
+    held_by: int | None = None
+    held: dict[str, pa.Buffer] = field(default_factory=dict, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        """Shipped to tasks without the held spools, which only this process's tasks fill and read."""
+        return {**self.__dict__, "held": {}}
 
 
 class Publisher:
@@ -156,12 +167,17 @@ class Publisher:
         self._targets = {table: (topic, partitions, STREAMS[table]) for table, (topic, partitions) in self.topics.items()}
         self.spool: Spool | None = None  # on first use: a task with nothing to send writes no file
         self.uri = ""
+        self._memory: pa.BufferOutputStream | None = None
 
     def _spool(self) -> Spool:
         if self.spool is None:
             self.uri = f"{self.publishing.outbox}/{uuid.uuid4().hex}.spool"
-            fs, path = filesystem(self.uri, self.publishing.storage_options)
-            self.spool = Spool(fs.open_output_stream(path), [topic for topic, _ in self.topics.values()])
+            if self.publishing.held_by == os.getpid():
+                sink = self._memory = pa.BufferOutputStream()
+            else:
+                fs, path = filesystem(self.uri, self.publishing.storage_options)
+                sink = fs.open_output_stream(path)
+            self.spool = Spool(sink, [topic for topic, _ in self.topics.values()])
         return self.spool
 
     def publishes(self, table: str) -> bool:
@@ -186,23 +202,35 @@ class Publisher:
         if self.spool is None:
             return None
         self.spool.close()
+        if self._memory is not None:
+            self.publishing.held[self.uri] = self._memory.getvalue()
         return {"table": OUTBOX, "path": self.uri, "size": 0, "rows": self.spool.count,
                 "stats": json.dumps({"tables": list(self.topics), "topics": [t for t, _ in self.topics.values()]})}
 
 
-def replay_task(tasks: Iterator[dict], *, kafka_config: dict, storage_options) -> Iterator[dict]:
+def replay_task(tasks: Iterator[dict], *, kafka_config: dict, storage_options,
+                held: dict[str, pa.Buffer] | None = None) -> Iterator[dict]:
     """Produces the spools of each task ({"spools": [{"uri", "tables", "topics"}]}) and deletes them
-    once every message is acknowledged; yields {"table", "count"} of what it published."""
+    once every message is acknowledged; yields {"table", "count"} of what it published.
+
+    `held`: spools kept in this process (see `Publishing`), taken from there instead of their files.
+    """
+    held = {} if held is None else held
     for task in tasks:
         producer, tables, replayed = BatchProducer(kafka_config), {}, []
         for spool in task["spools"]:
             tables.update(zip(spool["topics"], spool["tables"]))
+            if spool["uri"] in held:
+                replay_into(producer, pa.BufferReader(held[spool["uri"]]), spool["topics"])
+                continue
             fs, path = filesystem(spool["uri"], storage_options)
             # buffered: the IPC reader's small reads would each be a request to an object store
             with fs.open_input_stream(path, buffer_size=SPOOL_READ_BUFFER) as source:
                 replay_into(producer, source, spool["topics"])
             replayed.append((fs, path))
         counts = producer.close()
+        for spool in task["spools"]:
+            held.pop(spool["uri"], None)
         for fs, path in replayed:
             fs.delete_file(path)
         yield from ({"table": tables[topic], "count": n} for topic, n in counts.items())

@@ -1,5 +1,7 @@
 """Bucketed folds whose tasks read their own input files (fold.over_buckets): pure Python."""
 
+import os
+import pickle
 import zlib
 
 import pyarrow as pa
@@ -222,3 +224,23 @@ def test_a_released_task_yields_every_output_of_its_body_in_order_and_finishes_i
 
     assert list(fold.released(body, iter(["a", "b"]))) == [{"table": "a", "rows": 1}, {"table": "b", "rows": 1}]
     assert finished == [True]
+
+
+def test_tasks_in_the_step_s_process_hold_their_spools_in_memory_and_tasks_elsewhere_write_files(tmp_path):
+    rows = pa.table({"dbid": ["db", "db"], "device": ["d1", "d2"], "collection": ["C", "C"], "zone": ["A", "A"],
+                     "entity": ["e1", "e1"], "notification": ["n1", "n2"], "action": ["created", "created"],
+                     "ended": [5, 5]})
+    topics = {"changes_by_device": ("changes-by-device", 2)}
+    here = Publishing({}, topics, str(tmp_path), held_by=os.getpid())  # as the step makes it
+    elsewhere = Publishing({}, topics, str(tmp_path), held_by=os.getpid() + 1)  # as a Spark worker sees it
+    spools = {}
+    for name, publishing in (("here", here), ("elsewhere", elsewhere)):
+        publisher = publish.Publisher(publishing)
+        publisher.send_rows("changes_by_device", rows)
+        spools[name] = publisher.close()
+    assert list(here.held) == [spools["here"]["path"]] and not elsewhere.held
+    assert os.listdir(tmp_path) == [os.path.basename(spools["elsewhere"]["path"])]
+    with open(spools["elsewhere"]["path"], "rb") as source:
+        assert list(kafka_io.spooled(pa.BufferReader(here.held[spools["here"]["path"]]))) == list(
+            kafka_io.spooled(source))
+    assert pickle.loads(pickle.dumps(here)).held == {}  # shipped to tasks without them

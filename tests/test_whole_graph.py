@@ -526,14 +526,25 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
         ("device1", 6, ["n2"])]
 
 
-def test_a_small_slice_runs_the_whole_graph_without_a_spark_session(make_pipeline, monkeypatch):
-    # A run that never needs Spark must not start a JVM (a run process of its own would pay 7-11 s).
+def test_a_small_slice_runs_the_whole_graph_without_a_spark_session_nor_spool_files(make_pipeline, monkeypatch):
+    # A run that never needs Spark must not start a JVM (a run process of its own would pay 7-11 s),
+    # and its tasks, run in the driver, keep their spools in memory (on an object store a spool
+    # file is six requests in a row).
+    from entity_assets import publish
+
     pipeline = make_pipeline(production_layout=True)
 
     def no_spark(self):
         raise AssertionError("a small slice asked for a Spark session")
 
+    def no_spool_file(*args, **kwargs):
+        raise AssertionError("a small slice wrote or read a spool file")
+
     monkeypatch.setattr(SparkResource, "session", no_spark)
+    monkeypatch.setattr(publish, "filesystem", no_spool_file)
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=200, entities=40, learning=True), devices=10)
-    run_slice(pipeline, list(traffic.records()), K1)
+    result = run_slice(pipeline, list(traffic.records()), K1)
     assert all(rows(pipeline, t) for t in ("entity_updates", "learned_schemas", "devices", "changes_by_device"))
+    for table, stream in (("entity_updates", "entity-updates"), ("changes_by_device", "changes-by-device")):
+        assert len(messages_on(pipeline, stream)) == len(rows(pipeline, table)) == \
+            pipeline.materializations(result)[table]["published"]

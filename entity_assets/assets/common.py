@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -386,7 +387,7 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
         fs, path = filesystem(outbox, engine.storage_options)
         fs.create_dir(path, recursive=True)
     return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()}, outbox,
-                      engine.storage_options)
+                      engine.storage_options, held_by=os.getpid())
 
 
 OUTBOX_FOLDER = "_outbox"
@@ -399,9 +400,11 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
 
     Every spool goes out together, in one Spark job of at most one task per core (in the driver
     up to `SparkResource.driver_rows` messages): the broker takes the step's messages in one burst instead of
-    one per task (see `kafka_io.Spool`).
+    one per task (see `kafka_io.Spool`). Spools that tasks run in the driver kept in memory
+    (`Publishing.held`) go from here, before that job.
     The spools are deleted once their messages are acknowledged; a failure leaves them for
-    lake_maintenance, and a re-run of the slice publishes its messages again.
+    lake_maintenance (those in memory go with the step), and a re-run of the slice publishes its
+    messages again.
     """
     import json
 
@@ -410,6 +413,15 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
     spools = files.pop(OUTBOX, [])
     if not spools or publish_to is None:
         return Counter()
+    fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=publish_to.storage_options)
+    counts: Counter = Counter()
+    held = [{"uri": f.path, **json.loads(f.stats)} for f in spools if f.path in publish_to.held]
+    spools = [f for f in spools if f.path not in publish_to.held]
+    if held:  # spooled by tasks that ran in this process, which replays them from memory
+        for row in fn(iter([{"spools": held}]), held=publish_to.held):
+            counts[row["table"]] += row["count"]
+    if not spools:
+        return counts
     messages = sum(f.rows for f in spools)
     tasks: list[dict] = [{"spools": []} for _ in range(min(task_slots(spark, messages), len(spools)))]
     loads = [0] * len(tasks)
@@ -417,8 +429,6 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
         i = loads.index(min(loads))
         tasks[i]["spools"].append({"uri": f.path, **json.loads(f.stats)})
         loads[i] += f.rows
-    fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=publish_to.storage_options)
-    counts: Counter = Counter()
     for row in collect_tasks(spark, tasks, fn, messages):
         counts[row["table"]] += row["count"]
     return counts
