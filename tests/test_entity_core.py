@@ -235,7 +235,7 @@ def test_messages_go_out_only_once_their_rows_are_committed(pipeline, monkeypatc
     def failing_commit(*args, **kwargs):
         raise RuntimeError("the lake refused the commit")
 
-    monkeypatch.setattr(entities, "commit_slice", failing_commit)
+    monkeypatch.setattr(entities, "replace_slice", failing_commit)
     assert not pipeline.run_request(request, raise_on_error=False).success
     assert messages(pipeline, "entity-patches") and not messages(pipeline, "entity-updates")
     monkeypatch.undo()

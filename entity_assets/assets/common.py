@@ -131,10 +131,20 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
 def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str) -> dict[str, dict]:
     """Replaces the slice in each table (the tables at once on an object store); returns rows and
     Delta version per table."""
-    written = {table: files.get(table, []) for table in tables}
-    versions = engine.each(lambda table: engine.replace_slice(table, SCHEMAS[table], written[table], slice_key), written)
-    return {table: {"rows": sum(f.rows for f in fs), "files": len(fs), "version": version}
-            for (table, fs), version in zip(written.items(), versions)}
+    return commit_at_once(engine, {table: partial(replace_slice, engine, table, files, slice_key) for table in tables})
+
+
+def replace_slice(engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str) -> dict:
+    """Replaces the slice in one stream table with its files of `files`: its rows, files and Delta version."""
+    written = files.get(table, [])
+    return {"rows": sum(f.rows for f in written), "files": len(written),
+            "version": engine.replace_slice(table, SCHEMAS[table], written, slice_key)}
+
+
+def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]) -> dict[str, dict]:
+    """Each table's commit (a function of nothing), at once on an object store, where a commit is
+    ~8 round trips of its own (`DeltaRsEngine.each`); what each returned, by table."""
+    return dict(zip(commits, engine.each(lambda table: commits[table](), commits)))
 
 
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
@@ -288,6 +298,15 @@ def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: boo
     return summary
 
 
+def commit_buckets_later(engine: DeltaRsEngine, table: str, slice_key: str, apply: bool, snapshot,
+                         files: dict[str, list[DataFile]], metadata: dict[str, str] | None = None) -> Callable[[], dict]:
+    """`commit_buckets`, to make later (`commit_at_once`): the state's files leave `files` now."""
+    from entity_assets.fold import REPLACED
+
+    state = {name: files.pop(name) for name in (table, REPLACED + table) if name in files}
+    return partial(commit_buckets, engine, table, slice_key, apply, snapshot, state, metadata)
+
+
 def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: Counter, state: dict, *,
                     asset_key: str, check_name: str) -> AssetCheckResult:
     """Checks the state a slice made of a bucketed `table`: a key could repeat within a rewritten
@@ -331,18 +350,26 @@ def run_buckets(spark, sources: dict[str, list], reader: Callable, body: Callabl
     return run_tasks(spark, bucket_tasks(spark, rows), fn, rows)
 
 
-def fold_buckets(spark, sources: dict[str, list[DataFile]], reader: Callable, task: Callable, *,
-                 key_columns: tuple[str, ...], order: tuple[str, ...], engine: DeltaRsEngine, state_table: str,
-                 slice_key: str, uris: dict[str, str], state_file_rows: int,
-                 metadata: Callable[[Counter], dict[str, str]] | None = None,
-                 **task_args) -> tuple[dict[str, list[DataFile]], dict]:
-    """Runs a bucketed state fold (see fold.BucketStore) over the rows of `sources` and commits the state table.
+def fold_buckets(spark, sources: dict[str, list[DataFile]], reader: Callable, task: Callable, **kwargs
+                 ) -> tuple[dict[str, list[DataFile]], dict]:
+    """Runs a bucketed state fold (see `fold_buckets_later`) and commits the state table."""
+    files, commit = fold_buckets_later(spark, sources, reader, task, **kwargs)
+    return files, commit()
+
+
+def fold_buckets_later(spark, sources: dict[str, list[DataFile]], reader: Callable, task: Callable, *,
+                       key_columns: tuple[str, ...], order: tuple[str, ...], engine: DeltaRsEngine, state_table: str,
+                       slice_key: str, uris: dict[str, str], state_file_rows: int,
+                       metadata: Callable[[Counter], dict[str, str]] | None = None,
+                       **task_args) -> tuple[dict[str, list[DataFile]], Callable[[], dict]]:
+    """Runs a bucketed state fold (see fold.BucketStore) over the rows of `sources`; the state
+    table's commit is left to the caller, who may make it at once with others (`commit_at_once`).
 
     Each task reads the source files itself (`fold.over_buckets`, with `reader`) and keeps
     the rows of its buckets, sorted by `order` within a bucket. With no rows no Spark job
     runs, and the (empty) commit still records the slice in the state's order. Returns the
-    other tables' files (for the caller to commit) and a summary of the state commit, whose
-    `counts` are the tasks' counters and `metadata` what the commit records, made from them.
+    other tables' files (the state's leave them at the commit) and the commit, which returns
+    a summary of it: its `counts` are the tasks' counters, its `metadata` what it records, made from them.
     """
     apply, snapshot, state_files = state_snapshot(engine, state_table, slice_key)
     files = run_buckets(spark, sources, reader, task, key_columns=key_columns, order=order, slice_key=slice_key,
@@ -350,9 +377,12 @@ def fold_buckets(spark, sources: dict[str, list[DataFile]], reader: Callable, ta
                         state_file_rows=state_file_rows, **task_args)
     counts = pop_counts(files)
     recorded = metadata(counts) if metadata else None
-    summary = commit_buckets(engine, state_table, slice_key, apply, snapshot, files, recorded)
-    summary.update(metadata=recorded, counts=counts)
-    return files, summary
+    commit_state_files = commit_buckets_later(engine, state_table, slice_key, apply, snapshot, files, recorded)
+
+    def commit() -> dict:
+        return {**commit_state_files(), "metadata": recorded, "counts": counts}
+
+    return files, commit
 
 
 def merge_files(*groups: dict[str, list[DataFile]]) -> dict[str, list[DataFile]]:

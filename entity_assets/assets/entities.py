@@ -16,17 +16,18 @@ from dagster import (
 from entity_assets import fold
 from entity_assets.assets.common import (
     bucket_tasks,
-    commit_buckets,
-    commit_slice,
+    commit_at_once,
+    commit_buckets_later,
     commit_state,
     ensure_tables,
-    fold_buckets,
+    fold_buckets_later,
     merge_files,
     one_row_per_key,
     pop_counts,
     publish_outbox,
     publishing,
     redeliveries,
+    replace_slice,
     run_buckets,
     run_tasks,
     state_as_of,
@@ -127,26 +128,29 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                  state_file_rows=lake.state_file_rows, publishing=publish_to)
     rows = sum(f.rows for f in patch_files)
     entity_files = run_tasks(spark, bucket_tasks(spark, rows), fn, rows)
-    entities = commit_buckets(engine, "entities", key, apply, snapshot, entity_files)
+    commit_entities = commit_buckets_later(engine, "entities", key, apply, snapshot, entity_files)
 
     schema_in, redelivered_parts = redeliveries(spark, engine, "schema_patches", key, ("clientid", "request", "part"),
                                                 slicing.dedupe_window_slices)
-    schema_files, schemas = fold_buckets(spark, {"schema_patches": engine.slice_files("schema_patches", [key])},
-                                         partial(fold.schema_patch_rows, redelivered=redelivered_parts),
-                                         fold.schema_fold_task, key_columns=("dbid",), order=("dbid",) + ORDER,
-                                         engine=engine, state_table="schemas", slice_key=key, uris=uris,
-                                         state_file_rows=lake.state_file_rows, publishing=publish_to)
+    schema_files, commit_schemas = fold_buckets_later(
+        spark, {"schema_patches": engine.slice_files("schema_patches", [key])},
+        partial(fold.schema_patch_rows, redelivered=redelivered_parts), fold.schema_fold_task, key_columns=("dbid",),
+        order=("dbid",) + ORDER, engine=engine, state_table="schemas", slice_key=key, uris=uris,
+        state_file_rows=lake.state_file_rows, publishing=publish_to)
     pending_apply, _, pending = state_as_of(engine, "pending_responses", key)
-    if entities["replayed"]:
+    if not apply:
         context.log.info(f"slice {key} is already applied: replayed against the state of the slice before it")
 
-    summary = commit_slice(engine, STREAM_TABLES, merge_files(entity_files, schema_files), key)
-    summary.update(entities=entities, schemas=schemas)
+    # both states and the stream tables in one round of commits (at once on an object store): a
+    # commit that a failure leaves out is made by the slice's re-run, which replays what is applied
+    files = merge_files(entity_files, schema_files)
+    summary = commit_at_once(engine, {"entities": commit_entities, "schemas": commit_schemas,
+                                      **{t: partial(replace_slice, engine, t, files, key) for t in STREAM_TABLES}})
+    entities, schemas = summary["entities"], summary["schemas"]
 
     # requests of several parts: this slice's parts plus the parts still pending from earlier slices
     # (no Spark job when there are neither, as in a slice of single-part requests)
-    counts = pop_counts(entity_files) + schemas["counts"]
-    files = merge_files(entity_files, schema_files)
+    counts = pop_counts(files) + schemas["counts"]
     if counts["multipart"] or pending:
         # tasks own hash buckets of (clientid, request): every part of a request meets in one task
         sources = {"partial_responses": engine.slice_files("partial_responses", [key]), "pending_responses": pending}
@@ -157,9 +161,10 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
         counts += pop_counts(completed)
         files = merge_files(files, completed)
     new_pending = files.pop("pending_responses", [])
-    summary.update(commit_slice(engine, ["complete_responses"], files, key))
+    last = {"complete_responses": partial(replace_slice, engine, "complete_responses", files, key)}
     if pending_apply:
-        commit_state(engine, "pending_responses", key, new_pending, pending)
+        last["pending_responses"] = partial(commit_state, engine, "pending_responses", key, new_pending, pending)
+    summary["complete_responses"] = commit_at_once(engine, last)["complete_responses"]
     published = publish_outbox(spark, files, publish_to)
 
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
