@@ -193,6 +193,8 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=pr
 
     instance = _instance_for_runs()
     latest = ManifestStore(build_resources()["lake"].open()).latest_seq()
+    if first > last:
+        raise ValueError(f"slices {first}..{last}: the first comes after the last")
     if not 1 <= first <= last <= latest:
         raise ValueError(f"slices {first}..{last} do not exist: the sensor has closed slices 1..{latest}")
     steps = None
