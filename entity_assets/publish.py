@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import uuid
 from collections.abc import Callable, Iterator
-import os
 from dataclasses import dataclass, field
 
 import pyarrow as pa

@@ -660,14 +660,18 @@ class DeltaRsEngine:
         """Creates the table if missing; gives a table of an older lake the `CHECKPOINT_INTERVAL` (one commit, once)."""
         from deltalake import DeltaTable
 
-        setting = {CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)}
         if not self.exists(table):
-            DeltaTable.create(self.uri(table), schema, mode="ignore", configuration=setting,
+            DeltaTable.create(self.uri(table), schema, mode="ignore",
+                              configuration={CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)},
                               storage_options=self.storage_options, post_commithook_properties=_post_commit())
             return
-        dt = self._open(table)  # the step's handle of the table, which it uses anyway
-        if dt.metadata().configuration.get(CHECKPOINT_SETTING) != setting[CHECKPOINT_SETTING]:
-            dt.alter.set_table_properties(setting, post_commithook_properties=_post_commit())
+        self._set_property(table, CHECKPOINT_SETTING, str(CHECKPOINT_INTERVAL))
+
+    def _set_property(self, table: str, name: str, value: str) -> None:
+        """Sets a table property on the step's handle of the table, in a commit only when it changes."""
+        dt = self._open(table)
+        if dt.metadata().configuration.get(name) != value:
+            dt.alter.set_table_properties({name: value}, post_commithook_properties=_post_commit())
             self._written.add(table)
 
     def _check_layout(self, table: str, dt, schema: pa.Schema) -> None:
@@ -849,17 +853,13 @@ class DeltaRsEngine:
         while that commit is old and a checkpoint follows it (maintenance commits of an idle
         lake), nothing is deleted.
         """
+        self._set_property(table, LOG_RETENTION_SETTING, f"interval {retention_hours} hours")
         dt = self._open(table)
-        setting = {LOG_RETENTION_SETTING: f"interval {retention_hours} hours"}
-        if dt.metadata().configuration.get(LOG_RETENTION_SETTING) != setting[LOG_RETENTION_SETTING]:
-            dt.alter.set_table_properties(setting, post_commithook_properties=_post_commit())
-            self._written.add(table)
-            dt = self._open(table)
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)
         before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
         # the last slice's commit: not always the newest slice commit, as a re-run of an older slice comes after it
         last = max((e for e in dt.history() if "entity_assets.slice" in e), default=None,
-                     key=lambda e: (e["entity_assets.slice"], e["version"]))
+                   key=lambda e: (e["entity_assets.slice"], e["version"]))
         checkpoints = [int(info.base_name[:20]) for info in before if ".checkpoint." in info.base_name]
         cutoff_ms = (time.time() - retention_hours * 3600) * 1000
         if last and checkpoints and last["version"] < max(checkpoints) and last["timestamp"] < cutoff_ms:

@@ -377,12 +377,8 @@ def fold_buckets_later(spark, sources: dict[str, list[DataFile]], reader: Callab
                         state_file_rows=state_file_rows, **task_args)
     counts = pop_counts(files)
     recorded = metadata(counts) if metadata else None
-    commit_state_files = commit_buckets_later(engine, state_table, slice_key, apply, snapshot, files, recorded)
-
-    def commit() -> dict:
-        return {**commit_state_files(), "metadata": recorded, "counts": counts}
-
-    return files, commit
+    commit = commit_buckets_later(engine, state_table, slice_key, apply, snapshot, files, recorded)
+    return files, lambda: {**commit(), "metadata": recorded, "counts": counts}
 
 
 def merge_files(*groups: dict[str, list[DataFile]]) -> dict[str, list[DataFile]]:
@@ -445,7 +441,10 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
         return Counter()
     fn = partial(replay_task, kafka_config=publish_to.kafka_config, storage_options=publish_to.storage_options)
     counts: Counter = Counter()
-    held = [{"uri": f.path, **json.loads(f.stats)} for f in spools if f.path in publish_to.held]
+    def spec(f: DataFile) -> dict:
+        return {"uri": f.path, **json.loads(f.stats)}
+
+    held = [spec(f) for f in spools if f.path in publish_to.held]
     spools = [f for f in spools if f.path not in publish_to.held]
     if held:  # spooled by tasks that ran in this process, which replays them from memory
         for row in fn(iter([{"spools": held}]), held=publish_to.held):
@@ -457,7 +456,7 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
     loads = [0] * len(tasks)
     for f in sorted(spools, key=lambda f: -f.rows):  # the largest first, each to the least loaded task
         i = loads.index(min(loads))
-        tasks[i]["spools"].append({"uri": f.path, **json.loads(f.stats)})
+        tasks[i]["spools"].append(spec(f))
         loads[i] += f.rows
     for row in collect_tasks(spark, tasks, fn, messages):
         counts[row["table"]] += row["count"]
