@@ -187,7 +187,7 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=pr
     daemon starts a process per slice, which costs each small slice ~4 s more (bench/README.md).
     `assets`: those assets (with the other assets of their steps) instead of the whole graph.
     """
-    from entity_assets.definitions import build_resources, defs
+    from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
     from entity_assets.slices import slice_key
 
@@ -199,8 +199,7 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=pr
         raise ValueError(f"slices {first}..{last} do not exist: the sensor has closed slices 1..{latest}")
     steps = None
     if assets:
-        ops = {spec.key.to_user_string(): defs.resolve_assets_def(spec.key).op.name
-               for spec in defs.resolve_all_asset_specs()}
+        ops = {key.to_user_string(): op for key, op in _step_of_asset().items()}
         unknown = sorted(set(assets) - set(ops))
         if unknown:
             raise ValueError(f"no asset {', '.join(unknown)}; the assets are {', '.join(sorted(ops))}")
@@ -208,13 +207,18 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=pr
     return _materialize(instance, [slice_key(s) for s in range(first, last + 1)], _steps_selection(steps), log)
 
 
-def _steps_selection(steps: list[str] | None):
-    """The asset keys of those steps (ops) of slice_job; None: every asset."""
+def _step_of_asset() -> dict:
+    """The step (op) of slice_job that materializes each asset, by asset key."""
     from entity_assets.definitions import defs
 
+    return {spec.key: defs.resolve_assets_def(spec.key).op.name for spec in defs.resolve_all_asset_specs()}
+
+
+def _steps_selection(steps: list[str] | None):
+    """The asset keys of those steps (ops) of slice_job; None: every asset."""
     if not steps:
         return None
-    return [spec.key for spec in defs.resolve_all_asset_specs() if defs.resolve_assets_def(spec.key).op.name in steps]
+    return [key for key, op in _step_of_asset().items() if op in steps]
 
 
 def _materialize(instance, keys: list[str], selection, log) -> list[dict]:
