@@ -35,9 +35,10 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     The cursor (last requested slice, next offsets) saves a lake read per tick. If manifests
     exist past the cursor (a tick that wrote them and died, or slices closed by the CLI), the
     sensor resumes from the newest manifest and requests those slices again; run keys make
-    that idempotent.
+    that idempotent. The tick reads the manifests as of its first look (`snapshot`): of two
+    ticks closing the same slice at once, Delta refuses the second commit (same app transaction).
     """
-    store = ManifestStore(lake.open())
+    store = ManifestStore(lake.open(snapshot=True))
     cursor_seq, positions, closed_at = load_cursor(context.cursor)
     latest = store.latest_seq()
     if latest != cursor_seq:

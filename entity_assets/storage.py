@@ -598,8 +598,9 @@ class DeltaRsEngine:
     commits, as one step of a run needs it: the slices' order makes the run the lake's only
     writer of the tables it writes, and a commit still checks for conflicting commits of
     others (delta-rs's conflict checker). It spares a request for new commits at each look,
-    a round trip on an object store. Without it (the CLI, the sensor, tests), each look at the
-    latest version sees other writers' commits.
+    a round trip on an object store. A sensor tick reads the manifests so too: of two ticks
+    closing the same slice, the conflict check refuses the later commit. Without it (the CLI,
+    lake maintenance, tests), each look at the latest version sees other writers' commits.
     """
 
     def __init__(self, root: str, storage_options: dict[str, str] | None = None, *, snapshot: bool = False):

@@ -11,7 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.compute as pc
-from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions
+import pytest
+from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions, build_sensor_context
 
 from entity_assets import samples
 from entity_assets.ingest import INPUT_STREAMS
@@ -350,6 +351,35 @@ def test_sensor_run_request_materializes_its_partition(pipeline):
     job = pipeline.defs.resolve_job_def("slice_job")
     for asset_key in job.asset_layer.executable_asset_keys:
         assert pipeline.instance.get_materialized_partitions(asset_key) == {key}, asset_key
+
+
+def test_a_tick_that_loses_a_race_for_its_slice_commits_nothing(pipeline, monkeypatch):
+    """Two ticks at once (the daemon's and `entity-assets run`'s): the sensor reads the manifests
+    as of its first look, and the one that commits second is refused by Delta's conflict check
+    on the manifests' app transaction, so no slice is closed twice."""
+    from deltalake.exceptions import CommitFailedError
+
+    from entity_assets import sensors
+
+    pipeline.produce(traffic(20, seed=9))
+    plan, raced = sensors.plan_slices, []
+
+    def plan_after_another_tick(*args, **kwargs):
+        if not raced:
+            raced.append(True)
+            pipeline.tick()  # the other tick closes the same offsets as slice 1 in the meantime
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(sensors, "plan_slices", plan_after_another_tick)
+    cursor = pipeline.cursor
+    with pytest.raises(CommitFailedError):
+        sensor = pipeline.defs.resolve_sensor_def("kafka_offsets_sensor")
+        with build_sensor_context(instance=pipeline.instance, cursor=cursor, resources=pipeline.resources) as context:
+            sensor(context)
+    manifests = pipeline.read("slice_manifests")
+    assert set(manifests.column("seq").to_pylist()) == {1}
+    assert manifests.num_rows == len(pipeline.manifest(1).positions())  # a row per topic partition, once
+    assert pipeline.tick() == []  # the next tick finds slice 1 requested and nothing new
 
 
 def test_a_run_without_a_manifest_fails_clearly(pipeline):
