@@ -6,6 +6,7 @@
     entity-assets run                          one sensor evaluation, then every pending slice in order
     entity-assets run --slices 1..40           those slices again, in order (a rebuild; --assets to pick tables)
     entity-assets summary                      rows per table, dead letters per code
+    entity-assets trace entity-batches:0:17    one input record's rows in every table, down to device inboxes
     entity-assets demo                         all of the above on the embedded default
 """
 
@@ -18,6 +19,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from dataclasses import asdict
 from itertools import groupby
 from pathlib import Path
 
@@ -306,6 +308,27 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from entity_assets.definitions import build_resources
+    from entity_assets.trace import format_trail, trace
+
+    topic, partition, offset = _record(args.record)
+    resources = build_resources()
+    if topic in INPUT_STREAMS:
+        topic = resources["kafka"].topic(topic)
+    trail = trace(resources["lake"].open(), topic, partition, offset)
+    print(json.dumps(asdict(trail), indent=2) if args.json else format_trail(trail))
+    return 0 if trail.slice else 1
+
+
+def _record(text: str) -> tuple[str, int, int]:
+    """TOPIC:PARTITION:OFFSET (a topic name may hold colons, the numbers cannot)."""
+    topic, partition, offset = (text.rsplit(":", 2) + ["", ""])[:3]
+    if not (topic and partition.isdigit() and offset.isdigit()):
+        raise SystemExit(f"entity-assets trace: {text!r} is not TOPIC:PARTITION:OFFSET (e.g. entity-batches:0:17)")
+    return topic, int(partition), int(offset)
+
+
 def cmd_demo(args) -> int:
     args.action = "start"
     cmd_broker(args)
@@ -351,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--assets", metavar="NAME[,NAME]", default=None,
                      help="with --slices: only these assets (and the other assets of their steps)")
     sub.add_parser("summary", help="rows per table and dead letters per code")
+    trace_ = sub.add_parser("trace", help="one input record's rows in every table, down to the notified devices' inboxes")
+    trace_.add_argument("record", metavar="TOPIC:PARTITION:OFFSET",
+                        help="its Kafka coordinates; an input stream's name stands for its topic (e.g. entity-batches:0:17)")
+    trace_.add_argument("--json", action="store_true", help="every column of every row, as JSON")
     demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
     demo.add_argument("--patches", type=int, default=10_000)
     demo.add_argument("--entities", type=int, default=1_000)
@@ -358,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--partitions", type=int, default=4)
     args = parser.parse_args(argv)
     prepare_environment(args.port)
-    handler = {"broker": cmd_broker, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary, "demo": cmd_demo}
+    handler = {"broker": cmd_broker, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
+               "trace": cmd_trace, "demo": cmd_demo}
     return handler[args.command](args)
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from entity_assets import cli, samples
 from resources import LakeResource
 
@@ -53,3 +55,16 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
                        (("--slices", "2..1"), "the first comes after the last")):
         assert cli.main(["run", *args]) == 2
         assert says in capsys.readouterr().err, args
+
+    # trace: an input record's rows, by the stream's name for its topic
+    record = lake.open().read("entity_batches").to_pylist()[0]
+    assert cli.main(["trace", f"entity-batches:{record['kafka_partition']}:{record['kafka_offset']}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{record['kafka_topic']}:{record['kafka_partition']}:{record['kafka_offset']}: "
+                          f"slice {record['slice']}")
+    assert f"entity_batches        clientid={record['clientid']} request={record['request']}" in out
+    assert "entity_updates" in out and "partial_responses" in out
+    assert cli.main(["trace", f"entity-batches:{record['kafka_partition']}:{10 ** 9}"]) == 1
+    assert "in no slice yet" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="is not TOPIC:PARTITION:OFFSET"):
+        cli.main(["trace", "entity-batches:0"])

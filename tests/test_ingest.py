@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions, build_sensor_context
 
-from entity_assets import samples
+from entity_assets import samples, trace
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.messages import parse_message
 from entity_assets.slices import slice_key
@@ -319,6 +319,14 @@ def test_bad_records_go_to_dead_letters_and_the_rest_is_written(pipeline):
     [check] = result.get_asset_check_evaluations()
     assert check.check_name == "no_dead_letters" and not check.passed and check.severity == AssetCheckSeverity.WARN
     assert check.metadata["by_stream_and_code"].value == dict(Counter(f"{STREAM} {code}" for _, code, _ in BAD.values()))
+
+    # a dead letter's trail (entity-assets trace): its code and reason, in its slice, nowhere else
+    row = dead.to_pylist()[0]
+    trail = trace.trace(pipeline.engine, row["kafka_topic"], row["kafka_partition"], row["kafka_offset"])
+    assert trail.slice == request.partition_key and list(trail.rows) == ["dead_letters"]
+    [shown] = trail.rows["dead_letters"]
+    assert (shown["code"], shown["reason"], shown["stream"]) == (row["code"], row["reason"], STREAM)
+    assert f"dead_letters          stream={STREAM} code={row['code']}" in trace.format_trail(trail)
 
     pipeline.run(request.partition_key, assets=ingest_only(pipeline))  # a re-run rewrites the dead letters too
     assert pipeline.read("dead_letters").num_rows == len(BAD)

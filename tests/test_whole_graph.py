@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from entity_assets import messages, notify, samples
+from entity_assets import messages, notify, samples, trace
 from entity_assets.assets import common
 from entity_assets.maintenance import lake_maintenance
 from entity_assets.publish import partition_for
@@ -426,6 +426,26 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         messages.parse_message(messages.DeviceNotification, json.dumps(value))
         latest[m["key"]] = (value["user"], value["count"], value["begun"], value["ended"])
     assert latest == notifications(K3)
+
+    # row-level lineage: the update of slice 2 (request 5), from its Kafka record down to device2's inbox,
+    # whose notification of it no ack of slice 3 covered
+    [record] = [r for r in rows(pipeline, "entity_batches", K2) if r["request"] == 5]
+    trail = trace.trace(pipeline.engine, record["kafka_topic"], record["kafka_partition"], record["kafka_offset"])
+    assert trail.slice == K2
+    assert {t: len(found) for t, found in trail.rows.items()} == {
+        "entity_batches": 1, "entity_patches": 1, "entity_updates": 1, "partial_responses": 1,
+        "complete_responses": 1, "zone_changes": 1, "changes_by_device": 1}
+    assert trail.rows["entity_updates"][0]["action"] == "updated"
+    assert trail.inboxes == [{"device": "device2", "notifications": [ids[("device2", "updated")]],
+                              "count_after_slice": 3, "count_now": 2,
+                              "unacknowledged": [ids[("device2", "updated")]]}]
+    # the creation (request 4) notified both devices; slice 3's acks covered both notifications
+    [record] = [r for r in rows(pipeline, "entity_batches", K2) if r["request"] == 4]
+    trail = trace.trace(pipeline.engine, record["kafka_topic"], record["kafka_partition"], record["kafka_offset"])
+    assert [(i["device"], i["count_after_slice"], i["count_now"], i["unacknowledged"]) for i in trail.inboxes] == [
+        ("device1", 2, 1, []), ("device2", 3, 2, [])]
+    text = trace.format_trail(trail)
+    assert f"slice {K2}" in text and "device=device1 count after the slice=2 now=1 unacknowledged=0 of 1" in text
 
     # 5. a re-run of slice 2 (replayed against the state of slice 1) yields the same notification ids
     again = pipeline.run(K2)

@@ -1,0 +1,137 @@
+"""Row-level lineage: where one input record went, table by table, down to each notified device's inbox.
+
+Every row derived from an input record keeps the record's Kafka coordinates (`tables.LINEAGE`),
+and each file of a table holds the rows of one slice. So a record's trail is read from the files
+of the one slice whose offset range holds it (`slice_manifests`), filtered by those coordinates
+in the parquet statistics: no other slice is read, however old the lake.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from entity_assets.manifests import TABLE as MANIFESTS
+from entity_assets.notify import DeviceInbox
+from entity_assets.storage import DeltaRsEngine, read_table
+from entity_assets.tables import LINEAGE
+
+TRAIL = ("entity_batches", "schema_patches", "connections", "notification_acks", "dead_letters",
+         "entity_patches", "entity_updates", "schema_updates", "schema_learning", "partial_responses",
+         "complete_responses", "zone_changes", "changes_by_device")
+"""The tables whose rows carry the coordinates of the input record they came from, in the graph's order."""
+
+_HIDDEN = {name for name, _ in LINEAGE} | {"bucket"}
+"""Columns a trail leaves out of its rows: the coordinates it was asked for, and storage layout."""
+
+
+@dataclass
+class Trail:
+    topic: str
+    partition: int
+    offset: int
+    slice: str | None = None
+    rows: dict[str, list[dict]] = field(default_factory=dict)
+    """Table -> the record's rows in it (tables without any are left out)."""
+    inboxes: list[dict] = field(default_factory=list)
+    """Per device the record notified: its count after the record's slice, its count now, and
+    which of the record's notifications are still unacknowledged."""
+
+
+def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> str | None:
+    """The slice whose offset range holds the record; None before the sensor closed one over it.
+
+    Only the manifests whose offset statistics can hold it are read (slice_manifests has a file
+    per slice, and offsets only grow)."""
+    if not engine.exists(MANIFESTS):
+        return None
+    files = [f for f in engine.files(MANIFESTS)
+             if f.min.get("start_offset", offset) <= offset < f.max.get("end_offset", offset + 1)]
+    at = [("topic", "=", topic), ("partition", "=", partition), ("start_offset", "<=", offset), ("end_offset", ">", offset)]
+    hit = [row["slice"] for f in files for row in read_table(f, engine.storage_options, ["slice"], at).to_pylist()]
+    return hit[0] if hit else None
+
+
+def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Trail:
+    trail = Trail(topic, partition, offset, slice_of(engine, topic, partition, offset))
+    if trail.slice is None:
+        return trail
+    at = [("kafka_topic", "=", topic), ("kafka_partition", "=", partition), ("kafka_offset", "=", offset)]
+    for table in TRAIL:
+        found = _read(engine, table, [trail.slice], None, at)
+        if found:
+            trail.rows[table] = [_shown(row) for row in found]
+    trail.inboxes = _inboxes(engine, trail.slice, trail.rows.get("changes_by_device", []))
+    return trail
+
+
+def _read(engine: DeltaRsEngine, table: str, slices: list[str] | None, columns: list[str] | None, filters) -> list[dict]:
+    """The rows of `table` (of `slices`' files, or of its latest version) that `filters` keep;
+    row groups whose statistics exclude them are not decoded."""
+    if not engine.exists(table):
+        return []
+    files = engine.files(table) if slices is None else engine.slice_files(table, slices)
+    return [row for f in files for row in read_table(f, engine.storage_options, columns, filters).to_pylist()]
+
+
+def _shown(row: dict) -> dict:
+    return {k: v.decode("utf-8", "replace") if isinstance(v, bytes) else v for k, v in row.items() if k not in _HIDDEN}
+
+
+def _inboxes(engine: DeltaRsEngine, slice_key: str, changes: list[dict]) -> list[dict]:
+    """The notified devices' counts after the slice (device_notifications) and now (device_inboxes)."""
+    mine: dict[str, list[str]] = {}
+    for change in changes:
+        mine.setdefault(change["device"], []).append(change["notification"])
+    if not mine:
+        return []
+    devices = [("device", "in", sorted(mine))]
+    then = {r["device"]: r["count"] for r in _read(engine, "device_notifications", [slice_key], ["device", "count"], devices)}
+    now = {r["device"]: DeviceInbox.from_json(r["document"])
+           for r in _read(engine, "device_inboxes", None, ["device", "document", "deleted"], devices) if not r["deleted"]}
+    return [{"device": device, "notifications": ids, "count_after_slice": then.get(device),
+             "count_now": now[device].count if device in now else None,
+             "unacknowledged": [n for n in ids if device in now and n in now[device].pending]}
+            for device, ids in sorted(mine.items())]
+
+
+_SUMMARY = {
+    "entity_batches": ("clientid", "request", "user", "dbid", "parts"),
+    "schema_patches": ("clientid", "request", "dbid", "part", "parts"),
+    "connections": ("dbid", "user", "device", "appVersion"),
+    "notification_acks": ("dbid", "user", "device", "notifications", "upTo"),
+    "dead_letters": ("stream", "code", "reason"),
+    "entity_patches": ("part", "parts", "collection", "zone", "entity"),
+    "entity_updates": ("part", "collection", "zone", "entity", "action"),
+    "schema_updates": ("part", "status", "error"),
+    "schema_learning": ("kind", "collection", "entity"),
+    "partial_responses": ("part", "status", "error"),
+    "complete_responses": ("parts",),
+    "zone_changes": ("subjectZone", "entity", "action"),
+    "changes_by_device": ("device", "action", "notification"),
+}
+
+
+def format_trail(trail: Trail) -> str:
+    """The trail as text: a line per row, then a line per notified device."""
+    head = f"{trail.topic}:{trail.partition}:{trail.offset}"
+    if trail.slice is None:
+        return f"{head}: in no slice yet (the sensor has not closed a slice over this offset)"
+    lines = [f"{head}: slice {trail.slice}"]
+    width = len("device_notifications")  # the longest name of a line
+    for table, found in trail.rows.items():
+        for row in found:
+            shown = " ".join(f"{k}={_short(row.get(k))}" for k in _SUMMARY[table] if row.get(k) is not None)
+            lines.append(f"  {table:<{width}}  {shown}")
+    if not trail.rows:
+        lines.append("  no row of this record in the slice's tables: its slice has not run yet")
+    for inbox in trail.inboxes:
+        lines.append(f"  {'device_notifications':<{width}}  device={inbox['device']} count after the slice="
+                     f"{inbox['count_after_slice']} now={inbox['count_now']} "
+                     f"unacknowledged={len(inbox['unacknowledged'])} of {len(inbox['notifications'])}")
+    return "\n".join(lines)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
