@@ -329,6 +329,19 @@ def _record(text: str) -> tuple[str, int, int]:
     return topic, int(partition), int(offset)
 
 
+def _a_notifying_record() -> str | None:
+    """TOPIC:PARTITION:OFFSET of a record whose change reached a device, for the demo's hint."""
+    from entity_assets.definitions import build_resources
+    from entity_assets.storage import read_table
+
+    engine = build_resources()["lake"].open()
+    files = [f for f in engine.files("changes_by_device") if f.rows] if engine.exists("changes_by_device") else []
+    if not files:
+        return None
+    first = read_table(files[0], engine.storage_options, ["kafka_topic", "kafka_partition", "kafka_offset"]).slice(0, 1)
+    return ":".join(str(first[c][0].as_py()) for c in first.column_names)
+
+
 def cmd_demo(args) -> int:
     args.action = "start"
     cmd_broker(args)
@@ -343,6 +356,9 @@ def cmd_demo(args) -> int:
     print()
     cmd_summary(args)
     print(f"\nDagster home: {os.environ['DAGSTER_HOME']}\nOpen the UI:  scripts/ui.sh   (then http://127.0.0.1:3000)")
+    notified = _a_notifying_record()
+    if notified:
+        print(f"Follow one record down to the devices it notified:  .venv/bin/entity-assets trace {notified}")
     return code
 
 

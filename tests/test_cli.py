@@ -68,3 +68,7 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     assert "in no slice yet" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="is not TOPIC:PARTITION:OFFSET"):
         cli.main(["trace", "entity-batches:0"])
+    # the demo's hint: a record that reached devices, whose trail ends at their inboxes
+    hint = cli._a_notifying_record()
+    assert cli.main(["trace", hint]) == 0
+    assert "device_notifications  device=" in capsys.readouterr().out
