@@ -310,23 +310,16 @@ def cmd_summary(args) -> int:
 
 def cmd_trace(args) -> int:
     from entity_assets.definitions import build_resources
-    from entity_assets.trace import format_trail, trace
+    from entity_assets.trace import format_trail, parse_record, trace
 
-    topic, partition, offset = _record(args.record)
     resources = build_resources()
-    if topic in INPUT_STREAMS:
-        topic = resources["kafka"].topic(topic)
-    trail = trace(resources["lake"].open(), topic, partition, offset)
+    try:
+        record = parse_record(args.record, resources["kafka"].topic)
+    except ValueError as exc:
+        raise SystemExit(f"entity-assets trace: {exc}") from None
+    trail = trace(resources["lake"].open(), *record)
     print(json.dumps(asdict(trail), indent=2) if args.json else format_trail(trail))
     return 0 if trail.slice else 1
-
-
-def _record(text: str) -> tuple[str, int, int]:
-    """TOPIC:PARTITION:OFFSET (a topic name may hold colons, the numbers cannot)."""
-    topic, partition, offset = (text.rsplit(":", 2) + ["", ""])[:3]
-    if not (topic and partition.isdigit() and offset.isdigit()):
-        raise SystemExit(f"entity-assets trace: {text!r} is not TOPIC:PARTITION:OFFSET (e.g. entity-batches:0:17)")
-    return topic, int(partition), int(offset)
 
 
 def _a_notifying_record() -> str | None:

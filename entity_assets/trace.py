@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.manifests import TABLE as MANIFESTS
 from entity_assets.notify import DeviceInbox
 from entity_assets.storage import DeltaRsEngine, read_table
@@ -36,6 +37,15 @@ class Trail:
     inboxes: list[dict] = field(default_factory=list)
     """Per device the record notified: its count after the record's slice, its count now, and
     which of the record's notifications are still unacknowledged."""
+
+
+def parse_record(text: str, topic_of) -> tuple[str, int, int]:
+    """TOPIC:PARTITION:OFFSET (a topic name may hold colons, the numbers cannot); an input
+    stream's name stands for its topic, `topic_of(stream)` (the configured prefix)."""
+    topic, partition, offset = (text.rsplit(":", 2) + ["", ""])[:3]
+    if not (topic and partition.isdigit() and offset.isdigit()):
+        raise ValueError(f"{text!r} is not TOPIC:PARTITION:OFFSET (e.g. entity-batches:0:17)")
+    return topic_of(topic) if topic in INPUT_STREAMS else topic, int(partition), int(offset)
 
 
 def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> str | None:

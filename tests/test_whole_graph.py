@@ -446,6 +446,20 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         ("device1", 2, 1, []), ("device2", 3, 2, [])]
     text = trace.format_trail(trail)
     assert f"slice {K2}" in text and "device=device1 count after the slice=2 now=1 unacknowledged=0 of 1" in text
+    # the same from the UI: trace_job, configured with the record (its stream's name for the topic)
+    traced = pipeline.defs.resolve_job_def("trace_job").execute_in_process(
+        run_config={"ops": {"trace_record": {"config": {
+            "record": f"entity-batches:{record['kafka_partition']}:{record['kafka_offset']}"}}}},
+        instance=pipeline.instance)
+    [output] = [e for e in traced.all_events if e.event_type_value == "STEP_OUTPUT"]
+    metadata = {k: v.value for k, v in output.event_specific_data.metadata.items()}
+    assert metadata["slice"] == K2 and metadata["trail"] == f"```\n{text}\n```"
+    assert metadata["devices"] == trail.inboxes
+    missing = pipeline.defs.resolve_job_def("trace_job").execute_in_process(
+        run_config={"ops": {"trace_record": {"config": {"record": "entity-batches:0:999999"}}}},
+        instance=pipeline.instance, raise_on_error=False)
+    [failure] = [e for e in missing.all_events if e.is_step_failure]
+    assert "in no slice yet" in pipeline.failure_text(failure)
 
     # 5. a re-run of slice 2 (replayed against the state of slice 1) yields the same notification ids
     again = pipeline.run(K2)
