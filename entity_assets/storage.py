@@ -417,9 +417,9 @@ def read_table(file: str | TableFile, storage_options: dict[str, str] | None = N
 
 
 def read_tables(files: Sequence[str | TableFile], storage_options: dict[str, str] | None = None,
-                columns: list[str] | None = None) -> Iterator[pa.Table]:
-    """Each of `files` read whole, in order: at once on an object store (`files_ahead`)."""
-    return prefetched(lambda f: read_table(f, storage_options, columns), files, files_ahead(files))
+                columns: list[str] | None = None, filters=None) -> Iterator[pa.Table]:
+    """Each of `files` read (whole, or its rows `filters` keep), in order: at once on an object store (`files_ahead`)."""
+    return prefetched(lambda f: read_table(f, storage_options, columns, filters), files, files_ahead(files))
 
 
 def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Sequence[str | TableFile],

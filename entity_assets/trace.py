@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.manifests import TABLE as MANIFESTS
 from entity_assets.notify import DeviceInbox
-from entity_assets.storage import DeltaRsEngine, read_table
+from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import LINEAGE
 
 TRAIL = ("entity_batches", "schema_patches", "connections", "notification_acks", "dead_letters",
@@ -58,7 +58,7 @@ def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> 
     files = [f for f in engine.files(MANIFESTS)
              if f.min.get("start_offset", offset) <= offset < f.max.get("end_offset", offset + 1)]
     at = [("topic", "=", topic), ("partition", "=", partition), ("start_offset", "<=", offset), ("end_offset", ">", offset)]
-    hit = [row["slice"] for f in files for row in read_table(f, engine.storage_options, ["slice"], at).to_pylist()]
+    hit = [s for t in read_tables(files, engine.storage_options, ["slice"], at) for s in t.column("slice").to_pylist()]
     return hit[0] if hit else None
 
 
@@ -81,7 +81,7 @@ def _read(engine: DeltaRsEngine, table: str, slices: list[str] | None, columns: 
     if not engine.exists(table):
         return []
     files = engine.files(table) if slices is None else engine.slice_files(table, slices)
-    return [row for f in files for row in read_table(f, engine.storage_options, columns, filters).to_pylist()]
+    return [row for t in read_tables(files, engine.storage_options, columns, filters) for row in t.to_pylist()]
 
 
 def _shown(row: dict) -> dict:

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from entity_assets import samples
+from entity_assets import samples, trace
 from entity_assets.local_stores import AZURITE, LatencyProxy, LocalAzurite, LocalS3
 from entity_assets.storage import AZURITE_KEY, FileWriter, TableFile, filesystem, read_files, read_table
 from entity_assets.tables import SCHEMAS
@@ -187,6 +187,11 @@ def test_a_lake_on_object_storage_holds_what_a_local_lake_holds(make_pipeline, o
     tables = lake_rows(remote.lake)
     assert tables == lake_rows(local.lake)
     assert len(tables["dead_letters"]) == len(samples.BAD_VALUES) and tables["device_notifications"]
+    # row-level lineage (entity-assets trace) reads the same trail from either lake
+    note = local.read("changes_by_device").to_pylist()[0]
+    at = (note["kafka_topic"], note["kafka_partition"], note["kafka_offset"])
+    trail = trace.trace(remote.engine, *at)
+    assert trail.rows["changes_by_device"] and trail.inboxes and trail == trace.trace(local.engine, *at)
     fs, folder = filesystem(root, options)
     sizes = {info.path.removeprefix(f"{folder}/"): info.size
              for info in fs.get_file_info(pafs.FileSelector(folder, recursive=True)) if info.is_file}
