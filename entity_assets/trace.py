@@ -1,4 +1,5 @@
-"""Row-level lineage: where one input record went, table by table, down to each notified device's inbox.
+"""Row-level lineage: where one input record went, table by table, down to each notified device's inbox
+(or, for a connection, the device's state).
 
 Every row derived from an input record keeps the record's Kafka coordinates (`tables.LINEAGE`),
 and each file of a table holds the rows of one slice. So a record's trail is read from the files
@@ -37,6 +38,8 @@ class Trail:
     inboxes: list[dict] = field(default_factory=list)
     """Per device the record notified: its count after the record's slice, its count now, and
     which of the record's notifications are still unacknowledged."""
+    devices: list[dict] = field(default_factory=list)
+    """For a connection: the device as the `devices` state holds it now."""
 
 
 def parse_record(text: str, topic_of) -> tuple[str, int, int]:
@@ -72,6 +75,10 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
         if found:
             trail.rows[table] = [_shown(row) for row in found]
     trail.inboxes = _inboxes(engine, trail.slice, trail.rows.get("changes_by_device", []))
+    connected = {(r["dbid"], r["user"], r["device"]) for r in trail.rows.get("connections", [])}
+    if connected:
+        state = _read(engine, "devices", None, None, [("device", "in", sorted(d for _, _, d in connected))])
+        trail.devices = [_shown(r) for r in state if (r["dbid"], r["user"], r["device"]) in connected]
     return trail
 
 
@@ -135,6 +142,9 @@ def format_trail(trail: Trail) -> str:
             lines.append(f"  {table:<{width}}  {shown}")
     if not trail.rows:
         lines.append("  no row of this record in the slice's tables: its slice has not run yet")
+    for device in trail.devices:
+        lines.append(f"  {'devices':<{width}}  " + " ".join(
+            f"{k}={device[k]}" for k in ("user", "device", "appVersion", "firstSeen", "lastSeen", "connections")))
     for inbox in trail.inboxes:
         lines.append(f"  {'device_notifications':<{width}}  device={inbox['device']} count after the slice="
                      f"{inbox['count_after_slice']} now={inbox['count_now']} "

@@ -259,6 +259,14 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
         (DB, "jsmith", DEVICE2): (1415747104000, 1415747104000, "1.1", 1, CLIENT, K2),
         (DB, "alee", DEVICE3): (1415747105000, 1415747105000, "2.0", 1, CLIENT, K2),
     }
+    # a connection's trail (entity-assets trace) ends at its device's state
+    [late] = [r for r in rows(pipeline, "connections", K2) if r["appVersion"] == "0.9"]
+    trail = trace.trace(pipeline.engine, late["kafka_topic"], late["kafka_partition"], late["kafka_offset"])
+    assert [r["appVersion"] for r in trail.rows["connections"]] == ["0.9"] and list(trail.rows) == ["connections"]
+    state = devices[(DB, "jsmith", DEVICE)]
+    assert trail.devices == [{k: v for k, v in state.items() if k not in ("slice", "bucket")}]
+    assert f"devices               user=jsmith device={DEVICE} appVersion=1.1 firstSeen=1415746000000" \
+           in trace.format_trail(trail)
     meta2 = pipeline.materializations(r2)
     assert meta2["devices"]["app_versions"] == {"1.1": 2, "2.0": 1}
     assert meta2["devices"]["connections_this_slice"] == 4
