@@ -75,10 +75,7 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
         if found:
             trail.rows[table] = [_shown(row) for row in found]
     trail.inboxes = _inboxes(engine, trail.slice, trail.rows.get("changes_by_device", []))
-    connected = {(r["dbid"], r["user"], r["device"]) for r in trail.rows.get("connections", [])}
-    if connected:
-        state = _read(engine, "devices", None, None, [("device", "in", sorted(d for _, _, d in connected))])
-        trail.devices = [_shown(r) for r in state if (r["dbid"], r["user"], r["device"]) in connected]
+    trail.devices = _devices(engine, trail.rows.get("connections", []))
     return trail
 
 
@@ -110,6 +107,15 @@ def _inboxes(engine: DeltaRsEngine, slice_key: str, changes: list[dict]) -> list
              "count_now": now[device].count if device in now else None,
              "unacknowledged": [n for n in ids if device in now and n in now[device].pending]}
             for device, ids in sorted(mine.items())]
+
+
+def _devices(engine: DeltaRsEngine, connections: list[dict]) -> list[dict]:
+    """The connected devices as the `devices` state holds them now (keyed by database, user and device)."""
+    connected = {(r["dbid"], r["user"], r["device"]) for r in connections}
+    if not connected:
+        return []
+    state = _read(engine, "devices", None, None, [("device", "in", sorted(d for _, _, d in connected))])
+    return [_shown(r) for r in state if (r["dbid"], r["user"], r["device"]) in connected]
 
 
 _SUMMARY = {

@@ -388,6 +388,11 @@ def test_a_tick_that_loses_a_race_for_its_slice_commits_nothing(pipeline, monkey
     assert set(manifests.column("seq").to_pylist()) == {1}
     assert manifests.num_rows == len(pipeline.manifest(1).positions())  # a row per topic partition, once
     assert pipeline.tick() == []  # the next tick finds slice 1 requested and nothing new
+    # a record of the closed slice, before its run: trace names the slice and finds no row yet
+    first = pipeline.consume(STREAM)[0]
+    trail = trace.trace(pipeline.engine, pipeline.topic(STREAM), first["partition"], first["offset"])
+    assert trail.slice == K1 and trail.rows == {}
+    assert "its slice has not run yet" in trace.format_trail(trail)
 
 
 def test_a_run_without_a_manifest_fails_clearly(pipeline):
