@@ -23,8 +23,9 @@ class TraceConfig(Config):
 @op(out=Out(Nothing), description="One input record's rows in every table of its slice, down to the devices it notified.")
 def trace_record(context: OpExecutionContext, config: TraceConfig, lake: LakeResource, kafka: KafkaResource):
     """What `entity-assets trace` prints, as the run's output metadata, so row-level lineage is a
-    launch from the UI's launchpad away: it reads the lake and writes nothing. Whole rows (a dead
-    letter's value can be megabytes) stay out of the event log: `entity-assets trace --json`."""
+    launch from the UI's launchpad away: it reads the lake and writes nothing. Whole rows and
+    documents (a dead letter's value can be megabytes) stay out of the event log: `entity-assets
+    trace --json`."""
     try:
         record = parse_record(config.record, kafka.topic)
     except ValueError as exc:
@@ -36,7 +37,9 @@ def trace_record(context: OpExecutionContext, config: TraceConfig, lake: LakeRes
     context.log.info(text)
     yield Output(None, metadata={
         "slice": trail.slice, "rows": MetadataValue.json({t: len(rows) for t, rows in trail.rows.items()}),
-        "devices": MetadataValue.json(trail.inboxes), "trail": MetadataValue.md(f"```\n{text}\n```")})
+        "devices": MetadataValue.json(trail.inboxes), "trail": MetadataValue.md(f"```\n{text}\n```"),
+        "states": MetadataValue.json({t: [{k: v for k, v in r.items() if k != "document"} for r in rows]
+                                      for t, rows in trail.states.items()})})
 
 
 @job(description="Traces one input record (config: record = TOPIC:PARTITION:OFFSET) through the lake; writes nothing.")

@@ -1,5 +1,5 @@
 """Row-level lineage: where one input record went, table by table, down to each notified device's inbox
-(or, for a connection, the device's state).
+and the state its rows changed (entities, schemas, devices) as it is now.
 
 Every row derived from an input record keeps the record's Kafka coordinates (`tables.LINEAGE`),
 and each file of a table holds the rows of one slice. So a record's trail is read from the files
@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from entity_assets import core
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.manifests import TABLE as MANIFESTS
-from entity_assets.notify import DeviceInbox
+from entity_assets.notify import DEVICE_KEY, DeviceInbox
 from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import LINEAGE
 
@@ -22,6 +23,13 @@ TRAIL = ("entity_batches", "schema_patches", "connections", "notification_acks",
          "entity_patches", "entity_updates", "schema_updates", "schema_learning", "partial_responses",
          "complete_responses", "zone_changes", "changes_by_device")
 """The tables whose rows carry the coordinates of the input record they came from, in the graph's order."""
+
+STATES = {
+    "entities": ("entity_patches", core.ENTITY_KEY),
+    "schemas": ("schema_patches", ("dbid",)),
+    "devices": ("connections", DEVICE_KEY),
+}
+"""State table -> the trail's table whose rows name its keys, and the key columns."""
 
 _HIDDEN = {name for name, _ in LINEAGE} | {"bucket"}
 """Columns a trail leaves out of its rows: the coordinates it was asked for, and storage layout."""
@@ -38,8 +46,10 @@ class Trail:
     inboxes: list[dict] = field(default_factory=list)
     """Per device the record notified: its count after the record's slice, its count now, and
     which of the record's notifications are still unacknowledged."""
-    devices: list[dict] = field(default_factory=list)
-    """For a connection: the device as the `devices` state holds it now."""
+    states: dict[str, list[dict]] = field(default_factory=dict)
+    """State table -> the rows, as they are now, of the keys the record's rows name (`STATES`): the
+    entities its patches targeted, its schema patch's database, its connection's device. A row's
+    `slice` is the last one that changed it."""
 
 
 def parse_record(text: str, topic_of) -> tuple[str, int, int]:
@@ -75,7 +85,10 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
         if found:
             trail.rows[table] = [_shown(row) for row in found]
     trail.inboxes = _inboxes(engine, trail.slice, trail.rows.get("changes_by_device", []))
-    trail.devices = _devices(engine, trail.rows.get("connections", []))
+    for table, (source, key) in STATES.items():
+        found = _state(engine, table, key, {tuple(r[c] for c in key) for r in trail.rows.get(source, [])})
+        if found:
+            trail.states[table] = found
     return trail
 
 
@@ -109,13 +122,16 @@ def _inboxes(engine: DeltaRsEngine, slice_key: str, changes: list[dict]) -> list
             for device, ids in sorted(mine.items())]
 
 
-def _devices(engine: DeltaRsEngine, connections: list[dict]) -> list[dict]:
-    """The connected devices as the `devices` state holds them now (keyed by database, user and device)."""
-    connected = {(r["dbid"], r["user"], r["device"]) for r in connections}
-    if not connected:
+def _state(engine: DeltaRsEngine, table: str, key: tuple[str, ...], keys: set[tuple]) -> list[dict]:
+    """The current rows of `keys` in a bucketed state table: only the files of their buckets are
+    read (`fold.key_buckets`: the key's columns joined by \\x1f), filtered by the key's last column."""
+    if not keys or not engine.exists(table):
         return []
-    state = _read(engine, "devices", None, None, [("device", "in", sorted(d for _, _, d in connected))])
-    return [_shown(r) for r in state if (r["dbid"], r["user"], r["device"]) in connected]
+    buckets = {core.key_bucket("\x1f".join(str(v) for v in k if v is not None)) for k in keys}
+    files = [f for f in engine.files(table) if any(f.min.get("bucket", b) <= b <= f.max.get("bucket", b) for b in buckets)]
+    found = [r for t in read_tables(files, engine.storage_options, None, [(key[-1], "in", sorted({k[-1] for k in keys}))])
+             for r in t.to_pylist() if tuple(r[c] for c in key) in keys]
+    return sorted(({k: v for k, v in r.items() if k != "bucket"} for r in found), key=lambda r: [r[c] for c in key])
 
 
 _SUMMARY = {
@@ -132,30 +148,35 @@ _SUMMARY = {
     "complete_responses": ("parts",),
     "zone_changes": ("subjectZone", "entity", "action"),
     "changes_by_device": ("device", "action", "notification"),
+    # states, as they are now
+    "entities": ("collection", "zone", "entity", "version", "deleted", "slice", "document"),
+    "schemas": ("dbid", "version", "slice", "document"),
+    "devices": ("user", "device", "appVersion", "firstSeen", "lastSeen", "connections", "slice"),
 }
 
 
 def format_trail(trail: Trail) -> str:
-    """The trail as text: a line per row, then a line per notified device."""
+    """The trail as text: a line per row, per state row as it is now, and per notified device."""
     head = f"{trail.topic}:{trail.partition}:{trail.offset}"
     if trail.slice is None:
         return f"{head}: in no slice yet (the sensor has not closed a slice over this offset)"
     lines = [f"{head}: slice {trail.slice}"]
     width = len("device_notifications")  # the longest name of a line
     for table, found in trail.rows.items():
-        for row in found:
-            shown = " ".join(f"{k}={_short(row.get(k))}" for k in _SUMMARY[table] if row.get(k) is not None)
-            lines.append(f"  {table:<{width}}  {shown}")
+        lines += [f"  {table:<{width}}  {_fields(row, _SUMMARY[table])}" for row in found]
     if not trail.rows:
         lines.append("  no row of this record in the slice's tables: its slice has not run yet")
-    for device in trail.devices:
-        lines.append(f"  {'devices':<{width}}  " + " ".join(
-            f"{k}={device[k]}" for k in ("user", "device", "appVersion", "firstSeen", "lastSeen", "connections")))
+    for table, found in trail.states.items():
+        lines += [f"  {table:<{width}}  now: {_fields(row, _SUMMARY[table])}" for row in found]
     for inbox in trail.inboxes:
         lines.append(f"  {'device_notifications':<{width}}  device={inbox['device']} count after the slice="
                      f"{inbox['count_after_slice']} now={inbox['count_now']} "
                      f"unacknowledged={len(inbox['unacknowledged'])} of {len(inbox['notifications'])}")
     return "\n".join(lines)
+
+
+def _fields(row: dict, names: tuple[str, ...]) -> str:
+    return " ".join(f"{k}={_short(row[k])}" for k in names if row.get(k) is not None and row[k] is not False)
 
 
 def _short(value, limit: int = 80) -> str:

@@ -63,7 +63,7 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     assert out.startswith(f"{record['kafka_topic']}:{record['kafka_partition']}:{record['kafka_offset']}: "
                           f"slice {record['slice']}")
     assert f"entity_batches        clientid={record['clientid']} request={record['request']}" in out
-    assert "entity_updates" in out and "partial_responses" in out
+    assert "entity_updates" in out and "partial_responses" in out and "entities              now: collection=" in out
     assert cli.main(["trace", f"entity-batches:{record['kafka_partition']}:{10 ** 9}"]) == 1
     assert "in no slice yet" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="is not TOPIC:PARTITION:OFFSET"):

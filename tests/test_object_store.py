@@ -191,7 +191,7 @@ def test_a_lake_on_object_storage_holds_what_a_local_lake_holds(make_pipeline, o
     note = local.read("changes_by_device").to_pylist()[0]
     at = (note["kafka_topic"], note["kafka_partition"], note["kafka_offset"])
     trail = trace.trace(remote.engine, *at)
-    assert trail.rows["changes_by_device"] and trail.inboxes and trail == trace.trace(local.engine, *at)
+    assert trail.rows["changes_by_device"] and trail.inboxes and trail.states["entities"] and trail == trace.trace(local.engine, *at)
     fs, folder = filesystem(root, options)
     sizes = {info.path.removeprefix(f"{folder}/"): info.size
              for info in fs.get_file_info(pafs.FileSelector(folder, recursive=True)) if info.is_file}

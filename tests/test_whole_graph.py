@@ -182,6 +182,15 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     [schema] = rows(pipeline, "schemas")
     assert (schema["dbid"], schema["version"], schema["deleted"]) == (DB, 2, False)
     assert json.loads(schema["document"]) == SEED_SCHEMA_AFTER
+    # the schema patch's trail (entity-assets trace) ends at its database's schema as it is now
+    trail = trace.trace(pipeline.engine, update["kafka_topic"], update["kafka_partition"], update["kafka_offset"])
+    assert trail.states == {"schemas": [{k: v for k, v in schema.items() if k != "bucket"}]}
+    assert f"schemas               now: dbid={DB} version=2 slice={K2} document=" in trace.format_trail(trail)
+    # a learning batch's trail ends at each entity it patched
+    [learned] = rows(pipeline, "entity_batches", K2)
+    trail = trace.trace(pipeline.engine, learned["kafka_topic"], learned["kafka_partition"], learned["kafka_offset"])
+    assert {r["entity"]: (r["version"], r["slice"], json.loads(r["document"])) for r in trail.states["entities"]} == {
+        SALLY: (1, K2, SALLY_DOC), WILLIAM: (1, K2, WILLIAM_DOC), GROUP: (1, K2, {"groupName": "Friends"})}
     by_request = {m["value"]["request"]: m for m in messages_on(pipeline, "schema-updates")}
     assert sorted(by_request) == [1, 2]
     message = by_request[2]
@@ -264,8 +273,8 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     trail = trace.trace(pipeline.engine, late["kafka_topic"], late["kafka_partition"], late["kafka_offset"])
     assert [r["appVersion"] for r in trail.rows["connections"]] == ["0.9"] and list(trail.rows) == ["connections"]
     state = devices[(DB, "jsmith", DEVICE)]
-    assert trail.devices == [{k: v for k, v in state.items() if k not in ("slice", "bucket")}]
-    assert f"devices               user=jsmith device={DEVICE} appVersion=1.1 firstSeen=1415746000000" \
+    assert trail.states == {"devices": [{k: v for k, v in state.items() if k != "bucket"}]}
+    assert f"devices               now: user=jsmith device={DEVICE} appVersion=1.1 firstSeen=1415746000000" \
            in trace.format_trail(trail)
     meta2 = pipeline.materializations(r2)
     assert meta2["devices"]["app_versions"] == {"1.1": 2, "2.0": 1}
@@ -454,6 +463,18 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         ("device1", 2, 1, []), ("device2", 3, 2, [])]
     text = trace.format_trail(trail)
     assert f"slice {K2}" in text and "device=device1 count after the slice=2 now=1 unacknowledged=0 of 1" in text
+    # ... and its entity, as the state holds it now: deleted by request 6 of the same slice
+    [entity] = trail.states["entities"]
+    assert (entity["entity"], entity["zone"], entity["deleted"], entity["document"], entity["slice"]) == (
+        ENTITY_A, "A", True, None, K2)
+    assert f"entities              now: collection=Contacts zone=A entity={ENTITY_A} version=3 deleted=true slice={K2}" \
+           in text
+    # a record of slice 1 whose entity a later slice changed: the state's row says which
+    [record_b] = [r for r in rows(pipeline, "entity_batches", K1) if r["request"] == 2]
+    [entity] = trace.trace(pipeline.engine, record_b["kafka_topic"], record_b["kafka_partition"],
+                           record_b["kafka_offset"]).states["entities"]
+    assert (entity["entity"], entity["version"], entity["slice"], json.loads(entity["document"])) == (
+        ENTITY_B, 2, K3, {"firstName": "Cy"})
     # the same from the UI: trace_job, configured with the record (its stream's name for the topic)
     traced = pipeline.defs.resolve_job_def("trace_job").execute_in_process(
         run_config={"ops": {"trace_record": {"config": {
@@ -463,6 +484,8 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     metadata = {k: v.value for k, v in output.event_specific_data.metadata.items()}
     assert metadata["slice"] == K2 and metadata["trail"] == f"```\n{text}\n```"
     assert metadata["devices"] == trail.inboxes
+    assert metadata["states"] == {"entities": [{k: v for k, v in e.items() if k != "document"}
+                                               for e in trail.states["entities"]]}
     missing = pipeline.defs.resolve_job_def("trace_job").execute_in_process(
         run_config={"ops": {"trace_record": {"config": {"record": "entity-batches:0:999999"}}}},
         instance=pipeline.instance, raise_on_error=False)
