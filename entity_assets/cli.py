@@ -7,6 +7,7 @@
     entity-assets run --slices 1..40           those slices again, in order (a rebuild; --assets to pick tables)
     entity-assets summary                      rows per table, dead letters per code
     entity-assets trace entity-batches:0:17    one input record's rows in every table, down to device inboxes
+    entity-assets changes entities --since 12  a state's rows that the slices after 12 changed, as JSON lines
     entity-assets demo                         all of the above on the embedded default
 """
 
@@ -322,6 +323,27 @@ def cmd_trace(args) -> int:
     return 0 if trail.slice else 1
 
 
+CHANGING_STATES = ("entities", "schemas", "devices", "device_inboxes")
+"""The state tables whose keys stay as rows once written (a deletion sets `deleted`), so their
+changes since a slice are complete (docs/storage.md)."""
+
+
+def cmd_changes(args) -> int:
+    from entity_assets.definitions import build_resources
+    from entity_assets.slices import slice_key
+
+    if args.since is not None and not args.since.isdigit():
+        raise SystemExit(f"entity-assets changes: --since {args.since}: give a slice number")
+    engine = build_resources()["lake"].open()
+    if not engine.exists(args.table):
+        raise SystemExit(f"entity-assets changes: the lake has no {args.table} table yet")
+    since = None if args.since is None else slice_key(int(args.since))
+    for table in engine.changes(args.table, since):
+        for row in table.drop_columns(["bucket"]).to_pylist():
+            print(json.dumps(row, ensure_ascii=False))
+    return 0
+
+
 def _a_notifying_record() -> str | None:
     """TOPIC:PARTITION:OFFSET of a record whose change reached a device, for the demo's hint."""
     from entity_assets.definitions import build_resources
@@ -387,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     trace_.add_argument("record", metavar="TOPIC:PARTITION:OFFSET",
                         help="its Kafka coordinates; an input stream's name stands for its topic (e.g. entity-batches:0:17)")
     trace_.add_argument("--json", action="store_true", help="every column of every row, as JSON")
+    changes = sub.add_parser("changes", help="a state's rows that the slices after --since changed, each key once, as JSON lines")
+    changes.add_argument("table", choices=CHANGING_STATES)
+    changes.add_argument("--since", metavar="SLICE", default=None,
+                         help="a slice number: rows a later slice changed (default: every row)")
     demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
     demo.add_argument("--patches", type=int, default=10_000)
     demo.add_argument("--entities", type=int, default=1_000)
@@ -395,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prepare_environment(args.port)
     handler = {"broker": cmd_broker, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
-               "trace": cmd_trace, "demo": cmd_demo}
+               "trace": cmd_trace, "changes": cmd_changes, "demo": cmd_demo}
     return handler[args.command](args)
 
 

@@ -822,6 +822,22 @@ class DeltaRsEngine:
             data = data.filter(pc.equal(data[k], v))
         return data
 
+    def changes(self, table: str, since: str | None, version: int | None = None,
+                columns: list[str] | None = None) -> Iterator[pa.Table]:
+        """The rows of a state table that the slices after `since` changed (every row for None), as
+        of `version`: each key once, as it is now, a deletion as its row with `deleted` set.
+
+        Each state row keeps the slice that last changed it, so this is `slice > since`, and only
+        the files a later slice wrote are read (their max slice). Not Delta's Change Data Feed: a
+        slice rewrites whole state files, and delta-rs cannot commit the change files that would
+        tell their changed rows from the rest (docs/storage.md)."""
+        actions, dt = self._actions(table, version)
+        if since is not None and f"max.{SLICE}" in actions.column_names:
+            high = actions[f"max.{SLICE}"]
+            actions = actions.filter(pc.or_kleene(pc.is_null(high), pc.greater(high, since)))
+        yield from read_tables(self._table_files(actions, dt), self.storage_options, columns,
+                               None if since is None else [(SLICE, ">", since)])
+
     def missing(self, table: str, files: Iterable[TableFile]) -> list[TableFile]:
         """The files of a snapshot of `table` that are gone (an old version whose files a vacuum deleted)."""
         files = list(files)

@@ -3,6 +3,7 @@
 Small slices run in the driver (no Spark session), so each command is a few seconds.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from entity_assets import cli, samples
+from entity_assets.slices import slice_key
 from resources import LakeResource
 
 
@@ -72,3 +74,14 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     hint = cli._a_notifying_record()
     assert cli.main(["trace", hint]) == 0
     assert "device_notifications  device=" in capsys.readouterr().out
+
+    # changes: a state's rows that later slices changed, as JSON lines
+    assert cli.main(["changes", "entities"]) == 0
+    every = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(every) == len(built["entities"]) and "bucket" not in every[0]
+    assert cli.main(["changes", "entities", "--since", str(slices - 1)]) == 0
+    late = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert late and sorted(map(json.dumps, late)) == sorted(
+        json.dumps(r) for r in every if r["slice"] > slice_key(slices - 1))
+    with pytest.raises(SystemExit, match="give a slice number"):
+        cli.main(["changes", "entities", "--since", "last"])

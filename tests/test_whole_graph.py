@@ -16,12 +16,12 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from entity_assets import messages, notify, samples, trace
+from entity_assets import messages, notify, samples, storage, trace
 from entity_assets.assets import common
 from entity_assets.maintenance import lake_maintenance
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
-from entity_assets.storage import TableFile
+from entity_assets.storage import TableFile, read_tables
 from resources import LakeResource, SparkResource
 
 K1, K2, K3, K4 = slice_key(1), slice_key(2), slice_key(3), slice_key(4)
@@ -443,6 +443,20 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         messages.parse_message(messages.DeviceNotification, json.dumps(value))
         latest[m["key"]] = (value["user"], value["count"], value["begun"], value["ended"])
     assert latest == notifications(K3)
+
+    # a state's changes since a slice: each key a later slice changed, once, as it is now (a
+    # deletion with `deleted` set), read from the files a later slice wrote only
+    read = []
+
+    def changed(since):
+        return sorted((r["entity"], r["slice"], r["deleted"]) for t in pipeline.engine.changes("entities", since)
+                      for r in t.to_pylist())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage, "read_tables", lambda files, *args: read.append(len(files)) or read_tables(files, *args))
+        assert changed(K2) == [(ENTITY_B, K3, False)] and read == [1]  # one bucket file was rewritten by slice 3
+        assert changed(K1) == [(ENTITY_A, K2, True), (ENTITY_B, K3, False), ("sub-device3", K2, False)]
+    assert len(changed(None)) == len(rows(pipeline, "entities")) == 5
 
     # row-level lineage: the update of slice 2 (request 5), from its Kafka record down to device2's inbox,
     # whose notification of it no ack of slice 3 covered
