@@ -8,6 +8,7 @@
     entity-assets summary                      rows per table, dead letters per code
     entity-assets trace entity-batches:0:17    one input record's rows in every table, down to device inboxes
     entity-assets changes entities --since 12  a state's rows that the slices after 12 changed, as JSON lines
+    entity-assets history DB COLLECTION ZONE ENTITY [--slice N | --at MS]   an entity's versions, or one of them
     entity-assets demo                         all of the above on the embedded default
 """
 
@@ -344,6 +345,25 @@ def cmd_changes(args) -> int:
     return 0
 
 
+def cmd_history(args) -> int:
+    from entity_assets.definitions import build_resources
+    from entity_assets.history import as_of, entity_history
+    from entity_assets.slices import slice_key
+
+    history = entity_history(build_resources()["lake"].open(), args.dbid, args.collection, args.zone, args.entity)
+    if args.slice is None and args.at is None:
+        for v in history:
+            print(json.dumps(v, ensure_ascii=False) if args.json else
+                  f"v{v['version']}  slice {v['slice']}  valid {v['valid_from']}..{v['valid_to'] or ''}  {v['action']} "
+                  f"by {v['clientid']}/{v['request']}/{v['part']}  "
+                  + ("(deleted)" if v["deleted"] else json.dumps(v["document"], ensure_ascii=False)))
+        return 0 if history else 1
+    found = as_of(history, slice_key=None if args.slice is None else slice_key(args.slice), time=args.at)
+    if found is not None:
+        print(json.dumps(found, ensure_ascii=False) if args.json else json.dumps(found["document"], ensure_ascii=False))
+    return 0 if found is not None else 1
+
+
 def _a_notifying_record() -> str | None:
     """TOPIC:PARTITION:OFFSET of a record whose change reached a device, for the demo's hint."""
     from entity_assets.definitions import build_resources
@@ -413,6 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     changes.add_argument("table", choices=CHANGING_STATES)
     changes.add_argument("--since", metavar="SLICE", default=None,
                          help="a slice number: rows a later slice changed (default: every row)")
+    history = sub.add_parser("history", help="an entity's versions from entity_updates, or its document as of a slice or time")
+    for name in ("dbid", "collection", "zone", "entity"):
+        history.add_argument(name)
+    when = history.add_mutually_exclusive_group()
+    when.add_argument("--slice", type=int, default=None, help="the document after this slice (its number)")
+    when.add_argument("--at", type=int, metavar="MS", default=None,
+                      help="the document at this time (epoch milliseconds, as begun and ended)")
+    history.add_argument("--json", action="store_true", help="each version with every field, as JSON lines")
     demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
     demo.add_argument("--patches", type=int, default=10_000)
     demo.add_argument("--entities", type=int, default=1_000)
@@ -421,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prepare_environment(args.port)
     handler = {"broker": cmd_broker, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
-               "trace": cmd_trace, "changes": cmd_changes, "demo": cmd_demo}
+               "trace": cmd_trace, "changes": cmd_changes, "history": cmd_history,
+               "demo": cmd_demo}
     return handler[args.command](args)
 
 

@@ -85,3 +85,17 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
         json.dumps(r) for r in every if r["slice"] > slice_key(slices - 1))
     with pytest.raises(SystemExit, match="give a slice number"):
         cli.main(["changes", "entities", "--since", "last"])
+
+    # history: an entity's versions replayed from entity_updates, and its document as of a slice
+    entity = max((r for r in every if not r["deleted"]), key=lambda r: r["version"])
+    key = [entity[c] for c in ("dbid", "collection", "zone", "entity")]
+    assert cli.main(["history", *key, "--json"]) == 0
+    versions = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [v["version"] for v in versions] == list(range(1, entity["version"] + 1)) and entity["version"] > 1
+    assert versions[-1]["document"] == json.loads(entity["document"])
+    assert cli.main(["history", *key]) == 0
+    assert capsys.readouterr().out.startswith(f"v1  slice {versions[0]['slice']}  valid {versions[0]['valid_from']}..")
+    assert cli.main(["history", *key, "--slice", str(slices)]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(entity["document"])
+    assert cli.main(["history", *key, "--at", str(versions[0]["valid_from"] - 1)]) == 1
+    assert cli.main(["history", *key[:3], "no-such-entity"]) == 1

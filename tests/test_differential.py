@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from entity_assets import samples
+from entity_assets import history, samples
 from entity_assets.learning import Summary
 from entity_assets.patch import STATUS_OK, apply_patch
+from entity_assets.slices import slice_key
 
 SUBSCRIPTIONS = samples.SUBSCRIPTIONS
 ACTIONS = ("created", "updated", "deleted")
@@ -189,6 +190,26 @@ def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pip
     for key, (version, doc) in model.state.items():
         row = entities_[key]
         assert (row["version"], row["deleted"], _json(row["document"])) == (version, doc is None, doc), key
+
+    # each entity's history, replayed from entity_updates, ends at its state; after each slice, it is
+    # the state of the Delta version that slice committed
+    updates_of = defaultdict(list)
+    for r in pipeline.read("entity_updates").to_pylist():
+        updates_of[(r["collection"], r["zone"], r["entity"])].append(r)
+    histories = {key: history.versions(updates) for key, updates in updates_of.items()}
+    assert histories.keys() == entities_.keys()
+
+    def version_of(v: dict | None) -> tuple | None:
+        return None if v is None else (v["version"], v["deleted"], v["document"], v["ended"])
+
+    for k in range(1, slices + 1):
+        then = pipeline.read("entities", version=pipeline.engine.version_after("entities", slice_key(k), "apply"))
+        rows = {(r["collection"], r["zone"], r["entity"]): r for r in then.to_pylist()}
+        assert {key: version_of(history.as_of(h, slice_key=slice_key(k))) for key, h in histories.items()} == {
+            key: version_of(rows[key] | {"document": _json(rows[key]["document"])}) if key in rows else None
+            for key in histories}, k
+    some = sorted(histories)[0]
+    assert history.entity_history(pipeline.engine, DBID, *some) == histories[some]
 
     complete = {(r["clientid"], r["request"]): r for r in pipeline.read("complete_responses").to_pylist()}
     assert complete.keys() == model.requests.keys()
