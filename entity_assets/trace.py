@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from entity_assets import core
+from entity_assets.fold import key_buckets
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.manifests import TABLE as MANIFESTS
 from entity_assets.notify import DEVICE_KEY, DeviceInbox
@@ -124,10 +127,10 @@ def _inboxes(engine: DeltaRsEngine, slice_key: str, changes: list[dict]) -> list
 
 def _state(engine: DeltaRsEngine, table: str, key: tuple[str, ...], keys: set[tuple]) -> list[dict]:
     """The current rows of `keys` in a bucketed state table: only the files of their buckets are
-    read (`fold.key_buckets`: the key's columns joined by \\x1f), filtered by the key's last column."""
+    read, filtered by the key's last column."""
     if not keys or not engine.exists(table):
         return []
-    buckets = {core.key_bucket("\x1f".join(str(v) for v in k if v is not None)) for k in keys}
+    buckets = set(key_buckets(pa.table({c: [k[i] for k in keys] for i, c in enumerate(key)}), key).to_pylist())
     files = [f for f in engine.files(table) if any(f.min.get("bucket", b) <= b <= f.max.get("bucket", b) for b in buckets)]
     found = [r for t in read_tables(files, engine.storage_options, None, [(key[-1], "in", sorted({k[-1] for k in keys}))])
              for r in t.to_pylist() if tuple(r[c] for c in key) in keys]
