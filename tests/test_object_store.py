@@ -4,6 +4,7 @@ as MinIO or any S3-compatible store serves it), or Azure's storage emulator (Azu
 data files, delta-rs commits them, the slice manifests and the outbox live there too, each
 through `LakeResource.storage_options` alone, or (the slow test) through the environment alone."""
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from entity_assets import samples, trace
+from entity_assets import history, samples, trace
 from entity_assets.local_stores import AZURITE, LatencyProxy, LocalAzurite, LocalS3
 from entity_assets.storage import AZURITE_KEY, FileWriter, TableFile, filesystem, read_files, read_table
 from entity_assets.tables import SCHEMAS
@@ -192,6 +193,14 @@ def test_a_lake_on_object_storage_holds_what_a_local_lake_holds(make_pipeline, o
     at = (note["kafka_topic"], note["kafka_partition"], note["kafka_offset"])
     trail = trace.trace(remote.engine, *at)
     assert trail.rows["changes_by_device"] and trail.inboxes and trail.states["entities"] and trail == trace.trace(local.engine, *at)
+    # and the same entity history and changes of a state
+    key = tuple(note[c] for c in ("dbid", "collection", "zone", "entity"))
+    assert history.entity_history(remote.engine, *key) == history.entity_history(local.engine, *key) != []
+    def changed(pipeline):
+        return sorted(json.dumps(r, sort_keys=True) for t in pipeline.engine.changes("entities", "0000000001")
+                      for r in t.to_pylist())
+
+    assert changed(remote) == changed(local) != []
     fs, folder = filesystem(root, options)
     sizes = {info.path.removeprefix(f"{folder}/"): info.size
              for info in fs.get_file_info(pafs.FileSelector(folder, recursive=True)) if info.is_file}
