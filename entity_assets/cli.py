@@ -377,6 +377,19 @@ def _a_notifying_record() -> str | None:
     return ":".join(str(first[c][0].as_py()) for c in first.column_names)
 
 
+def _an_entity_of_many_versions() -> str | None:
+    """`history`'s arguments for the entity with the most versions, for the demo's hint."""
+    from entity_assets.core import ENTITY_KEY
+    from entity_assets.definitions import build_resources
+
+    engine = build_resources()["lake"].open()
+    if not engine.exists("entities"):
+        return None
+    rows = engine.read("entities", columns=[*ENTITY_KEY, "version"]).to_pylist()
+    most = max(rows, key=lambda r: (r["version"], *(r[c] for c in ENTITY_KEY)), default=None)
+    return None if most is None else " ".join(most[c] for c in ENTITY_KEY)
+
+
 def cmd_demo(args) -> int:
     args.action = "start"
     cmd_broker(args)
@@ -394,6 +407,9 @@ def cmd_demo(args) -> int:
     notified = _a_notifying_record()
     if notified:
         print(f"Follow one record down to the devices it notified:  .venv/bin/entity-assets trace {notified}")
+    entity = _an_entity_of_many_versions()
+    if entity:
+        print(f"Read an entity's versions (--slice N or --at MS: as of then):  .venv/bin/entity-assets history {entity}")
     return code
 
 
