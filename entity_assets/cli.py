@@ -347,10 +347,13 @@ def cmd_changes(args) -> int:
 
 def cmd_history(args) -> int:
     from entity_assets.definitions import build_resources
-    from entity_assets.history import as_of, entity_history
+    from entity_assets.history import Diverged, as_of, entity_history
     from entity_assets.slices import slice_key
 
-    history = entity_history(build_resources()["lake"].open(), args.dbid, args.collection, args.zone, args.entity)
+    try:
+        history = entity_history(build_resources()["lake"].open(), args.dbid, args.collection, args.zone, args.entity)
+    except Diverged as exc:
+        raise SystemExit(f"entity-assets history: {exc}") from None
     if args.slice is None and args.at is None:
         for v in history:
             print(json.dumps(v, ensure_ascii=False) if args.json else

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from entity_assets import cli, samples
+from entity_assets import cli, history, samples
 from entity_assets.slices import slice_key
 from resources import LakeResource
 
@@ -103,3 +103,11 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     hint = cli._an_entity_of_many_versions().split(" ")
     assert cli.main(["history", *hint]) == 0
     assert len(capsys.readouterr().out.splitlines()) == max(r["version"] for r in every)
+    # a history that does not replay (an update missing from entity_updates) is an error message, not a traceback
+
+    def incomplete(*_):
+        raise history.Diverged("update c/2/1 of slice 0000000001 gives status 2")
+
+    monkeypatch.setattr(history, "entity_history", incomplete)
+    with pytest.raises(SystemExit, match="entity-assets history: update c/2/1"):
+        cli.main(["history", *key])
