@@ -11,7 +11,7 @@ from entity_assets.assets.entities import apply_patches, entity_patches
 from entity_assets.assets.ingest import ingest
 from entity_assets.assets.notifications import changes_by_device, device_notifications, zone_changes
 from entity_assets.assets.schemas import learn_schemas
-from entity_assets.jobs import slice_job, trace_job
+from entity_assets.jobs import history_job, slice_job, trace_job
 from entity_assets.maintenance import lake_maintenance, lake_maintenance_schedule
 from entity_assets.sensors import kafka_offsets_sensor
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
@@ -64,7 +64,7 @@ def build_resources() -> dict:
 defs = Definitions(
     assets=[ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes, changes_by_device,
             device_notifications],
-    jobs=[slice_job, lake_maintenance, trace_job],
+    jobs=[slice_job, lake_maintenance, trace_job, history_job],
     schedules=[lake_maintenance_schedule],
     sensors=[kafka_offsets_sensor],
     resources=build_resources(),

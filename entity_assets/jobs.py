@@ -1,9 +1,12 @@
-"""The slice job (every slice-partitioned asset, one run per slice) and the trace of one input record."""
+"""The slice job (every slice-partitioned asset, one run per slice), and two reads for the UI's
+launchpad: the trace of one input record and the history of one entity."""
 
 from dagster import AssetSelection, Config, Failure, MetadataValue, Nothing, OpExecutionContext, Out, Output, \
     define_asset_job, job, op
 
+from entity_assets.history import Diverged, as_of, entity_history
 from entity_assets.partitions import slices_partitions
+from entity_assets.slices import slice_key
 from entity_assets.trace import format_trail, parse_record, trace
 from resources import KafkaResource, LakeResource
 
@@ -45,3 +48,50 @@ def trace_record(context: OpExecutionContext, config: TraceConfig, lake: LakeRes
 @job(description="Traces one input record (config: record = TOPIC:PARTITION:OFFSET) through the lake; writes nothing.")
 def trace_job():
     trace_record()
+
+
+class HistoryConfig(Config):
+    dbid: str
+    collection: str
+    zone: str
+    entity: str
+    slice: int | None = None
+    """The version current after this slice (its number); with neither this nor `at`, the latest."""
+    at: int | None = None
+    """The version current at this time (epoch milliseconds, as begun and ended)."""
+
+
+SHOWN_VERSIONS = 50
+"""Versions listed in a history run's metadata (the newest); `entity-assets history` lists all."""
+
+
+@op(out=Out(Nothing), description="An entity's versions replayed from entity_updates, and its document as of a slice or time.")
+def entity_versions(context: OpExecutionContext, config: HistoryConfig, lake: LakeResource):
+    """What `entity-assets history` prints, as the run's output metadata: it reads the lake and
+    writes nothing."""
+    key = f"{config.dbid}/{config.collection}/{config.zone}/{config.entity}"
+    if config.slice is not None and config.at is not None:
+        raise Failure("give slice or at, not both")
+    try:
+        versions = entity_history(lake.open(), config.dbid, config.collection, config.zone, config.entity)
+    except Diverged as exc:
+        raise Failure(str(exc)) from None
+    when = (f"slice {config.slice}" if config.slice is not None else f"time {config.at}" if config.at is not None
+            else "now")
+    found = as_of(versions, slice_key=None if config.slice is None else slice_key(config.slice), time=config.at)
+    if found is None:
+        raise Failure(f"{key} did not exist as of {when}: {len(versions)} version(s) in entity_updates")
+    lines = [f"| v{v['version']} | {v['slice']} | {v['valid_from']} | {v['valid_to'] or ''} | {v['action']} | "
+             f"{v['clientid']}/{v['request']}/{v['part']} |" for v in versions[-SHOWN_VERSIONS:]]
+    context.log.info(f"{key}: {len(versions)} version(s); as of {when}, version {found['version']}")
+    metadata = {"versions": len(versions), "as_of": when, "version": found["version"], "deleted": found["deleted"],
+                "history": MetadataValue.md("| version | slice | valid from | valid to | action | request |\n"
+                                            "|---|---|---|---|---|---|\n" + "\n".join(lines))}
+    if not found["deleted"]:
+        metadata["document"] = MetadataValue.json(found["document"])
+    yield Output(None, metadata=metadata)
+
+
+@job(description="An entity's history (config: dbid, collection, zone, entity; slice or at for a past version); writes nothing.")
+def history_job():
+    entity_versions()

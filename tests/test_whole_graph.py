@@ -500,6 +500,24 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     assert metadata["devices"] == trail.inboxes
     assert metadata["states"] == {"entities": [{k: v for k, v in e.items() if k != "document"}
                                                for e in trail.states["entities"]]}
+    # an entity's history from the UI: history_job, configured with the entity and a time or a slice
+    def history_run(**when):
+        return pipeline.defs.resolve_job_def("history_job").execute_in_process(
+            run_config={"ops": {"entity_versions": {"config": {
+                "dbid": DB, "collection": "Contacts", "zone": "A", "entity": ENTITY_A, **when}}}},
+            instance=pipeline.instance, raise_on_error=False)
+
+    def history_metadata(result):
+        [output] = [e for e in result.all_events if e.event_type_value == "STEP_OUTPUT"]
+        return {k: v.value for k, v in output.event_specific_data.metadata.items()}
+
+    latest = history_metadata(history_run())
+    assert (latest["versions"], latest["version"], latest["deleted"], latest["as_of"]) == (3, 3, True, "now")
+    assert "document" not in latest and latest["history"].count("\n| v") == 3
+    created = history_metadata(history_run(at=FUTURE + 1))
+    assert (created["version"], created["document"]) == (1, {"firstName": "Ann"})
+    [failure] = [e for e in history_run(slice=1).all_events if e.is_step_failure]
+    assert f"{DB}/Contacts/A/{ENTITY_A} did not exist as of slice 1" in pipeline.failure_text(failure)
     missing = pipeline.defs.resolve_job_def("trace_job").execute_in_process(
         run_config={"ops": {"trace_record": {"config": {"record": "entity-batches:0:999999"}}}},
         instance=pipeline.instance, raise_on_error=False)
