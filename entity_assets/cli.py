@@ -348,7 +348,6 @@ def cmd_changes(args) -> int:
 def cmd_history(args) -> int:
     from entity_assets.definitions import build_resources
     from entity_assets.history import Diverged, as_of, entity_history
-    from entity_assets.slices import slice_key
 
     try:
         history = entity_history(build_resources()["lake"].open(), args.dbid, args.collection, args.zone, args.entity)
@@ -361,7 +360,7 @@ def cmd_history(args) -> int:
                   f"by {v['clientid']}/{v['request']}/{v['part']}  "
                   + ("(deleted)" if v["deleted"] else json.dumps(v["document"], ensure_ascii=False)))
         return 0 if history else 1
-    found = as_of(history, slice_key=None if args.slice is None else slice_key(args.slice), time=args.at)
+    found = as_of(history, slice=args.slice, time=args.at)
     if found is not None:
         print(json.dumps(found, ensure_ascii=False) if args.json else json.dumps(found["document"], ensure_ascii=False))
     return 0 if found is not None else 1

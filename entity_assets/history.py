@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from entity_assets import core
 from entity_assets.patch import STATUS_OK
+from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine, read_tables
 
 COLUMNS = ["slice", "kafka_topic", "kafka_partition", "kafka_offset", *core.ORDER, "ended", "ops", "action"]
@@ -47,12 +48,12 @@ def versions(updates: Iterable[dict]) -> list[dict]:
     return out
 
 
-def as_of(history: list[dict], *, slice_key: str | None = None, time: int | None = None) -> dict | None:
-    """The version current after slice `slice_key`, or at `time` (ms, valid_from <= time < valid_to);
-    None before the entity's first version."""
-    found = None
+def as_of(history: list[dict], *, slice: int | None = None, time: int | None = None) -> dict | None:
+    """The version current after slice number `slice`, or at `time` (ms, valid_from <= time <
+    valid_to), or now; None before the entity's first version."""
+    last, found = None if slice is None else slice_key(slice), None
     for v in history:  # valid_from never decreases, and slices are in order
-        if (slice_key is not None and v["slice"] > slice_key) or (time is not None and v["valid_from"] > time):
+        if (last is not None and v["slice"] > last) or (time is not None and v["valid_from"] > time):
             break
         found = v
     return found

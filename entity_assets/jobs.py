@@ -6,7 +6,6 @@ from dagster import AssetSelection, Config, Failure, MetadataValue, Nothing, OpE
 
 from entity_assets.history import Diverged, as_of, entity_history
 from entity_assets.partitions import slices_partitions
-from entity_assets.slices import slice_key
 from entity_assets.trace import format_trail, parse_record, trace
 from resources import KafkaResource, LakeResource
 
@@ -78,7 +77,7 @@ def entity_versions(context: OpExecutionContext, config: HistoryConfig, lake: La
         raise Failure(str(exc)) from None
     when = (f"slice {config.slice}" if config.slice is not None else f"time {config.at}" if config.at is not None
             else "now")
-    found = as_of(versions, slice_key=None if config.slice is None else slice_key(config.slice), time=config.at)
+    found = as_of(versions, slice=config.slice, time=config.at)
     if found is None:
         raise Failure(f"{key} did not exist as of {when}: {len(versions)} version(s) in entity_updates")
     lines = [f"| v{v['version']} | {v['slice']} | {v['valid_from']} | {v['valid_to'] or ''} | {v['action']} | "

@@ -205,7 +205,7 @@ def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pip
     for k in range(1, slices + 1):
         then = pipeline.read("entities", version=pipeline.engine.version_after("entities", slice_key(k), "apply"))
         rows = {(r["collection"], r["zone"], r["entity"]): r for r in then.to_pylist()}
-        assert {key: version_of(history.as_of(h, slice_key=slice_key(k))) for key, h in histories.items()} == {
+        assert {key: version_of(history.as_of(h, slice=k)) for key, h in histories.items()} == {
             key: version_of(rows[key] | {"document": _json(rows[key]["document"])}) if key in rows else None
             for key in histories}, k
     some = sorted(histories)[0]

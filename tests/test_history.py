@@ -37,10 +37,10 @@ def test_a_version_is_valid_from_when_every_change_it_holds_had_ended_to_the_nex
 
 def test_as_of_a_slice_or_a_time():
     history = versions([CREATE, RENAME, DELETE, RECREATE])
-    assert as_of(history, slice_key="0000000001")["document"] == {"name": "Bea"}
-    assert as_of(history, slice_key="0000000002")["deleted"] is True
-    assert as_of(history, slice_key="0000000009")["document"] == {"name": "Cy"}
-    assert as_of(history, slice_key="0000000000") is None
+    assert as_of(history, slice=1)["document"] == {"name": "Bea"}
+    assert as_of(history, slice=2)["deleted"] is True
+    assert as_of(history, slice=9)["document"] == {"name": "Cy"}
+    assert as_of(history, slice=0) is None
     assert as_of(history, time=99) is None
     assert as_of(history, time=100)["document"] == {"name": "Ann"}
     assert as_of(history, time=299)["document"] == {"name": "Bea"}
