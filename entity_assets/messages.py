@@ -35,6 +35,7 @@ __all__ = [
     "DeadLetterCode",
     "InvalidMessage",
     "parse_message",
+    "parse_value",
     "to_message",
     "to_json",
     "TOPIC_MODELS",
@@ -556,3 +557,11 @@ def parse_message(model: type[T], raw: bytes | bytearray | memoryview | str | No
         raise _classify(exc) from None
     except Exception as exc:  # never let one record kill a slice
         raise InvalidMessage(DeadLetterCode.UNEXPECTED, f"{type(exc).__name__}: {exc}"[:300]) from exc
+
+
+def parse_value(model: type[T], value: Any) -> T:
+    """`parse_message` of a value already decoded from JSON (an adapter's, after unwrapping it)."""
+    try:
+        return model.__pydantic_validator__.validate_python(value)  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise _classify(exc) from None

@@ -1,0 +1,210 @@
+"""Ingestion adapters: change-data-capture records (seed 001) become entity batches.
+
+A source database's CDC connector writes one topic per projection (a table), named
+`<tenant>.<environment>.<source-system>.<projection>.ingestion`. A record's key is the row's
+primary key and its value the change, in one of three formats: IBM InfoSphere Data Replication
+for DB2 (the whole row, or null for a delete), Oracle GoldenGate (`op_type` I/U/D with `before`
+and `after`) or Debezium (`op` c/r/u/d with `before`, `after` and `source`).
+
+Each record becomes a one-patch entity batch, the row a client's batch would give, so it takes
+the native path from `entity_batches` on (patches, updates, state, responses, zone changes):
+- entity: the primary key's values joined by underscores, GoldenGate's own key form, so a
+  projection gets the same ids whichever connector feeds it;
+- collection: the projection; zone and dbid: the source's (by default its system name);
+- ops: an insert, update, upsert or snapshot read replaces the whole document
+  (`add` at `""`, which also creates it); a delete, or a record without a value (a tombstone),
+  deletes the entity (`remove` of `""`);
+- clientid: a UUID of the topic; request: the record's partition and offset, so a topic's
+  records keep their Kafka order in the fold's (begun, clientid, request) order;
+- begun: the Kafka timestamp.
+
+Plain module: imported by Spark workers and tested without Kafka, Spark or Dagster.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import from_json
+
+from entity_assets import messages as m
+from entity_assets.core import dumps
+
+FORMATS = ("db2", "goldengate", "debezium")
+AUTO = "auto"
+"""Tells the formats apart per record: `op` (c/r/u/d/t/m) is Debezium, `op_type` GoldenGate,
+anything else a DB2 row. Name a system's format where a table has columns of those names."""
+
+SUFFIX = "ingestion"
+ANY_SYSTEM = "*"
+
+_NAMESPACE = uuid.UUID("5f0c2d3e-8a1b-5c4d-9e6f-0a1b2c3d4e5f")
+_OFFSET_BITS = 40
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one source system's projections map to entities."""
+
+    system: str
+    format: str = AUTO
+    dbid: str | None = None
+    zone: str | None = None
+    learning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format != AUTO and self.format not in FORMATS:
+            raise ValueError(f"unknown ingestion format {self.format!r}: one of {', '.join((AUTO, *FORMATS))}")
+
+
+def parse_topic(topic: str, prefix: str) -> tuple[str, str] | None:
+    """(source system, projection) of `<prefix><system>.<projection>.ingestion`, else None."""
+    if not topic.startswith(prefix):
+        return None
+    parts = topic[len(prefix):].split(".")
+    if len(parts) != 3 or parts[2] != SUFFIX or not parts[0] or not parts[1]:
+        return None
+    return parts[0], parts[1]
+
+
+def client_id(topic: str) -> str:
+    return str(uuid.uuid5(_NAMESPACE, topic))
+
+
+def request_id(partition: int, offset: int) -> int:
+    """Unique per topic and ordered like its offsets within a partition."""
+    if not 0 <= offset < 1 << _OFFSET_BITS or not 0 <= partition < 1 << (63 - _OFFSET_BITS):
+        raise m.InvalidMessage(m.DeadLetterCode.UNEXPECTED, f"partition {partition} or offset {offset} out of range")
+    return partition << _OFFSET_BITS | offset
+
+
+# --------------------------------------------------------------------------- message shapes
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class GoldenGateChange(BaseModel):
+    """The value of an Oracle GoldenGate record. `pos` is required by the seed's spec, yet its
+    examples omit it; it is not needed, so it is optional."""
+
+    model_config = _STRICT
+    op_type: Literal["I", "U", "D"]
+    before: m.Document | None = None
+    after: m.Document | None = None
+    pos: m.Long | None = None
+
+
+class DebeziumChange(BaseModel):
+    """The value of a Debezium record (the `payload` when the JSON converter embeds its schema).
+    `source` is required by the seed's spec, yet its examples omit it; it is not needed."""
+
+    model_config = _STRICT
+    op: Literal["c", "r", "u", "d"]
+    before: m.Document | None = None
+    after: m.Document | None = None
+    source: m.Document | None = None
+
+
+_ROWLESS_DEBEZIUM_OPS = {"t": "truncate", "m": "message"}
+
+
+# --------------------------------------------------------------------------- one record
+
+UPSERT, DELETE = "upsert", "delete"
+
+
+def _json(raw: bytes, what: str) -> Any:
+    if len(raw) > m.MAX_MESSAGE_BYTES:
+        raise m.InvalidMessage(m.DeadLetterCode.OVERSIZE, f"{what} is {len(raw)} bytes, over {m.MAX_MESSAGE_BYTES}")
+    try:
+        return _unwrapped(from_json(raw))
+    except ValueError as exc:
+        raise m.InvalidMessage(m.DeadLetterCode.MALFORMED_JSON, f"{what}: {exc}") from None
+
+
+def _unwrapped(value: Any) -> Any:
+    """Kafka Connect's JSON converter with schemas on wraps a key or value as {schema, payload}."""
+    if isinstance(value, dict) and len(value) == 2 and "schema" in value and "payload" in value:
+        return value["payload"]
+    return value
+
+
+def detect(value: Any) -> str:
+    if isinstance(value, dict):
+        if value.get("op") in ("c", "r", "u", "d", *_ROWLESS_DEBEZIUM_OPS):
+            return "debezium"
+        if "op_type" in value:
+            return "goldengate"
+    return "db2"
+
+
+def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None]:
+    """(UPSERT, the row after) or (DELETE, None) of one record value; InvalidMessage if it is bad."""
+    if not raw:
+        return DELETE, None  # a tombstone: its key is gone
+    value = _json(raw, "value")
+    if value is None:
+        return DELETE, None
+    fmt = detect(value) if fmt == AUTO else fmt
+    if fmt == "db2":
+        if not isinstance(value, dict):
+            raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "value: a DB2 record is the row (an object) or null")
+        return UPSERT, value
+    if fmt == "debezium" and isinstance(value, dict) and value.get("op") in _ROWLESS_DEBEZIUM_OPS:
+        op = value["op"]
+        raise m.InvalidMessage(m.DeadLetterCode.UNSUPPORTED_TYPE,
+                               f"op: '{op}' ({_ROWLESS_DEBEZIUM_OPS[op]}) changes no row of a projection")
+    model = GoldenGateChange if fmt == "goldengate" else DebeziumChange
+    parsed = m.parse_value(model, value)
+    op = parsed.op_type if fmt == "goldengate" else parsed.op
+    if op in ("D", "d"):
+        return DELETE, None
+    if parsed.after is None:
+        field = "op_type" if fmt == "goldengate" else "op"
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"after: field required for {field} '{op}'")
+    return UPSERT, parsed.after
+
+
+def entity_id(raw: bytes | None) -> str:
+    """The primary key's values joined by underscores (an object key), or the key's text."""
+    if not raw:
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: the record has no key (the row's primary key)")
+    try:
+        key = _json(raw, "key")
+    except m.InvalidMessage as exc:
+        if exc.code is m.DeadLetterCode.OVERSIZE:
+            raise
+        key = None  # not JSON: GoldenGate's plain `pk1_pk2` text
+    if isinstance(key, dict):
+        if not key:
+            raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: the primary key has no fields")
+        parts = []
+        for name, value in key.items():
+            if value is None or isinstance(value, dict | list):
+                raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.{name}: a key value must be a string, "
+                                                                     "number or boolean")
+            parts.append(value if isinstance(value, str) else dumps(value))
+        return "_".join(parts)
+    if isinstance(key, str) and key:
+        return key
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: neither JSON nor UTF-8 text") from None
+
+
+def ops(kind: str, row: dict | None) -> list[dict]:
+    return [{"op": "add", "path": "", "value": row}] if kind == UPSERT else [{"op": "remove", "path": ""}]
+
+
+def batch_values(source: Source, projection: str, topic: str, partition: int, offset: int, timestamp: int,
+                 key: bytes | None, value: bytes | None) -> tuple:
+    """The entity_batches row values of one record, in `ingest.BATCH_FIELDS`' order."""
+    entity = entity_id(key)
+    kind, row = change(source.format, value)
+    patch = {"collection": projection, "zone": source.zone or source.system, "entity": entity, "ops": ops(kind, row)}
+    return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,
+            max(timestamp, 0), 1, dumps([patch]), source.learning, False, False)

@@ -1,0 +1,130 @@
+"""CDC ingestion adapters (seed 001): the seed's own examples, every format, every bad record."""
+
+import json
+
+import pytest
+
+from entity_assets import adapters
+from entity_assets.core import loads
+from entity_assets.messages import DeadLetterCode, InvalidMessage
+from entity_assets.patch import apply_patch
+
+ROW = {"USER_ID": 123, "TAX_CODE": "the-fiscal-code-123", "COINS": 300000000}
+DB2_KEY = {"USER_ID": 123, "TAX_CODE": "ABCDEF12B02M100O"}
+
+
+def enc(value) -> bytes:
+    return json.dumps(value).encode()
+
+
+def batch(source: adapters.Source, key, value, *, topic="acme.PROD.crm.customers.ingestion", partition=0, offset=7,
+          timestamp=1_700_000_000_000) -> dict:
+    values = adapters.batch_values(source, "customers", topic, partition, offset, timestamp, key, value)
+    return dict(zip(("clientid", "request", "user", "dbid", "begun", "parts", "patches", "learning",
+                     "includeBefore", "includeAfter"), values))
+
+
+def patch_of(row: dict) -> dict:
+    (patch,) = loads(row["patches"])
+    return patch
+
+
+@pytest.mark.parametrize("fmt", ["db2", "auto"])
+def test_db2_seed_examples(fmt):
+    source = adapters.Source("crm", fmt)
+    upsert = patch_of(batch(source, enc(DB2_KEY), enc({**DB2_KEY, "NAME": 456})))
+    assert upsert == {"collection": "customers", "zone": "crm", "entity": "123_ABCDEF12B02M100O",
+                      "ops": [{"op": "add", "path": "", "value": {**DB2_KEY, "NAME": 456}}]}
+    delete = patch_of(batch(source, enc(DB2_KEY), enc(None)))
+    assert delete["entity"] == "123_ABCDEF12B02M100O" and delete["ops"] == [{"op": "remove", "path": ""}]
+
+
+@pytest.mark.parametrize("fmt", ["goldengate", "auto"])
+def test_goldengate_seed_examples(fmt):
+    source = adapters.Source("erp", fmt)
+    insert = patch_of(batch(source, b"123", enc({"op_type": "I", "before": None, "after": ROW})))
+    assert insert["entity"] == "123" and insert["ops"] == [{"op": "add", "path": "", "value": ROW}]
+    update = patch_of(batch(source, b'"123"', enc({"op_type": "U", "before": ROW, "after": {**ROW, "COINS": 1},
+                                                   "pos": 42})))
+    assert update["entity"] == "123" and update["ops"][0]["value"]["COINS"] == 1
+    delete = patch_of(batch(source, b"123", enc({"op_type": "D", "before": ROW, "after": None})))
+    assert delete["ops"] == [{"op": "remove", "path": ""}]
+    assert patch_of(batch(source, b"pk1_pk2", enc({"op_type": "D", "before": ROW})))["entity"] == "pk1_pk2"
+
+
+@pytest.mark.parametrize("fmt", ["debezium", "auto"])
+def test_debezium_seed_examples(fmt):
+    source = adapters.Source("shop", fmt, dbid="my-db", zone="A")
+    for op in ("c", "r", "u"):
+        row = batch(source, enc(DB2_KEY), enc({"op": op, "before": None, "after": ROW, "source": {"table": "T"}}))
+        assert row["dbid"] == "my-db" and patch_of(row)["zone"] == "A"
+        assert patch_of(row)["ops"] == [{"op": "add", "path": "", "value": ROW}]
+    delete = patch_of(batch(source, enc(DB2_KEY), enc({"op": "d", "before": ROW, "after": None})))
+    assert delete["ops"] == [{"op": "remove", "path": ""}]
+    assert patch_of(batch(source, enc(DB2_KEY), None))["ops"] == [{"op": "remove", "path": ""}]  # tombstone
+
+
+def test_kafka_connect_schema_envelope_is_unwrapped():
+    key = enc({"schema": {"type": "struct"}, "payload": {"id": 5}})
+    value = enc({"schema": {"type": "struct"}, "payload": {"op": "c", "after": {"id": 5, "name": "x"}}})
+    patch = patch_of(batch(adapters.Source("shop", "debezium"), key, value))
+    assert patch["entity"] == "5" and patch["ops"][0]["value"] == {"id": 5, "name": "x"}
+
+
+def test_ops_apply_as_upsert_and_deletion():
+    source = adapters.Source("shop", "debezium")
+    create = patch_of(batch(source, b"1", enc({"op": "c", "after": ROW})))["ops"]
+    replace = patch_of(batch(source, b"1", enc({"op": "u", "before": ROW, "after": {"COINS": 2}})))["ops"]
+    delete = patch_of(batch(source, b"1", enc({"op": "d", "before": {"COINS": 2}})))["ops"]
+    created = apply_patch(None, create)
+    assert created.status == 1 and created.doc == ROW
+    replaced = apply_patch(created.doc, replace)
+    assert replaced.status == 1 and replaced.doc == {"COINS": 2}
+    deleted = apply_patch(replaced.doc, delete)
+    assert deleted.status == 1 and deleted.deleted
+    assert apply_patch(None, delete).status == 2  # deleting a row the projection never had
+
+
+def test_request_keeps_kafka_order_and_client_is_the_topic():
+    source = adapters.Source("crm")
+    rows = [batch(source, b"1", enc({"a": 1}), partition=p, offset=o) for p, o in ((0, 9), (0, 10), (1, 0), (3, 2**39))]
+    requests = [r["request"] for r in rows]
+    assert requests == sorted(requests) and len(set(requests)) == 4
+    assert {r["clientid"] for r in rows} == {adapters.client_id("acme.PROD.crm.customers.ingestion")}
+    assert adapters.client_id("a.b.ingestion") != adapters.client_id("a.c.ingestion")
+    first = rows[0]
+    assert (first["user"], first["dbid"], first["begun"], first["parts"]) == ("crm", "crm", 1_700_000_000_000, 1)
+
+
+def test_topic_names():
+    assert adapters.parse_topic("test-tenant.PROD.system-name.test-projection.ingestion", "test-tenant.PROD.") == \
+        ("system-name", "test-projection")
+    assert adapters.parse_topic("crm.customers.ingestion", "") == ("crm", "customers")
+    for topic, prefix in (("other.PROD.crm.customers.ingestion", "test-tenant.PROD."),
+                          ("test-tenant.PROD.system-name.test-projection.ingestion", ""),
+                          ("crm.customers.pr-update", ""), ("crm..ingestion", ""), ("entity-batches", "")):
+        assert adapters.parse_topic(topic, prefix) is None, topic
+    with pytest.raises(ValueError, match="unknown ingestion format"):
+        adapters.Source("crm", "avro")
+
+
+@pytest.mark.parametrize("fmt, key, value, code, reason", [
+    ("goldengate", b"1", enc({"op_type": "X", "after": ROW}), DeadLetterCode.BAD_FORMAT, "op_type: input should be"),
+    ("goldengate", b"1", enc({"op_type": "I"}), DeadLetterCode.BAD_FORMAT, "after: field required for op_type 'I'"),
+    ("goldengate", b"1", enc({"op_type": "U", "after": [1]}), DeadLetterCode.BAD_FORMAT, "after:"),
+    ("debezium", b"1", enc({"op": "t", "source": {}}), DeadLetterCode.UNSUPPORTED_TYPE, "'t' (truncate)"),
+    ("auto", b"1", enc({"op": "m", "source": {}}), DeadLetterCode.UNSUPPORTED_TYPE, "'m' (message)"),
+    ("debezium", b"1", enc({"before": ROW}), DeadLetterCode.BAD_FORMAT, "op: field required"),
+    ("debezium", b"1", enc({"op": "c", "after": None}), DeadLetterCode.BAD_FORMAT, "after: field required for op 'c'"),
+    ("db2", b"1", enc([ROW]), DeadLetterCode.BAD_FORMAT, "a DB2 record is the row"),
+    ("db2", b"1", b'{"USER_ID": ', DeadLetterCode.MALFORMED_JSON, "value:"),
+    ("db2", None, enc(ROW), DeadLetterCode.BAD_FORMAT, "key: the record has no key"),
+    ("db2", enc({}), enc(ROW), DeadLetterCode.BAD_FORMAT, "key: the primary key has no fields"),
+    ("db2", enc({"ID": None}), enc(ROW), DeadLetterCode.BAD_FORMAT, "key.ID: a key value must be"),
+    ("db2", b"\xff\xfe", enc(ROW), DeadLetterCode.BAD_FORMAT, "key: neither JSON nor UTF-8"),
+    ("db2", b"1", b'{"a": "' + b"x" * 1_000_001 + b'"}', DeadLetterCode.OVERSIZE, "value is 1000010 bytes"),
+])
+def test_bad_records(fmt, key, value, code, reason):
+    with pytest.raises(InvalidMessage) as caught:
+        batch(adapters.Source("crm", fmt), key, value)
+    assert caught.value.code is code and reason in caught.value.reason, caught.value.reason
