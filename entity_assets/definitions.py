@@ -15,7 +15,7 @@ from entity_assets.jobs import history_job, slice_job, trace_job
 from entity_assets.maintenance import lake_maintenance, lake_maintenance_schedule
 from entity_assets.sensors import kafka_offsets_sensor
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
-from resources.kafka import DEFAULT_BOOTSTRAP
+from resources.kafka import DEFAULT_BOOTSTRAP, IngestionSource
 
 
 def _env(name: str, default: str) -> str:
@@ -28,6 +28,11 @@ def _settings(text: str) -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in pairs}
 
 
+def _ingestion(text: str) -> dict[str, IngestionSource]:
+    """`system=format,...` (`*` for any other system); empty: no ingestion topics are read."""
+    return {system: IngestionSource(format=fmt) for system, fmt in _settings(text).items()}
+
+
 def build_resources() -> dict:
     """Embedded defaults (local broker, local lake, local Spark); every setting overridable by env."""
     kafka = {
@@ -36,6 +41,8 @@ def build_resources() -> dict:
         "publish": _env("ENTITY_ASSETS_PUBLISH", "true").lower() == "true",
         "new_topic_config": _settings(_env("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "")),
     }
+    if "ENTITY_ASSETS_INGESTION" in os.environ:
+        kafka["ingestion"] = _ingestion(os.environ["ENTITY_ASSETS_INGESTION"])
     for field, var in (("security_protocol", "KAFKA_SECURITY_PROTOCOL"), ("sasl_mechanism", "KAFKA_SASL_MECHANISM"),
                        ("ssl_ca_location", "KAFKA_SSL_CA_LOCATION")):
         if os.environ.get(var):

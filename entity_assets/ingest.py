@@ -15,6 +15,7 @@ from operator import attrgetter
 import pyarrow as pa
 from pydantic import BaseModel
 
+from entity_assets import adapters
 from entity_assets import messages as m
 from entity_assets.core import dumps
 from entity_assets.kafka_io import read_range
@@ -48,15 +49,36 @@ class InputStream:
     fields: tuple[str, ...]
     values: Callable[[BaseModel], tuple]
 
+    def read(self, msg) -> tuple:
+        """The row values of one Kafka message; InvalidMessage if it must go to dead letters."""
+        return self.values(m.parse_message(self.model, msg.value()))
+
+
+BATCH_FIELDS = ("clientid", "request", "user", "dbid", "begun", "parts", "patches", "learning", "includeBefore",
+                "includeAfter")
+
+
+@dataclass(frozen=True)
+class IngestionStream:
+    """A CDC ingestion topic (`adapters`): its records become `entity_batches` rows."""
+
+    source: adapters.Source
+    projection: str
+    name: str = adapters.SUFFIX
+    table: str = "entity_batches"
+    fields: tuple[str, ...] = BATCH_FIELDS
+
+    def read(self, msg) -> tuple:
+        return adapters.batch_values(self.source, self.projection, msg.topic(), msg.partition(), msg.offset(),
+                                     msg.timestamp()[1], msg.key(), msg.value())
+
 
 _CONNECTION_FIELDS = ("clientid", "dbid", "user", "device", "appVersion", "begun")
 
 INPUT_STREAMS: dict[str, InputStream] = {
     s.name: s
     for s in (
-        InputStream("entity-batches", "entity_batches", m.EntityBatch,
-                    ("clientid", "request", "user", "dbid", "begun", "parts", "patches", "learning", "includeBefore",
-                     "includeAfter"), _batch_values),
+        InputStream("entity-batches", "entity_batches", m.EntityBatch, BATCH_FIELDS, _batch_values),
         InputStream("schema-patches", "schema_patches", m.SchemaPatch,
                     ("clientid", "request", "user", "dbid", "parts", "part", "begun", "ops", "includeBefore",
                      "includeAfter"), _schema_patch_values),
@@ -74,7 +96,7 @@ class _Rows:
     """A range's valid records as they are read: their values and Kafka coordinates, turned
     into Arrow columns per `BATCH_ROWS` (no dict per record)."""
 
-    def __init__(self, stream: InputStream, r: OffsetRange, slice_key: str, out: FileWriter):
+    def __init__(self, stream: InputStream | IngestionStream, r: OffsetRange, slice_key: str, out: FileWriter):
         self.stream, self.range, self.slice_key, self.out = stream, r, slice_key, out
         self.values: list[tuple] = []
         self.offsets: list[int] = []
@@ -103,7 +125,7 @@ class _Rows:
         self.values, self.offsets, self.timestamps = [], [], []
 
 
-def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, str],
+def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, InputStream | IngestionStream],
                  slice_key: str, table_uris: dict[str, str], storage_options: dict | None,
                  max_rows_per_file: int = 250_000) -> Iterator[dict]:
     """mapPartitions body: yields one dict per data file written (see storage.DataFile)."""
@@ -117,18 +139,17 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
 
     for task in tasks:
         r = OffsetRange(**task)
-        stream = INPUT_STREAMS[streams_by_topic[r.topic]]
+        stream = streams_by_topic[r.topic]
         rows, dead = _Rows(stream, r, slice_key, writer(stream.table)), writer("dead_letters")
         for msg in read_range(kafka_config, r):
-            value = msg.value()
             try:
-                values = stream.values(m.parse_message(stream.model, value))
+                values = stream.read(msg)
             except Exception as exc:  # InvalidMessage: its code; anything else (a bug) must not lose the record either
                 code, reason = ((exc.code.value, exc.reason) if isinstance(exc, m.InvalidMessage)
                                 else (m.DeadLetterCode.UNEXPECTED.value, f"{type(exc).__name__}: {exc}"))
                 dead.append({"slice": slice_key, "kafka_topic": r.topic, "kafka_partition": r.partition,
                              "kafka_offset": msg.offset(), "kafka_timestamp": msg.timestamp()[1], "stream": stream.name,
-                             "kafka_key": msg.key(), "value": value, "code": code, "reason": reason})
+                             "kafka_key": msg.key(), "value": msg.value(), "code": code, "reason": reason})
                 continue
             rows.add(values, msg.offset(), msg.timestamp()[1])
         rows.flush()

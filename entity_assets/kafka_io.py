@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,12 +29,14 @@ PRODUCER_DEFAULTS = {
 }
 
 
-def end_offsets(config: dict, topics: list[str], timeout: float = 10.0) -> dict[tuple[str, int], int]:
+def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
+                timeout: float = 10.0) -> dict[tuple[str, int], int]:
+    """High watermarks of every partition of `topics` (names, or a test of the broker's names)."""
     consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False})
     try:
         metadata = consumer.list_topics(timeout=timeout)
         out = {}
-        for topic in topics:
+        for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else topics:
             meta = metadata.topics.get(topic)
             if meta is None or meta.error is not None:
                 continue

@@ -6,7 +6,6 @@ import time
 
 from dagster import RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
-from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import slices_partitions
@@ -49,7 +48,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
             context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest}: resuming from the lake")
             cursor_seq = latest
 
-    ends = kafka.end_offsets([kafka.topic(s) for s in INPUT_STREAMS])
+    ends = kafka.input_end_offsets()
     ends = {**positions, **ends}  # keep positions of topics the broker did not list this time
     new = plan_slices(positions, ends, policy=slicing.policy(), next_seq=latest + 1,
                       last_closed_at=closed_at, now=int(time.time() * 1000))

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from dagster import ConfigurableResource
+from typing import Literal
+
+from dagster import Config, ConfigurableResource
 from pydantic import Field
 
+from entity_assets import adapters
 from entity_assets.broker import DEFAULT_PORT
+from entity_assets.ingest import INPUT_STREAMS, IngestionStream, InputStream
 
 DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
 """The embedded broker (entity_assets.broker) of the demo and the scripts."""
+
+
+class IngestionSource(Config):
+    """A source system whose CDC connector writes `<prefix><system>.<projection>.ingestion` topics."""
+
+    format: Literal["auto", "db2", "goldengate", "debezium"] = Field(
+        default="auto", description="the connector's record format; auto tells them apart per record")
+    dbid: str | None = Field(default=None, description="database of its entities (default: the system's name)")
+    zone: str | None = Field(default=None, description="zone of its entities (default: the system's name)")
+    learning: bool = Field(default=False, description="its entity updates feed schema learning")
 
 
 class KafkaResource(ConfigurableResource):
@@ -30,6 +44,10 @@ class KafkaResource(ConfigurableResource):
     new_topic_partitions: int = Field(default=4, description="partitions of output topics this project creates")
     new_topic_config: dict[str, str] = Field(
         default_factory=dict, description="topic configs of output topics this project creates, e.g. retention.ms")
+    ingestion: dict[str, IngestionSource] = Field(
+        default_factory=lambda: {adapters.ANY_SYSTEM: IngestionSource()},
+        description="source system ('*': any other) -> how its CDC ingestion topics become entity batches; "
+                    "{} reads none")
 
     def config(self) -> dict[str, str]:
         """librdkafka settings for consumers, producers and admin clients."""
@@ -53,3 +71,21 @@ class KafkaResource(ConfigurableResource):
         from entity_assets.kafka_io import end_offsets
 
         return end_offsets(self.config(), topics, timeout)
+
+    def input_stream(self, topic: str) -> InputStream | IngestionStream | None:
+        """What a topic feeds: a seed input stream, a configured source's ingestion topic, or nothing."""
+        for name, stream in INPUT_STREAMS.items():
+            if topic == self.topic(name):
+                return stream
+        parsed = adapters.parse_topic(topic, self.topic_prefix)
+        source = parsed and (self.ingestion.get(parsed[0]) or self.ingestion.get(adapters.ANY_SYSTEM))
+        if not source:
+            return None
+        return IngestionStream(adapters.Source(parsed[0], source.format, source.dbid, source.zone, source.learning),
+                               projection=parsed[1])
+
+    def input_end_offsets(self, timeout: float = 10.0) -> dict[tuple[str, int], int]:
+        """High watermarks of every input topic on the broker: the seed's and the ingestion topics."""
+        from entity_assets.kafka_io import end_offsets
+
+        return end_offsets(self.config(), lambda topic: self.input_stream(topic) is not None, timeout)

@@ -4,7 +4,7 @@
 from collections import Counter
 from functools import partial
 
-from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetExecutionContext, AssetSpec,
+from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetExecutionContext, AssetSpec, Failure,
                      MaterializeResult, MetadataValue, multi_asset)
 
 from entity_assets.assets.common import commit_slice, ensure_tables, run_tasks, table_metadata
@@ -47,8 +47,12 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
         warm_producer(kafka.config())
     manifest = ManifestStore(engine).get(context.partition_key)
     ensure_tables(engine, TABLES)
-    streams_by_topic = {kafka.topic(name): name for name in INPUT_STREAMS}
-    ranges = [r for r in manifest.ranges if r.count > 0 and r.topic in streams_by_topic]
+    streams_by_topic = {r.topic: kafka.input_stream(r.topic) for r in manifest.ranges if r.count > 0}
+    if unread := sorted(t for t, s in streams_by_topic.items() if s is None):
+        raise Failure(f"slice {manifest.key} holds records of {', '.join(unread)}, which no input stream reads "
+                      "(the seed's topics under the topic prefix, and the ingestion topics of the configured "
+                      "sources): restore the Kafka resource's settings that closed the slice")
+    ranges = [r for r in manifest.ranges if r.count > 0]
     tasks = [vars(r) for r in split_ranges(ranges, slicing.max_messages_per_task)]
     fn = partial(
         ingest_tasks, kafka_config=kafka.config(), streams_by_topic=streams_by_topic,
@@ -60,7 +64,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
                      + ", ".join(f"{t}={s['rows']}" for t, s in summary.items()))
     offsets: dict[str, dict[str, str]] = {}
     for r in ranges:
-        table = INPUT_STREAMS[streams_by_topic[r.topic]].table
+        table = streams_by_topic[r.topic].table
         offsets.setdefault(table, {})[f"{r.topic}[{r.partition}]"] = f"[{r.start}, {r.end})"
     for table in TABLES:
         meta = table_metadata(engine, table, summary[table])
