@@ -2,7 +2,7 @@
 
     entity-assets broker start|stop|status     the embedded local Kafka-protocol broker
     entity-assets spark start|stop|status      a local Spark Connect server for the daemon's runs
-    entity-assets produce sample|seed|file     put traffic on the input topics
+    entity-assets produce sample|seed|file|cdc put traffic on the input topics
     entity-assets run                          one sensor evaluation, then every pending slice in order
     entity-assets run --slices 1..40           those slices again, in order (a rebuild; --assets to pick tables)
     entity-assets summary                      rows per table, dead letters per code
@@ -103,10 +103,22 @@ def produce_records(records, kafka=None) -> Counter:
     return counts
 
 
+def _cdc_topics(partitions: int = 4) -> None:
+    """The sample's ingestion topics: a connector creates its own; the sample's are made here."""
+    from entity_assets import samples
+    from entity_assets.kafka_io import ensure_topics
+
+    kafka = _kafka()
+    ensure_topics(kafka.config(), [kafka.topic(s) for s in samples.CDC_STREAMS], partitions)
+
+
 def cmd_produce(args) -> int:
     from entity_assets import samples
 
-    if args.source == "file":
+    if args.source == "cdc":
+        _cdc_topics()
+        counts = produce_records(samples.CdcTraffic(rows=args.rows, seed=args.seed).records())
+    elif args.source == "file":
         def records():
             with open(args.path) as f:
                 for line in f:
@@ -297,6 +309,9 @@ def lake_summary() -> dict[str, dict]:
     if "dead_letters" in out and out["dead_letters"]["rows"]:
         codes = Counter(engine.read("dead_letters", columns=["code"]).column("code").to_pylist())
         out["dead_letters"]["codes"] = dict(codes)
+    if "entity_batches" in out and out["entity_batches"]["rows"]:  # native batches and each CDC ingestion topic
+        topics = Counter(engine.read("entity_batches", columns=["kafka_topic"]).column("kafka_topic").to_pylist())
+        out["entity_batches"]["topics"] = dict(sorted(topics.items()))
     return out
 
 
@@ -305,7 +320,7 @@ def cmd_summary(args) -> int:
     width = max((len(t) for t in summary), default=10)
     print(f"{'table':<{width}}  {'rows':>10}  delta version")
     for table, s in summary.items():
-        extra = f"  {s['codes']}" if s.get("codes") else ""
+        extra = "".join(f"  {s[k]}" for k in ("codes", "topics") if s.get(k))
         print(f"{table:<{width}}  {s['rows']:>10}  v{s['version']}{extra}")
     return 0
 
@@ -399,8 +414,10 @@ def cmd_demo(args) -> int:
 
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=args.patches, entities=args.entities, learning=True),
                                    devices=args.devices)
+    _cdc_topics(args.partitions)
     counts = produce_records([*samples.seed_records(), *traffic.records(),
-                              *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))])
+                              *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES)),
+                              *samples.CdcTraffic(rows=args.cdc_rows).records(), samples.CDC_BAD])
     print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
     code = _run_all()
     print()
@@ -426,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     spark.add_argument("action", choices=["start", "stop", "status"])
     spark.add_argument("--spark-port", type=int, default=int(os.environ.get("ENTITY_ASSETS_SPARK_CONNECT_PORT", SPARK_CONNECT_PORT)))
     produce = sub.add_parser("produce", help="produce records to the input topics")
-    produce.add_argument("source", choices=["sample", "seed", "file"])
+    produce.add_argument("source", choices=["sample", "seed", "file", "cdc"],
+                         help="cdc: change data capture of three source systems (Debezium, GoldenGate, DB2)")
     produce.add_argument("path", nargs="?", help="JSONL of {topic, key, value} (for 'file')")
     produce.add_argument("--patches", type=int, default=10_000)
     produce.add_argument("--entities", type=int, default=1_000)
@@ -436,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     produce.add_argument("--devices", type=int, default=0, help="whole-graph traffic: schemas, devices, subscriptions, acks")
     produce.add_argument("--zones", type=int, default=0, help="spread entities and subscriptions over this many zones")
     produce.add_argument("--bad", action="store_true", help="add one record per dead-letter path")
+    produce.add_argument("--rows", type=int, default=100, help="cdc: rows of each source's projection")
     run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
     run.add_argument("--max-messages", type=int, default=None, help="cap of messages per slice")
     run.add_argument("--slices", metavar="FIRST[..LAST]", default=None,
@@ -464,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--entities", type=int, default=1_000)
     demo.add_argument("--devices", type=int, default=20)
     demo.add_argument("--partitions", type=int, default=4)
+    demo.add_argument("--cdc-rows", type=int, default=100, help="rows of each sample CDC projection")
     args = parser.parse_args(argv)
     prepare_environment(args.port)
     handler = {"broker": cmd_broker, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,

@@ -176,3 +176,45 @@ class GraphTraffic:
             device = f"device-{i:05d}"
             yield ("notification-acks", device, encode({"dbid": b.dbid, "user": f"user{i % self.users}",
                                                         "device": device, "upTo": ACK_ALL, "begun": b.begun}))
+
+
+CDC_STREAMS = {"crm.customers.ingestion": "debezium", "erp.accounts.ingestion": "goldengate",
+               "legacy.users.ingestion": "db2"}
+"""The sample's ingestion topics (under the topic prefix) and the format each one's connector writes."""
+
+CDC_BAD = ("crm.customers.ingestion", encode({"ID": 0}), encode({"op": "t", "source": {"table": "CUSTOMERS"}}))
+"""A Debezium truncate, which changes no row of a projection: a dead letter (GENERR002)."""
+
+
+@dataclass(frozen=True)
+class CdcTraffic:
+    """Change data capture of three source systems (seed 001), one projection each: every row is
+    inserted, then changed `changes` times; every tenth row is deleted at the end."""
+
+    rows: int = 100
+    changes: int = 2
+    seed: int = 7
+
+    def records(self) -> Iterator[Record]:
+        for stream, fmt in CDC_STREAMS.items():
+            rng = random.Random(f"{self.seed}/{stream}")
+            rows = [{"ID": i, "NAME": f"Name{i}", "SCORE": rng.randrange(1000)} for i in range(self.rows)]
+            for version in range(self.changes + 1):
+                for row in rows:
+                    before = dict(row)
+                    if version:
+                        row["SCORE"] = rng.randrange(1000)
+                    yield stream, *_cdc(fmt, row["ID"], before if version else None, dict(row))
+            for row in rows[::10]:
+                yield stream, *_cdc(fmt, row["ID"], row, None)
+
+
+def _cdc(fmt: str, key: int, before: dict | None, after: dict | None) -> tuple[str | bytes, bytes | None]:
+    """One record's (key, value) in a connector's format: a delete when `after` is None."""
+    if fmt == "db2":
+        return encode({"ID": key}), None if after is None else encode(after)
+    if fmt == "goldengate":
+        op_type = "D" if after is None else ("I" if before is None else "U")
+        return str(key), encode({"op_type": op_type, "before": before, "after": after})
+    op = "d" if after is None else ("c" if before is None else "u")
+    return encode({"ID": key}), encode({"op": op, "before": before, "after": after, "source": {"connector": "sample"}})
