@@ -1,10 +1,12 @@
-"""Ingestion adapters: change-data-capture records (seed 001) become entity batches.
+"""Ingestion adapters: change-data-capture records (seeds 001 and 000) become entity batches.
 
 A source database's CDC connector writes one topic per projection (a table), named
 `<tenant>.<environment>.<source-system>.<projection>.ingestion`. A record's key is the row's
-primary key and its value the change, in one of three formats: IBM InfoSphere Data Replication
+primary key and its value the change, in one of four formats: IBM InfoSphere Data Replication
 for DB2 (the whole row, or null for a delete), Oracle GoldenGate (`op_type` I/U/D with `before`
-and `after`) or Debezium (`op` c/r/u/d with `before`, `after` and `source`).
+and `after`), Debezium (`op` c/r/u/d with `before`, `after` and `source`), or Qlik Replicate's
+Avro envelope (`qlik`: data messages decoded with the schemas its metadata messages register;
+the primary key comes from the metadata).
 
 Each record becomes a one-patch entity batch, the row a client's batch would give, so it takes
 the native path from `entity_batches` on (patches, updates, state, responses, zone changes):
@@ -31,12 +33,14 @@ from pydantic import BaseModel, ConfigDict
 from pydantic_core import from_json
 
 from entity_assets import messages as m
+from entity_assets import qlik
 from entity_assets.core import dumps
 
-FORMATS = ("db2", "goldengate", "debezium")
+FORMATS = ("db2", "goldengate", "debezium", "qlik")
 AUTO = "auto"
-"""Tells the formats apart per record: `op` (c/r/u/d/t/m) is Debezium, `op_type` GoldenGate,
-anything else a DB2 row. Name a system's format where a table has columns of those names."""
+"""Tells the formats apart per record: a Replicate envelope (`atMSG`) is Qlik's, a JSON value
+with `op` (c/r/u/d/t/m) Debezium's, one with `op_type` GoldenGate's, anything else a DB2 row.
+Name a system's format where a table has columns of those names."""
 
 SUFFIX = "ingestion"
 ANY_SYSTEM = "*"
@@ -186,7 +190,7 @@ def entity_id(raw: bytes | None) -> str:
             if value is None or isinstance(value, dict | list):
                 raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.{name}: a key value must be a string, "
                                                                      "number or boolean")
-            parts.append(value if isinstance(value, str) else dumps(value))
+            parts.append(key_text(value))
         return "_".join(parts)
     if isinstance(key, str) and key:
         return key
@@ -196,15 +200,28 @@ def entity_id(raw: bytes | None) -> str:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: neither JSON nor UTF-8 text") from None
 
 
+def key_text(value) -> str:
+    return value if isinstance(value, str) else dumps(value)
+
+
 def ops(kind: str, row: dict | None) -> list[dict]:
     return [{"op": "add", "path": "", "value": row}] if kind == UPSERT else [{"op": "remove", "path": ""}]
 
 
 def batch_values(source: Source, projection: str, topic: str, partition: int, offset: int, timestamp: int,
-                 key: bytes | None, value: bytes | None) -> tuple:
-    """The entity_batches row values of one record, in `ingest.BATCH_FIELDS`' order."""
-    entity = entity_id(key)
-    kind, row = change(source.format, value)
+                 key: bytes | None, value: bytes | None, decoder: qlik.Decoder | None = None) -> tuple | qlik.Registered:
+    """The entity_batches row values of one record, in `ingest.BATCH_FIELDS`' order; for a Qlik
+    metadata message, the schema it registers (`decoder` holds the registry)."""
+    if source.format == "qlik" or (source.format == AUTO and qlik.is_envelope(value)):
+        decoded = (decoder or qlik.Decoder({})).decode(value or b"")
+        if isinstance(decoded, qlik.Registered):
+            return decoded
+        row, primary_key = decoded
+        kind = DELETE if row is None else UPSERT
+        entity = "_".join(map(key_text, primary_key)) if primary_key else entity_id(key)
+    else:
+        entity = entity_id(key)
+        kind, row = change(source.format, value)
     patch = {"collection": projection, "zone": source.zone or source.system, "entity": entity, "ops": ops(kind, row)}
     return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,
             max(timestamp, 0), 1, dumps([patch]), source.learning, False, False)

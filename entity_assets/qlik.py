@@ -1,0 +1,325 @@
+"""The Qlik Replicate Avro envelope (seed 000): metadata messages register data schemas, data
+messages are decoded by the schema id they reference.
+
+An envelope (magic `atMSG`) holds either a metadata message (type MD, self-describing: its Avro
+schema is embedded) that carries a table's data schema under a 32-byte schema id, or a data
+message (type DT) encoded with a schema registered earlier. A data message whose schema is not
+registered yet is `SchemaPending`: the ingest step holds it in dead letters and applies it in
+the slice that brings its metadata message (docs/ingestion.md).
+
+Plain module: fastavro and pydantic, no Kafka, Spark or Dagster.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import io
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import fastavro
+from pydantic import BaseModel, ConfigDict
+
+from entity_assets import messages as m
+
+MAGIC = b"atMSG"
+
+ENVELOPE_SCHEMA = {
+    "type": "record", "name": "MessageEnvelope",
+    "fields": [
+        {"name": "magic", "type": {"type": "fixed", "name": "Magic", "size": 5}},
+        {"name": "type", "type": "string"},
+        {"name": "headers", "type": ["null", {"type": "map", "values": "string"}]},
+        {"name": "messageSchemaId", "type": ["null", "string"]},
+        {"name": "messageSchema", "type": ["null", "string"]},
+        {"name": "message", "type": "bytes"},
+    ],
+}
+"""The seed's envelope schema, verbatim."""
+
+_ENVELOPE = fastavro.parse_schema(ENVELOPE_SCHEMA)
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class Envelope(BaseModel):
+    model_config = _STRICT
+    magic: bytes
+    type: Literal["MD", "DT"]
+    headers: dict[str, str] | None = None
+    messageSchemaId: str | None = None
+    messageSchema: str | None = None
+    message: bytes
+
+
+class Lineage(BaseModel):
+    """Where a metadata message's table comes from; only `table` is used."""
+
+    model_config = ConfigDict(extra="ignore")
+    server: str | None = None
+    task: str | None = None
+    table: str | None = None
+    tableVersion: int | None = None
+    timestamp: str | None = None
+
+
+class Column(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    ordinal: int | None = None
+    type: str | None = None
+    primaryKeyPosition: int | None = None
+
+
+class TableStructure(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tableColumns: dict[str, Column] = {}
+
+
+class MetadataMessage(BaseModel):
+    """An MD message: a table's data schema (Avro JSON text) under its schema id."""
+
+    model_config = ConfigDict(extra="ignore")
+    schemaId: m.Name
+    lineage: Lineage | None = None
+    tableStructure: TableStructure | None = None
+    dataSchema: m.Name
+
+
+class DataHeaders(BaseModel):
+    """A data message's headers; `operation` decides the change, the rest is the source's order."""
+
+    model_config = ConfigDict(extra="ignore")
+    operation: Literal["INSERT", "UPDATE", "DELETE", "REFRESH"]
+    changeSequence: str | None = None
+    timestamp: str | None = None
+    streamPosition: str | None = None
+    transactionId: str | None = None
+
+
+class DataMessage(BaseModel):
+    """A DT message: the row after the change (`data`) and, for updates, before it."""
+
+    model_config = ConfigDict(extra="ignore")
+    data: m.Document | None = None
+    beforeData: m.Document | None = None
+    headers: DataHeaders
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A data schema as a metadata message registered it: one `avro_schemas` row."""
+
+    schema_id: str
+    data_schema: str
+    table: str | None = None
+    primary_key: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, md: MetadataMessage) -> Registered:
+        columns = md.tableStructure.tableColumns if md.tableStructure else {}
+        keyed = sorted((c.primaryKeyPosition, name) for name, c in columns.items() if c.primaryKeyPosition)
+        return cls(md.schemaId, md.dataSchema, md.lineage.table if md.lineage else None,
+                   tuple(name for _, name in keyed))
+
+    @classmethod
+    def from_row(cls, row: dict) -> Registered:
+        return cls(row["schemaId"], row["dataSchema"], row["table"], tuple(json.loads(row["primaryKey"])))
+
+    def values(self, system: str) -> tuple:
+        """The row's values in `REGISTRY_FIELDS`' order."""
+        return system, self.schema_id, self.table, json.dumps(list(self.primary_key)), self.data_schema
+
+
+REGISTRY_FIELDS = ("system", "schemaId", "table", "primaryKey", "dataSchema")
+
+
+class SchemaPending(m.InvalidMessage):
+    """A data message whose schema id no metadata message has registered yet."""
+
+    def __init__(self, schema_id: str):
+        super().__init__(m.DeadLetterCode.SCHEMA_PENDING,
+                         f"messageSchemaId {schema_id}: no metadata message has registered this schema yet; "
+                         "applied in the slice that brings it")
+        self.schema_id = schema_id
+
+    def __reduce__(self):
+        return SchemaPending, (self.schema_id,)
+
+
+def is_envelope(raw: bytes | None) -> bool:
+    return bool(raw) and raw[:5] == MAGIC
+
+
+def envelope(raw: bytes) -> Envelope:
+    if len(raw) > m.MAX_MESSAGE_BYTES:
+        raise m.InvalidMessage(m.DeadLetterCode.OVERSIZE, f"value is {len(raw)} bytes, over {m.MAX_MESSAGE_BYTES}")
+    if not is_envelope(raw):
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "value: not a Replicate envelope (no 'atMSG' magic)")
+    env = m.parse_value(Envelope, _avro(raw, _ENVELOPE, "envelope"))
+    if (env.messageSchema is None) == (env.messageSchemaId is None):
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT,
+                               "envelope: exactly one of messageSchema and messageSchemaId must be set")
+    return env
+
+
+def schema_id_of(raw: bytes) -> str | None:
+    """The schema id a data message references (None for anything else): to find pending ones."""
+    try:
+        env = envelope(raw)
+    except m.InvalidMessage:
+        return None
+    return env.messageSchemaId if env.type == "DT" else None
+
+
+def _avro(raw: bytes, schema, what: str) -> Any:
+    try:
+        return fastavro.schemaless_reader(io.BytesIO(raw), schema, None)
+    except Exception as exc:  # truncated or foreign bytes: fastavro raises several types
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: not decodable ({type(exc).__name__}: {exc})"[:300]) \
+            from None
+
+
+def _schema(text: str, what: str):
+    try:
+        return fastavro.parse_schema(json.loads(text))
+    except Exception as exc:
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: not an Avro schema ({exc})"[:300]) from None
+
+
+class Decoder:
+    """Decodes envelopes against a registry (schema id -> `Registered`), parsing each data
+    schema once."""
+
+    def __init__(self, registry: dict[str, Registered]):
+        self.registry = registry
+        self._parsed: dict[str, Any] = {}
+
+    def decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None]:
+        """A metadata message's `Registered`, or a data message's (row after the change, None for
+        a delete; its primary key values, None when its schema names no key); `SchemaPending` or
+        InvalidMessage otherwise."""
+        env = envelope(raw)
+        if env.type == "MD":
+            if env.messageSchema is None:
+                raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "envelope: a metadata message embeds its schema")
+            md = m.parse_value(MetadataMessage, _avro(env.message, _schema(env.messageSchema, "messageSchema"),
+                                                     "metadata message"))
+            _schema(md.dataSchema, "dataSchema")
+            return Registered.of(md)
+        if env.messageSchemaId is None:
+            schema = _schema(env.messageSchema, "messageSchema")
+            registered = None
+        else:
+            registered = self.registry.get(env.messageSchemaId)
+            if registered is None:
+                raise SchemaPending(env.messageSchemaId)
+            schema = self._parsed.get(registered.schema_id)
+            if schema is None:
+                schema = self._parsed[registered.schema_id] = _schema(registered.data_schema, "dataSchema")
+        msg = m.parse_value(DataMessage, plain(_avro(env.message, schema, "data message")))
+        row = msg.data if msg.data is not None else msg.beforeData
+        if row is None:
+            raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "data message: neither data nor beforeData")
+        key = None
+        if registered and registered.primary_key:
+            missing = [c for c in registered.primary_key if row.get(c) is None]
+            if missing:
+                raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT,
+                                       f"data: primary key column(s) {', '.join(missing)} missing or null")
+            key = tuple(row[c] for c in registered.primary_key)
+        if msg.headers.operation == "DELETE":
+            return None, key
+        if msg.data is None:
+            raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"data: field required for operation "
+                                                                f"'{msg.headers.operation}'")
+        return msg.data, key
+
+
+def plain(value: Any) -> Any:
+    """Avro values as JSON values: bytes as base64, decimals as exact text, times as ISO 8601."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
+# --------------------------------------------------------------------------- writing (samples, tests)
+
+METADATA_SCHEMA = {
+    "type": "record", "name": "MetadataMessage",
+    "fields": [
+        {"name": "schemaId", "type": "string"},
+        {"name": "lineage", "type": {"type": "record", "name": "Lineage", "fields": [
+            {"name": "server", "type": "string"}, {"name": "task", "type": "string"},
+            {"name": "schema", "type": "string"}, {"name": "table", "type": "string"},
+            {"name": "tableVersion", "type": "int"}, {"name": "timestamp", "type": "string"}]}},
+        {"name": "tableStructure", "type": {"type": "record", "name": "TableStructure", "fields": [
+            {"name": "tableColumns", "type": {"type": "map", "values": {
+                "type": "record", "name": "Column", "fields": [
+                    {"name": "ordinal", "type": "int"}, {"name": "type", "type": "string"},
+                    {"name": "length", "type": "int"}, {"name": "precision", "type": "int"},
+                    {"name": "scale", "type": "int"}, {"name": "primaryKeyPosition", "type": "int"}]}}}]}},
+        {"name": "dataSchema", "type": "string"},
+    ],
+}
+"""The metadata message as Replicate writes it (its own messages embed this schema)."""
+
+
+def _encode(schema, record) -> bytes:
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema(schema), record)
+    return out.getvalue()
+
+
+def data_schema(table: str, columns: dict[str, str]) -> dict:
+    """A Replicate-style data schema: `data` and `beforeData` records of `columns` (name -> Avro
+    type, all nullable) and the change headers."""
+    row = {"type": "record", "name": "DataRecord", "fields": [{"name": c, "type": ["null", t]}
+                                                              for c, t in columns.items()]}
+    return {"type": "record", "name": f"{table}_message", "fields": [
+        {"name": "data", "type": ["null", row]},
+        {"name": "beforeData", "type": ["null", "DataRecord"]},
+        {"name": "headers", "type": {"type": "record", "name": "Headers", "fields": [
+            {"name": "operation", "type": {"type": "enum", "name": "Operation",
+                                           "symbols": ["INSERT", "UPDATE", "DELETE", "REFRESH"]}},
+            {"name": "changeSequence", "type": "string"}, {"name": "timestamp", "type": "string"},
+            {"name": "streamPosition", "type": "string"}, {"name": "transactionId", "type": "string"}]}},
+    ]}
+
+
+def metadata_envelope(schema_id: str, table: str, columns: dict[str, str], primary_key: list[str]) -> bytes:
+    """An MD envelope registering `data_schema(table, columns)` under `schema_id`."""
+    md = {"schemaId": schema_id,
+          "lineage": {"server": "replicate", "task": "sample", "schema": "dbo", "table": table, "tableVersion": 1,
+                      "timestamp": "2026-01-01T00:00:00"},
+          "tableStructure": {"tableColumns": {
+              c: {"ordinal": i, "type": t.upper(), "length": 0, "precision": 0, "scale": 0,
+                  "primaryKeyPosition": primary_key.index(c) + 1 if c in primary_key else 0}
+              for i, (c, t) in enumerate(columns.items(), start=1)}},
+          "dataSchema": json.dumps(data_schema(table, columns))}
+    return _encode(ENVELOPE_SCHEMA, {"magic": MAGIC, "type": "MD", "headers": None, "messageSchemaId": None,
+                                     "messageSchema": json.dumps(METADATA_SCHEMA),
+                                     "message": _encode(METADATA_SCHEMA, md)})
+
+
+def data_envelope(schema_id: str, schema: dict, operation: str, data: dict | None, before: dict | None = None,
+                  sequence: int = 0) -> bytes:
+    """A DT envelope of one change, encoded with `schema` (registered under `schema_id`)."""
+    message = {"data": data, "beforeData": before,
+               "headers": {"operation": operation, "changeSequence": f"{sequence:035d}",
+                           "timestamp": "2026-01-01T00:00:00", "streamPosition": str(sequence),
+                           "transactionId": f"{sequence:032d}"}}
+    return _encode(ENVELOPE_SCHEMA, {"magic": MAGIC, "type": "DT", "headers": None, "messageSchemaId": schema_id,
+                                     "messageSchema": None, "message": _encode(schema, message)})

@@ -1,0 +1,115 @@
+"""The Qlik Replicate Avro envelope (seed 000): registration, decoding, waiting, bad envelopes."""
+
+import datetime as dt
+import decimal
+import io
+import json
+import pickle
+
+import fastavro
+import pytest
+
+from entity_assets import adapters, qlik
+from entity_assets.core import loads
+from entity_assets.messages import DeadLetterCode, InvalidMessage
+
+COLUMNS = {"EMP_ID": "long", "DEPT": "string", "NAME": "string"}
+SCHEMA = qlik.data_schema("EMPLOYEES", COLUMNS)
+SID = "0123456789abcdef0123456789abcdef"
+MD = qlik.metadata_envelope(SID, "EMPLOYEES", COLUMNS, ["DEPT", "EMP_ID"])
+ROW = {"EMP_ID": 7, "DEPT": "R&D", "NAME": "Ada"}
+SOURCE = adapters.Source("hr", "qlik", dbid="hr-db")
+
+
+def dt_message(operation="INSERT", data=ROW, before=None, schema_id=SID) -> bytes:
+    return qlik.data_envelope(schema_id, SCHEMA, operation, data, before)
+
+
+def registered() -> qlik.Registered:
+    reg = qlik.Decoder({}).decode(MD)
+    assert isinstance(reg, qlik.Registered)
+    return reg
+
+
+def test_metadata_message_registers_its_data_schema_and_primary_key():
+    reg = registered()
+    assert (reg.schema_id, reg.table, reg.primary_key) == (SID, "EMPLOYEES", ("DEPT", "EMP_ID"))
+    assert json.loads(reg.data_schema) == SCHEMA
+    assert qlik.Registered.from_row(dict(zip(qlik.REGISTRY_FIELDS, reg.values("hr")))) == reg
+
+
+def test_data_messages_decode_with_the_registered_schema():
+    decoder = qlik.Decoder({SID: registered()})
+    assert decoder.decode(dt_message()) == (ROW, ("R&D", 7))
+    assert decoder.decode(dt_message("REFRESH")) == (ROW, ("R&D", 7))
+    changed = {**ROW, "NAME": "Ada L."}
+    assert decoder.decode(dt_message("UPDATE", changed, ROW)) == (changed, ("R&D", 7))
+    assert decoder.decode(dt_message("DELETE", ROW)) == (None, ("R&D", 7))
+    assert decoder.decode(dt_message("DELETE", None, ROW)) == (None, ("R&D", 7))
+
+
+def test_batch_values_of_envelopes():
+    decoder = qlik.Decoder({SID: registered()})
+    for fmt in ("qlik", "auto"):
+        source = adapters.Source("hr", fmt, dbid="hr-db")
+        assert adapters.batch_values(source, "employees", "hr.employees.ingestion", 0, 3, 1000, None, MD,
+                                     decoder) == registered()
+        values = adapters.batch_values(source, "employees", "hr.employees.ingestion", 0, 4, 1000, b"ignored",
+                                       dt_message(), decoder)
+        (patch,) = loads(values[6])
+        assert patch == {"collection": "employees", "zone": "hr", "entity": "R&D_7",
+                         "ops": [{"op": "add", "path": "", "value": ROW}]}
+
+
+def test_an_unknown_schema_waits_and_survives_pickling():
+    with pytest.raises(qlik.SchemaPending) as caught:
+        qlik.Decoder({}).decode(dt_message())
+    assert caught.value.code is DeadLetterCode.SCHEMA_PENDING and SID in caught.value.reason
+    assert pickle.loads(pickle.dumps(caught.value)).schema_id == SID
+    assert qlik.schema_id_of(dt_message()) == SID
+    assert qlik.schema_id_of(MD) is None and qlik.schema_id_of(b"{}") is None
+
+
+def test_a_self_describing_data_message_needs_no_registry_and_keys_by_the_kafka_key():
+    message = io.BytesIO()
+    fastavro.schemaless_writer(message, fastavro.parse_schema(SCHEMA),
+                               {"data": ROW, "beforeData": None,
+                                "headers": {"operation": "INSERT", "changeSequence": "1", "timestamp": "t",
+                                            "streamPosition": "p", "transactionId": "x"}})
+    raw = io.BytesIO()
+    fastavro.schemaless_writer(raw, fastavro.parse_schema(qlik.ENVELOPE_SCHEMA),
+                               {"magic": qlik.MAGIC, "type": "DT", "headers": None, "messageSchemaId": None,
+                                "messageSchema": json.dumps(SCHEMA), "message": message.getvalue()})
+    values = adapters.batch_values(SOURCE, "employees", "t", 0, 0, 0, b"emp-7", raw.getvalue())
+    assert loads(values[6])[0]["entity"] == "emp-7"
+
+
+def test_avro_values_become_json_values():
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    assert qlik.plain({"b": b"\x00\x01", "d": decimal.Decimal("1.10"), "t": when, "l": [dt.date(2026, 1, 2)]}) == \
+        {"b": "AAE=", "d": "1.10", "t": "2026-01-02T03:04:05+00:00", "l": ["2026-01-02"]}
+
+
+def _envelope(**fields) -> bytes:
+    out = io.BytesIO()
+    record = {"magic": qlik.MAGIC, "type": "DT", "headers": None, "messageSchemaId": SID, "messageSchema": None,
+              "message": b"", **fields}
+    fastavro.schemaless_writer(out, fastavro.parse_schema(qlik.ENVELOPE_SCHEMA), record)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b'{"op": "c"}', "not a Replicate envelope"),
+    (MD[:20], "envelope: not decodable"),
+    (_envelope(messageSchemaId=None), "exactly one of messageSchema and messageSchemaId"),
+    (_envelope(type="XX"), "type: input should be 'MD' or 'DT'"),
+    (_envelope(message=b"\x02"), "data message: not decodable"),
+    (dt_message("INSERT", None, ROW), "data: field required for operation 'INSERT'"),
+    (dt_message("INSERT", None, None), "neither data nor beforeData"),
+    (dt_message("INSERT", {**ROW, "DEPT": None}), "primary key column(s) DEPT missing or null"),
+    (qlik.metadata_envelope("x", "T", {"A": "no-such-type"}, []), "dataSchema: not an Avro schema"),
+])
+def test_bad_envelopes(raw, reason):
+    with pytest.raises(InvalidMessage) as caught:
+        qlik.Decoder({SID: registered()}).decode(raw)
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and reason in caught.value.reason, caught.value.reason
