@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     spark.add_argument("--spark-port", type=int, default=int(os.environ.get("ENTITY_ASSETS_SPARK_CONNECT_PORT", SPARK_CONNECT_PORT)))
     produce = sub.add_parser("produce", help="produce records to the input topics")
     produce.add_argument("source", choices=["sample", "seed", "file", "cdc"],
-                         help="cdc: change data capture of three source systems (Debezium, GoldenGate, DB2)")
+                         help="cdc: change data capture of four source systems (Debezium, GoldenGate, DB2, Qlik)")
     produce.add_argument("path", nargs="?", help="JSONL of {topic, key, value} (for 'file')")
     produce.add_argument("--patches", type=int, default=10_000)
     produce.add_argument("--entities", type=int, default=1_000)

@@ -8,20 +8,23 @@ file records travel back to the driver.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from operator import attrgetter
 
 import pyarrow as pa
 from pydantic import BaseModel
 
-from entity_assets import adapters
+from entity_assets import adapters, qlik
 from entity_assets import messages as m
 from entity_assets.core import dumps
 from entity_assets.kafka_io import read_range
 from entity_assets.slices import OffsetRange
 from entity_assets.storage import FileWriter
-from entity_assets.tables import SCHEMAS
+from entity_assets.tables import LINEAGE, SCHEMAS
+
+LINEAGE_NAMES = tuple(name for name, _ in LINEAGE)
 
 def _batch_values(b: m.EntityBatch) -> tuple:
     return (b.clientid, b.request, b.user, b.dbid, b.begun, len(b.patches), dumps(b.patches), b.learning,
@@ -59,18 +62,48 @@ BATCH_FIELDS = ("clientid", "request", "user", "dbid", "begun", "parts", "patche
 
 
 @dataclass(frozen=True)
+class Routed:
+    """Row values for another table than the stream's: a Qlik metadata message's `avro_schemas` row."""
+
+    table: str
+    values: tuple
+
+
+ROUTED_FIELDS = {"avro_schemas": qlik.REGISTRY_FIELDS}
+
+
+@dataclass(frozen=True)
 class IngestionStream:
-    """A CDC ingestion topic (`adapters`): its records become `entity_batches` rows."""
+    """A CDC ingestion topic (`adapters`): its records become `entity_batches` rows.
+
+    `registry`: the Qlik data schemas registered before the slice (`avro_schemas`).
+    """
 
     source: adapters.Source
     projection: str
+    registry: Mapping[str, qlik.Registered] = field(default_factory=dict, compare=False)
     name: str = adapters.SUFFIX
     table: str = "entity_batches"
     fields: tuple[str, ...] = BATCH_FIELDS
 
-    def read(self, msg) -> tuple:
-        return adapters.batch_values(self.source, self.projection, msg.topic(), msg.partition(), msg.offset(),
-                                     msg.timestamp()[1], msg.key(), msg.value())
+    @property
+    def may_hold_envelopes(self) -> bool:
+        return self.source.format in ("qlik", adapters.AUTO)
+
+    @cached_property
+    def _decoder(self) -> qlik.Decoder:
+        return qlik.Decoder(dict(self.registry))
+
+    def read(self, msg) -> tuple | Routed:
+        return self.values_of(msg.topic(), msg.partition(), msg.offset(), msg.timestamp()[1], msg.key(), msg.value())
+
+    def values_of(self, topic: str, partition: int, offset: int, timestamp: int, key: bytes | None,
+                  value: bytes | None) -> tuple | Routed:
+        values = adapters.batch_values(self.source, self.projection, topic, partition, offset, timestamp, key, value,
+                                       self._decoder)
+        if isinstance(values, qlik.Registered):
+            return Routed("avro_schemas", values.values(self.source.system))
+        return values
 
 
 _CONNECTION_FIELDS = ("clientid", "dbid", "user", "device", "appVersion", "begun")
@@ -96,8 +129,8 @@ class _Rows:
     """A range's valid records as they are read: their values and Kafka coordinates, turned
     into Arrow columns per `BATCH_ROWS` (no dict per record)."""
 
-    def __init__(self, stream: InputStream | IngestionStream, r: OffsetRange, slice_key: str, out: FileWriter):
-        self.stream, self.range, self.slice_key, self.out = stream, r, slice_key, out
+    def __init__(self, fields: tuple[str, ...], r: OffsetRange, slice_key: str, out: FileWriter):
+        self.fields, self.range, self.slice_key, self.out = fields, r, slice_key, out
         self.values: list[tuple] = []
         self.offsets: list[int] = []
         self.timestamps: list[int] = []
@@ -119,10 +152,25 @@ class _Rows:
             "kafka_partition": pa.repeat(pa.scalar(self.range.partition, pa.int32()), n),
             "kafka_offset": pa.array(self.offsets, pa.int64()), "kafka_timestamp": pa.array(self.timestamps, pa.int64()),
         }
-        for name, values in zip(self.stream.fields, zip(*self.values)):
+        for name, values in zip(self.fields, zip(*self.values)):
             columns[name] = pa.array(values, types.field(name).type)
         self.out.append_table(pa.table(columns))
         self.values, self.offsets, self.timestamps = [], [], []
+
+
+HELD = "held"
+"""Data messages whose Qlik schema was unknown to the task: dead-letter files that the driver
+commits as they are, or rewrites without the ones this slice's metadata messages resolve."""
+
+
+def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, topic: str, partition: int,
+                offset: int, timestamp: int, key: bytes | None, value: bytes | None) -> None:
+    """A `dead_letters` row of a record: an InvalidMessage's code, or GENERR009 for anything else (a bug)."""
+    code, reason = ((exc.code.value, exc.reason) if isinstance(exc, m.InvalidMessage)
+                    else (m.DeadLetterCode.UNEXPECTED.value, f"{type(exc).__name__}: {exc}"))
+    out.append({"slice": slice_key, "kafka_topic": topic, "kafka_partition": partition, "kafka_offset": offset,
+                "kafka_timestamp": timestamp, "stream": stream, "kafka_key": key, "value": value, "code": code,
+                "reason": reason})
 
 
 def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, InputStream | IngestionStream],
@@ -133,26 +181,116 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
 
     def writer(table: str) -> FileWriter:
         if table not in writers:
-            writers[table] = FileWriter(table, table_uris[table], SCHEMAS[table], slice_key,
+            target = "dead_letters" if table == HELD else table
+            writers[table] = FileWriter(table, table_uris[target], SCHEMAS[target], slice_key,
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
     for task in tasks:
         r = OffsetRange(**task)
         stream = streams_by_topic[r.topic]
-        rows, dead = _Rows(stream, r, slice_key, writer(stream.table)), writer("dead_letters")
+        rows = _Rows(stream.fields, r, slice_key, writer(stream.table))
+        routed: dict[str, _Rows] = {}
         for msg in read_range(kafka_config, r):
             try:
                 values = stream.read(msg)
             except Exception as exc:  # InvalidMessage: its code; anything else (a bug) must not lose the record either
-                code, reason = ((exc.code.value, exc.reason) if isinstance(exc, m.InvalidMessage)
-                                else (m.DeadLetterCode.UNEXPECTED.value, f"{type(exc).__name__}: {exc}"))
-                dead.append({"slice": slice_key, "kafka_topic": r.topic, "kafka_partition": r.partition,
-                             "kafka_offset": msg.offset(), "kafka_timestamp": msg.timestamp()[1], "stream": stream.name,
-                             "kafka_key": msg.key(), "value": msg.value(), "code": code, "reason": reason})
+                dead_letter(writer(HELD if isinstance(exc, qlik.SchemaPending) else "dead_letters"), exc, slice_key,
+                            stream.name, r.topic, r.partition, msg.offset(), msg.timestamp()[1], msg.key(), msg.value())
+                continue
+            if type(values) is Routed:
+                if values.table not in routed:
+                    routed[values.table] = _Rows(ROUTED_FIELDS[values.table], r, slice_key, writer(values.table))
+                routed[values.table].add(values.values, msg.offset(), msg.timestamp()[1])
                 continue
             rows.add(values, msg.offset(), msg.timestamp()[1])
-        rows.flush()
+        for each in (rows, *routed.values()):
+            each.flush()
     for w in writers.values():
         for f in w.close():
             yield f.to_dict()
+
+
+# --------------------------------------------------------------------------- Qlik schemas, on the driver
+
+def registry_before(engine, slice_key: str) -> dict[str, qlik.Registered]:
+    """The data schemas that metadata messages of the slices before `slice_key` registered (the
+    first registration of an id wins: an id names one schema)."""
+    if not engine.exists("avro_schemas"):
+        return {}
+    rows = engine.read("avro_schemas", columns=["slice", *qlik.REGISTRY_FIELDS]).to_pylist()
+    registry: dict[str, qlik.Registered] = {}
+    for row in sorted(rows, key=lambda r: r["slice"]):
+        if row["slice"] < slice_key:
+            registry.setdefault(row["schemaId"], qlik.Registered.from_row(row))
+    return registry
+
+
+def ingestion_stream(topic: str, prefix: str, sources: Mapping[str, adapters.Source]) -> IngestionStream | None:
+    """The stream of an ingestion topic, `<prefix><system>.<projection>.ingestion`, if `sources`
+    (system, or `adapters.ANY_SYSTEM`, -> its settings) holds its system."""
+    parsed = adapters.parse_topic(topic, prefix)
+    source = parsed and (sources.get(parsed[0]) or sources.get(adapters.ANY_SYSTEM))
+    if not source:
+        return None
+    return IngestionStream(replace(source, system=parsed[0]), projection=parsed[1])
+
+
+def new_registrations(engine, files: dict[str, list], registry: Mapping[str, qlik.Registered]) -> dict:
+    """The schemas that the slice's metadata messages (its `avro_schemas` files) register for the first time."""
+    from entity_assets.storage import read_table
+
+    new: dict[str, qlik.Registered] = {}
+    for f in files.get("avro_schemas", []):
+        for row in read_table(f"{engine.uri('avro_schemas')}/{f.path}", engine.storage_options).to_pylist():
+            if row["schemaId"] not in registry:
+                new.setdefault(row["schemaId"], qlik.Registered.from_row(row))
+    return new
+
+
+def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, adapters.Source],
+                  registry: Mapping[str, qlik.Registered], new: frozenset[str], slice_key: str,
+                  table_uris: dict[str, str], storage_options: dict | None) -> Iterator[dict]:
+    """mapPartitions body: applies the data messages waiting for a schema that the slice registered.
+
+    A task reads its `files` of dead letters: the slice's held ones (`HELD`) or, for `earlier`,
+    committed ones, of which only the EA-SCHEMA-PENDING letters of slices before it whose schema is `new`
+    count. Each such message becomes an `entity_batches` row of this slice with its own Kafka
+    coordinates (or a dead letter of another code if it is bad otherwise); a held message whose
+    schema is still unknown is a dead letter of the slice. Yields the files written, and one
+    record per message applied under the table `COUNTER + "applied"`.
+    """
+    from entity_assets.fold import COUNTER
+    from entity_assets.storage import read_table
+
+    batches = FileWriter("entity_batches", table_uris["entity_batches"], SCHEMAS["entity_batches"], slice_key,
+                         storage_options=storage_options)
+    dead = FileWriter("dead_letters", table_uris["dead_letters"], SCHEMAS["dead_letters"], slice_key,
+                      storage_options=storage_options)
+    streams: dict[str, IngestionStream | None] = {}
+    applied = 0
+    for task in tasks:
+        for r in (r for f in task["files"] for r in read_table(f, storage_options).to_pylist()):
+            if task["earlier"] and (r["code"] != m.DeadLetterCode.SCHEMA_PENDING.value or r["slice"] >= slice_key):
+                continue
+            topic = r["kafka_topic"]
+            if topic not in streams:
+                stream = ingestion_stream(topic, prefix, sources)
+                streams[topic] = stream and replace(stream, registry=registry)
+            stream = streams[topic]
+            if stream is None or qlik.schema_id_of(r["value"]) not in new:
+                if not task["earlier"]:
+                    dead.append(r)  # still waiting
+                continue
+            coordinates = (topic, r["kafka_partition"], r["kafka_offset"], r["kafka_timestamp"])
+            try:
+                values = stream.values_of(*coordinates, r["kafka_key"], r["value"])
+            except Exception as exc:
+                dead_letter(dead, exc, slice_key, r["stream"], *coordinates, r["kafka_key"], r["value"])
+                continue
+            batches.append({"slice": slice_key, **dict(zip(LINEAGE_NAMES[1:], coordinates)),
+                            **dict(zip(BATCH_FIELDS, values))})
+            applied += 1
+    for f in (*batches.close(), *dead.close()):
+        yield f.to_dict()
+    yield {"table": COUNTER + "applied", "path": "", "size": 0, "rows": applied, "stats": ""}

@@ -11,6 +11,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from entity_assets import qlik
+
 Record = tuple[str, str, bytes]  # (stream, key, value)
 
 SEED_CLIENT = "c297cf20-18bd-40e2-827d-9b563ca28ccd"
@@ -179,17 +181,23 @@ class GraphTraffic:
 
 
 CDC_STREAMS = {"crm.customers.ingestion": "debezium", "erp.accounts.ingestion": "goldengate",
-               "legacy.users.ingestion": "db2"}
+               "legacy.users.ingestion": "db2", "hr.employees.ingestion": "qlik"}
 """The sample's ingestion topics (under the topic prefix) and the format each one's connector writes."""
 
 CDC_BAD = ("crm.customers.ingestion", encode({"ID": 0}), encode({"op": "t", "source": {"table": "CUSTOMERS"}}))
 """A Debezium truncate, which changes no row of a projection: a dead letter (GENERR002)."""
 
 
+QLIK_SCHEMA_ID = "5a3c0d9e1f2b4c6d8e0f1a2b3c4d5e6f"
+_QLIK_COLUMNS = {"ID": "long", "NAME": "string", "SCORE": "long"}
+
+
 @dataclass(frozen=True)
 class CdcTraffic:
-    """Change data capture of three source systems (seed 001), one projection each: every row is
-    inserted, then changed `changes` times; every tenth row is deleted at the end."""
+    """Change data capture of four source systems (seeds 001 and 000), one projection each: every
+    row is inserted, then changed `changes` times; every tenth row is deleted at the end. Qlik
+    Replicate's metadata message comes after its first data messages, as when it is read from
+    another partition."""
 
     rows: int = 100
     changes: int = 2
@@ -199,18 +207,27 @@ class CdcTraffic:
         for stream, fmt in CDC_STREAMS.items():
             rng = random.Random(f"{self.seed}/{stream}")
             rows = [{"ID": i, "NAME": f"Name{i}", "SCORE": rng.randrange(1000)} for i in range(self.rows)]
+            made = 0
             for version in range(self.changes + 1):
                 for row in rows:
                     before = dict(row)
                     if version:
                         row["SCORE"] = rng.randrange(1000)
                     yield stream, *_cdc(fmt, row["ID"], before if version else None, dict(row))
+                    made += 1
+                    if fmt == "qlik" and made == 5:
+                        yield stream, "metadata", qlik.metadata_envelope(QLIK_SCHEMA_ID, "EMPLOYEES", _QLIK_COLUMNS,
+                                                                         ["ID"])
             for row in rows[::10]:
                 yield stream, *_cdc(fmt, row["ID"], row, None)
 
 
 def _cdc(fmt: str, key: int, before: dict | None, after: dict | None) -> tuple[str | bytes, bytes | None]:
     """One record's (key, value) in a connector's format: a delete when `after` is None."""
+    if fmt == "qlik":
+        operation = "DELETE" if after is None else ("INSERT" if before is None else "UPDATE")
+        return str(key), qlik.data_envelope(QLIK_SCHEMA_ID, qlik.data_schema("EMPLOYEES", _QLIK_COLUMNS), operation,
+                                            after if after is not None else before, before)
     if fmt == "db2":
         return encode({"ID": key}), None if after is None else encode(after)
     if fmt == "goldengate":

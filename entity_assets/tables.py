@@ -42,6 +42,10 @@ SCHEMAS: dict[str, pa.Schema] = {
     "notification_acks": _schema(
         LINEAGE, [("dbid", STR), ("user", STR), ("device", STR), ("notifications", STR), ("upTo", I64), ("begun", I64)]
     ),
+    # schemas that Qlik Replicate metadata messages registered (docs/ingestion.md)
+    "avro_schemas": _schema(
+        LINEAGE, [("system", STR), ("schemaId", STR), ("table", STR), ("primaryKey", STR), ("dataSchema", STR)]
+    ),
     "dead_letters": _schema(
         LINEAGE,
         [("stream", STR), ("kafka_key", BIN), ("value", BIN), ("code", STR), ("reason", STR)],

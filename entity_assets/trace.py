@@ -18,6 +18,7 @@ from entity_assets import core
 from entity_assets.fold import key_buckets
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.manifests import TABLE as MANIFESTS
+from entity_assets.messages import DeadLetterCode
 from entity_assets.notify import DEVICE_KEY, DeviceInbox
 from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import LINEAGE
@@ -26,6 +27,8 @@ TRAIL = ("entity_batches", "schema_patches", "connections", "notification_acks",
          "entity_patches", "entity_updates", "schema_updates", "schema_learning", "partial_responses",
          "complete_responses", "zone_changes", "changes_by_device")
 """The tables whose rows carry the coordinates of the input record they came from, in the graph's order."""
+RECORD_TABLES = 5
+"""The first tables of `TRAIL`: the record's own row, or its dead letter."""
 
 STATES = {
     "entities": ("entity_patches", core.ENTITY_KEY),
@@ -33,6 +36,8 @@ STATES = {
     "devices": ("connections", DEVICE_KEY),
 }
 """State table -> the trail's table whose rows name its keys, and the key columns."""
+
+SCHEMA_PENDING = DeadLetterCode.SCHEMA_PENDING.value
 
 _HIDDEN = {name for name, _ in LINEAGE} | {"bucket"}
 """Columns a trail leaves out of its rows: the coordinates it was asked for, and storage layout."""
@@ -44,6 +49,9 @@ class Trail:
     partition: int
     offset: int
     slice: str | None = None
+    applied: str | None = None
+    """The later slice that applied the record, for a Qlik data message that waited there for its
+    schema (an EA-SCHEMA-PENDING dead letter in its own slice); None otherwise."""
     rows: dict[str, list[dict]] = field(default_factory=dict)
     """Table -> the record's rows in it (tables without any are left out)."""
     inboxes: list[dict] = field(default_factory=list)
@@ -83,16 +91,25 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
     if trail.slice is None:
         return trail
     at = [("kafka_topic", "=", topic), ("kafka_partition", "=", partition), ("kafka_offset", "=", offset)]
-    for table in TRAIL:
-        found = _read(engine, table, [trail.slice], None, at)
-        if found:
-            trail.rows[table] = [_shown(row) for row in found]
-    trail.inboxes = _inboxes(engine, trail.slice, trail.rows.get("changes_by_device", []))
+    for table in TRAIL[:RECORD_TABLES]:
+        _add(trail, table, _read(engine, table, [trail.slice], None, at))
+    if any(r["code"] == SCHEMA_PENDING for r in trail.rows.get("dead_letters", [])):
+        later = _read(engine, "entity_batches", None, None, at)  # every slice's files: a rare path
+        trail.applied = later[0]["slice"] if later else None
+        _add(trail, "entity_batches", later)
+    for table in TRAIL[RECORD_TABLES:]:
+        _add(trail, table, _read(engine, table, [trail.applied or trail.slice], None, at))
+    trail.inboxes = _inboxes(engine, trail.applied or trail.slice, trail.rows.get("changes_by_device", []))
     for table, (source, key) in STATES.items():
         found = _state(engine, table, key, {tuple(r[c] for c in key) for r in trail.rows.get(source, [])})
         if found:
             trail.states[table] = found
     return trail
+
+
+def _add(trail: Trail, table: str, rows: list[dict]) -> None:
+    if rows:
+        trail.rows[table] = [_shown(row) for row in rows]
 
 
 def _read(engine: DeltaRsEngine, table: str, slices: list[str] | None, columns: list[str] | None, filters) -> list[dict]:
@@ -163,7 +180,8 @@ def format_trail(trail: Trail) -> str:
     head = f"{trail.topic}:{trail.partition}:{trail.offset}"
     if trail.slice is None:
         return f"{head}: in no slice yet (the sensor has not closed a slice over this offset)"
-    lines = [f"{head}: slice {trail.slice}"]
+    lines = [f"{head}: slice {trail.slice}" + (f", applied in slice {trail.applied} (it waited for its schema)"
+                                                if trail.applied else "")]
     width = len("device_notifications")  # the longest name of a line
     for table, found in trail.rows.items():
         lines += [f"  {table:<{width}}  {_fields(row, _SUMMARY[table])}" for row in found]

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from entity_assets import adapters
 from entity_assets.broker import DEFAULT_PORT
-from entity_assets.ingest import INPUT_STREAMS, IngestionStream, InputStream
+from entity_assets.ingest import INPUT_STREAMS, IngestionStream, InputStream, ingestion_stream
 
 DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
 """The embedded broker (entity_assets.broker) of the demo and the scripts."""
@@ -18,7 +18,7 @@ DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
 class IngestionSource(Config):
     """A source system whose CDC connector writes `<prefix><system>.<projection>.ingestion` topics."""
 
-    format: Literal["auto", "db2", "goldengate", "debezium"] = Field(
+    format: Literal["auto", "db2", "goldengate", "debezium", "qlik"] = Field(
         default="auto", description="the connector's record format; auto tells them apart per record")
     dbid: str | None = Field(default=None, description="database of its entities (default: the system's name)")
     zone: str | None = Field(default=None, description="zone of its entities (default: the system's name)")
@@ -72,17 +72,17 @@ class KafkaResource(ConfigurableResource):
 
         return end_offsets(self.config(), topics, timeout)
 
+    def sources(self) -> dict[str, adapters.Source]:
+        """`ingestion` as the adapters' plain settings (what Spark tasks get)."""
+        return {system: adapters.Source(system, s.format, s.dbid, s.zone, s.learning)
+                for system, s in self.ingestion.items()}
+
     def input_stream(self, topic: str) -> InputStream | IngestionStream | None:
         """What a topic feeds: a seed input stream, a configured source's ingestion topic, or nothing."""
         for name, stream in INPUT_STREAMS.items():
             if topic == self.topic(name):
                 return stream
-        parsed = adapters.parse_topic(topic, self.topic_prefix)
-        source = parsed and (self.ingestion.get(parsed[0]) or self.ingestion.get(adapters.ANY_SYSTEM))
-        if not source:
-            return None
-        return IngestionStream(adapters.Source(parsed[0], source.format, source.dbid, source.zone, source.learning),
-                               projection=parsed[1])
+        return ingestion_stream(topic, self.topic_prefix, self.sources())
 
     def input_end_offsets(self, timeout: float = 10.0) -> dict[tuple[str, int], int]:
         """High watermarks of every input topic on the broker: the seed's and the ingestion topics."""

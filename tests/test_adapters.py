@@ -128,3 +128,35 @@ def test_bad_records(fmt, key, value, code, reason):
     with pytest.raises(InvalidMessage) as caught:
         batch(adapters.Source("crm", fmt), key, value)
     assert caught.value.code is code and reason in caught.value.reason, caught.value.reason
+
+
+def test_mutated_records_are_values_or_invalid_messages_never_crashes():
+    """Every byte-level mutation of the sample CDC records of each format (and of Qlik's) either
+    makes an entity batch (or a registration) or raises InvalidMessage, which ingest writes as a
+    dead letter with its code: no other exception (GENERR009 would mean a bug)."""
+    import random
+
+    from entity_assets import qlik, samples
+
+    rng = random.Random(11)
+    records = list(samples.CdcTraffic(rows=6, changes=1).records())
+    decoder = qlik.Decoder({})
+    outcomes = {"values": 0, "invalid": 0}
+    for stream, key, value in records:
+        source = adapters.Source(stream.split(".")[0], samples.CDC_STREAMS[stream])
+        for _ in range(40):
+            data = bytearray(value or b"")
+            for _ in range(rng.randint(1, 3)):
+                if data and rng.random() < 0.7:
+                    data[rng.randrange(len(data))] = rng.randrange(256)
+                elif data:
+                    del data[rng.randrange(len(data)):]
+            key_bytes = key.encode() if isinstance(key, str) else key
+            try:
+                result = adapters.batch_values(source, "p", stream, 0, 1, 1, key_bytes, bytes(data), decoder)
+                if isinstance(result, qlik.Registered):
+                    decoder.registry.setdefault(result.schema_id, result)
+                outcomes["values"] += 1
+            except InvalidMessage:
+                outcomes["invalid"] += 1
+    assert outcomes["values"] and outcomes["invalid"], outcomes

@@ -4,9 +4,10 @@ reach dead letters."""
 
 import json
 
-from entity_assets import adapters
+from entity_assets import adapters, qlik, samples
 from entity_assets.kafka_io import ensure_topics, produce
-from entity_assets.trace import trace
+from entity_assets.slices import slice_key as K
+from entity_assets.trace import format_trail, trace
 from resources.kafka import IngestionSource
 
 ROW = {"USER_ID": 1, "NAME": "Mario"}
@@ -94,3 +95,78 @@ def test_without_sources_no_ingestion_topic_is_read(make_pipeline):
     produce(pipeline.kafka.config(), topic, [(b"1", enc({"ID": 1}))])
     assert pipeline.tick() == []
     assert pipeline.kafka.input_stream(topic) is None
+
+
+def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
+    """Seed 000: a data message read before its schema's metadata message waits for it: within
+    the slice it is applied at once; across slices it is a dead letter (EA-SCHEMA-PENDING) until
+    the slice that brings the schema applies it."""
+    pipeline = make_pipeline()
+    topic = pipeline.topic("hr.employees.ingestion")
+    ensure_topics(pipeline.kafka.config(), [topic], 2)
+    columns = {"EMP_ID": "long", "NAME": "string"}
+    v1, v2 = qlik.data_schema("EMPLOYEES", columns), qlik.data_schema("EMPLOYEES", {**columns, "AGE": "int"})
+    s1, s2 = "a" * 32, "b" * 32
+    config = pipeline.kafka.config()
+    produce(config, topic, [(b"1", qlik.data_envelope(s1, v1, "INSERT", {"EMP_ID": 1, "NAME": "Ada"})),
+                            (b"2", qlik.data_envelope(s1, v1, "REFRESH", {"EMP_ID": 2, "NAME": "Bob"})),
+                            (b"meta", qlik.metadata_envelope(s1, "EMPLOYEES", columns, ["EMP_ID"])),
+                            (b"1", qlik.data_envelope(s2, v2, "UPDATE", {"EMP_ID": 1, "NAME": "Ada", "AGE": 36}))])
+    [run] = pipeline.tick_and_run()
+    assert run.success
+    now = states(pipeline)
+    assert json.loads(now[("hr", "employees", "hr", "2")]["document"]) == {"EMP_ID": 2, "NAME": "Bob"}
+    assert json.loads(now[("hr", "employees", "hr", "1")]["document"]) == {"EMP_ID": 1, "NAME": "Ada"}
+    [waiting] = pipeline.read("dead_letters").to_pylist()
+    assert waiting["code"] == "EA-SCHEMA-PENDING" and s2 in waiting["reason"] and waiting["slice"] == K(1)
+    assert [r["schemaId"] for r in pipeline.read("avro_schemas").to_pylist()] == [s1]
+    [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == "no_dead_letters"]
+    assert not check.passed and check.metadata["by_stream_and_code"].data == {"ingestion EA-SCHEMA-PENDING": 1}
+
+    produce(config, topic, [(b"meta", qlik.metadata_envelope(s2, "EMPLOYEES", {**columns, "AGE": "int"},
+                                                             ["EMP_ID"])),
+                            (b"2", qlik.data_envelope(s2, v2, "DELETE", {"EMP_ID": 2, "NAME": "Bob", "AGE": None}))])
+    for _ in range(2):  # the slice, then its re-run: the same rows, once
+        [run] = pipeline.tick_and_run() or [pipeline.run(K(2))]
+        assert run.success
+        # slice 1's waiting update, and this slice's delete, which its task read before the schema
+        assert pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 2
+        now = states(pipeline)
+        assert json.loads(now[("hr", "employees", "hr", "1")]["document"]) == {"EMP_ID": 1, "NAME": "Ada", "AGE": 36}
+        assert now[("hr", "employees", "hr", "2")]["deleted"]
+        batches = pipeline.read("entity_batches").to_pylist()
+        assert sorted((b["slice"], b["kafka_offset"]) for b in batches if b["kafka_partition"] == waiting[
+            "kafka_partition"] and b["kafka_offset"] == waiting["kafka_offset"]) == [(K(2), waiting["kafka_offset"])]
+        assert len(batches) == 4
+        assert pipeline.read("dead_letters").num_rows == 1  # slice 1's record of the wait
+
+    # The waiting record's trail: its dead letter in slice 1, its rows in slice 2, its entity now.
+    trail = trace(pipeline.engine, topic, waiting["kafka_partition"], waiting["kafka_offset"])
+    assert (trail.slice, trail.applied) == (K(1), K(2))
+    assert [r["code"] for r in trail.rows["dead_letters"]] == ["EA-SCHEMA-PENDING"]
+    assert [r["action"] for r in trail.rows["entity_updates"]] == ["updated"]
+    assert [s["version"] for s in trail.states["entities"]] == [2]
+    assert "applied in slice 0000000002" in format_trail(trail).splitlines()[0]
+
+
+def test_the_sample_cdc_traffic_of_every_format(make_pipeline):
+    """`entity-assets produce cdc`: four sources, one per format, each table's rows inserted,
+    changed twice, every tenth deleted; Qlik's metadata message read after its first data."""
+    pipeline = make_pipeline()
+    ensure_topics(pipeline.kafka.config(), [pipeline.topic(s) for s in samples.CDC_STREAMS], 2)
+    produced = pipeline.produce(samples.CdcTraffic(rows=20).records())
+    assert set(produced) == set(samples.CDC_STREAMS)
+    [run] = pipeline.tick_and_run()
+    assert run.success
+    assert pipeline.read("dead_letters").num_rows == 0
+    # the tasks knew no schema yet: every Qlik data message waited for the slice's metadata message
+    assert pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 20 * 3 + 2
+    by_collection: dict[str, list] = {}
+    for row in states(pipeline).values():
+        by_collection.setdefault(row["collection"], []).append(row)
+    assert sorted(by_collection) == ["accounts", "customers", "employees", "users"]
+    for rows in by_collection.values():
+        assert len(rows) == 20 and sum(r["deleted"] for r in rows) == 2
+        assert {r["version"] for r in rows if not r["deleted"]} == {3}
+    updates = pipeline.read("entity_updates").num_rows
+    assert updates == 4 * (20 * 3 + 2)

@@ -2,17 +2,21 @@
 
 
 from collections import Counter
+from dataclasses import replace
 from functools import partial
 
 from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetExecutionContext, AssetSpec, Failure,
                      MaterializeResult, MetadataValue, multi_asset)
 
-from entity_assets.assets.common import commit_slice, ensure_tables, run_tasks, table_metadata
-from entity_assets.ingest import INPUT_STREAMS, ingest_tasks
+from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
+                                         run_tasks, table_metadata)
+from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
+                                  registry_before, resolve_tasks)
 from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import LAKE_POOL, slices_partitions
-from entity_assets.slices import split_ranges
+from entity_assets.slices import slice_key as key_of, slice_seq, split_ranges
+from entity_assets.storage import filesystem
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 DESCRIPTIONS = {
@@ -20,11 +24,13 @@ DESCRIPTIONS = {
     "schema_patches": "Schema patch requests from the schema-patches topic, validated.",
     "connections": "Driver connections (user, device, app version) from the connections topic, validated.",
     "notification_acks": "Acknowledgements of device notifications from the notification-acks topic, validated.",
+    "avro_schemas": "Data schemas that Qlik Replicate metadata messages registered on the ingestion topics, by schema id: "
+                    "the registry that their data messages are decoded with.",
     "dead_letters": "Every record that could not be parsed or validated, with its bytes, Kafka coordinates, code and reason.",
 }
 GROUPS = {"entity_batches": "entities", "schema_patches": "schemas", "connections": "devices",
-          "notification_acks": "devices", "dead_letters": "quality"}
-TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("dead_letters",)
+          "notification_acks": "devices", "avro_schemas": "entities", "dead_letters": "quality"}
+TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("avro_schemas", "dead_letters")
 
 
 @multi_asset(
@@ -53,13 +59,20 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
                       "(the seed's topics under the topic prefix, and the ingestion topics of the configured "
                       "sources): restore the Kafka resource's settings that closed the slice")
     ranges = [r for r in manifest.ranges if r.count > 0]
+    registry = _registry(engine, manifest.key, streams_by_topic)
+    streams_by_topic = {t: replace(s, registry=registry) if isinstance(s, IngestionStream) else s
+                        for t, s in streams_by_topic.items()}
     tasks = [vars(r) for r in split_ranges(ranges, slicing.max_messages_per_task)]
     fn = partial(
         ingest_tasks, kafka_config=kafka.config(), streams_by_topic=streams_by_topic,
         slice_key=manifest.key, table_uris={t: engine.uri(t) for t in TABLES},
         storage_options=engine.storage_options,
     )
-    summary = commit_slice(engine, TABLES, run_tasks(spark, tasks, fn, manifest.messages), manifest.key)
+    files = run_tasks(spark, tasks, fn, manifest.messages)
+    resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing.max_messages_per_task)
+    if resolved:
+        context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
+    summary = commit_slice(engine, TABLES, files, manifest.key)
     context.log.info(f"slice {manifest.key}: {manifest.messages} records in {len(tasks)} tasks -> "
                      + ", ".join(f"{t}={s['rows']}" for t, s in summary.items()))
     offsets: dict[str, dict[str, str]] = {}
@@ -68,12 +81,57 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
         offsets.setdefault(table, {})[f"{r.topic}[{r.partition}]"] = f"[{r.start}, {r.end})"
     for table in TABLES:
         meta = table_metadata(engine, table, summary[table])
+        if table == "entity_batches":
+            meta["schema_pending_applied"] = MetadataValue.int(resolved)
         if table != "dead_letters":
             meta["dead_letters"] = MetadataValue.int(summary["dead_letters"]["rows"])
             meta["offsets"] = MetadataValue.json(offsets.get(table, {}))
         meta["slice_messages"] = MetadataValue.int(manifest.messages)
         yield MaterializeResult(asset_key=table, metadata=meta)
     yield _dead_letters_check(engine, manifest.key, summary["dead_letters"]["rows"])
+
+
+def _registry(engine, slice_key: str, streams: dict) -> dict:
+    """The Qlik schemas registered before the slice, if any of its topics may hold envelopes.
+
+    The slice before must be ingested: its metadata messages, and its data messages still
+    waiting for theirs, are read from the lake.
+    """
+    if not any(isinstance(s, IngestionStream) and s.may_hold_envelopes for s in streams.values()):
+        return {}
+    seq = slice_seq(slice_key)
+    if seq > 1 and engine.version_after("entity_batches", key_of(seq - 1), "replace_slice") is None:
+        raise OutOfOrder(f"slice {slice_key} holds ingestion topics, whose Qlik data messages are decoded with the "
+                         f"schemas of the slices before it, and slice {key_of(seq - 1)} is not ingested: materialize "
+                         "the slices in order")
+    return registry_before(engine, slice_key)
+
+
+def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: dict, slice_key: str,
+                   max_rows: int) -> int:
+    """Qlik data messages that waited for a schema this slice registers: applied in it, by tasks
+    (`resolve_tasks`); returns how many. Without a new schema, the held ones are dead letters."""
+    held = files.pop(HELD, [])
+    new = new_registrations(engine, files, registry)
+    if not new:
+        files.setdefault("dead_letters", []).extend(held)
+        return 0
+    dead_uri = engine.uri("dead_letters")
+    earlier = [f for f in engine.files("dead_letters") if f.min.get("slice", "") < slice_key]
+    tasks = [{"files": [f"{dead_uri}/{f.path}" for f in t["files"]], "earlier": False}
+             for t in file_tasks(held, max_rows, spark.parallelism())]
+    tasks += [{**t, "earlier": True} for t in file_tasks(earlier, max_rows, spark.parallelism())]
+    fn = partial(resolve_tasks, prefix=kafka.topic_prefix, sources=kafka.sources(), registry={**registry, **new},
+                 new=frozenset(new), slice_key=slice_key, table_uris={t: engine.uri(t) for t in TABLES},
+                 storage_options=engine.storage_options)
+    out = run_tasks(spark, tasks, fn, sum(f.rows for f in held) + sum(f.rows for f in earlier))
+    applied = pop_counts(out)["applied"]
+    for table, written in out.items():
+        files.setdefault(table, []).extend(written)
+    fs, root = filesystem(dead_uri, engine.storage_options)
+    for f in held:  # rewritten by the tasks
+        fs.delete_file(f"{root}/{f.path}")
+    return applied
 
 
 def _dead_letters_check(engine, slice_key: str, dead: int) -> AssetCheckResult:
