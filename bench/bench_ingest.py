@@ -91,10 +91,11 @@ def spark_stages(spark) -> list[dict]:
         return [{"error": f"{type(exc).__name__}: {exc}"}]
 
 
-def run_trial(n: int, *, lake_root: Path, per_task: int, max_messages: int | None, spark_master: str | None,
-              spark_conf: dict[str, str], quiet: bool, broker_pid: int | None,
+def run_trial(n: int, batches: int, *, lake_root: Path, per_task: int, max_messages: int | None,
+              spark_master: str | None, spark_conf: dict[str, str], quiet: bool, broker_pid: int | None,
               profiler: Profiler | None = None) -> dict:
-    """One cold ingest of the N messages already in the broker; returns the figures."""
+    """One cold ingest of the N messages already in the broker, which make `batches` entity_batches
+    rows; returns the figures."""
     from dagster import DagsterInstance, Definitions, build_sensor_context
 
     from entity_assets.assets.ingest import ingest
@@ -173,7 +174,7 @@ def run_trial(n: int, *, lake_root: Path, per_task: int, max_messages: int | Non
         "per_s": n / t_total.s,
         "slices": len(runs),
         "rows": rows,
-        "ok": rows.get("entity_batches") == n and rows.get("dead_letters", 0) == 0,
+        "ok": rows.get("entity_batches") == batches and rows.get("dead_letters", 0) == 0,
         "peak_driver_mb": driver_peak_mb(),
         "peak_jvm_mb": (vm_hwm_mb(jvm) if jvm else None) or 0.0,
         "peak_workers_mb": sampler.workers_peak_mb,
@@ -257,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="path of a py-spy binary: profile the driver and the Spark Python workers during "
                              "the timed section (slows them: do not compare its rates)")
     parser.add_argument("--profile-dir", default=str(Path(__file__).resolve().parent / "out" / "profile"))
+    parser.add_argument("--cdc", choices=["db2", "goldengate", "debezium", "qlik"], default=None,
+                        help="ingest about N records of the sample CDC traffic of this format (its ingestion topic) "
+                             "instead of entity batches")
     parser.add_argument("--keep", action="store_true", help="keep the temporary home (lake, broker data)")
     parser.add_argument("--verbose", action="store_true", help="Dagster INFO logs of the runs")
     args = parser.parse_args(argv)
@@ -266,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[dict] = []
     with BenchEnv(port=args.port, keep=args.keep) as env:
-        produced = env.produce_batches(args.n)
+        produced = env.produce_batches(args.n, cdc=args.cdc)
+        n = produced["messages"]
         log(f"produced {produced['messages']:,} messages ({produced['bytes'] / 1e6:.0f} MB) in "
             f"{produced['seconds']:.1f}s ({produced['per_s']:,}/s) in a child process "
             f"(peak RSS {produced['peak_rss_mb']} MB)")
@@ -274,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
             if len(plan) > 1:
                 log(f"trial {i}/{len(plan)}: max_messages_per_task {per_task:,}")
             profiler = Profiler(args.profile, Path(args.profile_dir)) if args.profile and i == 1 else None
-            f = run_trial(args.n, lake_root=env.home / f"lake-{i}", per_task=per_task,
+            f = run_trial(n, produced["batches"], lake_root=env.home / f"lake-{i}", per_task=per_task,
                           max_messages=args.max_messages, spark_master=args.spark_master,
                           spark_conf=dict(kv.split("=", 1) for kv in args.spark_conf), quiet=not args.verbose,
                           broker_pid=env.broker_pid, profiler=profiler)
-            report(args.n, f, args.target)
+            report(n, f, args.target)
             results.append(f)
             if len(plan) > 1:
-                print("trial " + kv(args.n, f, produced))
+                print("trial " + kv(n, f, produced))
 
     if args.profile:
         print_profile(Path(args.profile_dir))
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p:>10,}    {', '.join(f'{r:,.0f}' for r in rates):<30}  {statistics.median(rates):,.0f}")
         print(f"best: max_messages_per_task {best['per_task']:,}; the last line is that trial")
     ok = all(f["ok"] for f in results)
-    print(kv(args.n, best, produced, trials=len(results), all_ok=int(ok)))
+    print(kv(n, best, produced, trials=len(results), all_ok=int(ok), cdc=args.cdc or "none"))
     return 0 if ok else 1
 
 

@@ -352,14 +352,18 @@ class BenchEnv:
 
         ensure_topics({"bootstrap.servers": self.bootstrap}, list(INPUT_STREAMS), self.partitions)
 
-    def produce_batches(self, n: int, *, entities: int | None = None, ops: int = 3, seed: int = 7) -> dict:
-        """Produces BatchTraffic(patches=n, entities=n//10, ops=3) to entity-batches, in a child
-        process (generating 1M JSON values costs a few hundred MB that must not count as the
-        driver's memory); returns the child's report."""
+    def produce_batches(self, n: int, *, entities: int | None = None, ops: int = 3, seed: int = 7,
+                        cdc: str | None = None) -> dict:
+        """Produces BatchTraffic(patches=n, entities=n//10, ops=3) to entity-batches, or with `cdc` (a
+        format) about n records of the sample CDC traffic of that format to its ingestion topic, in
+        a child process (generating 1M values costs a few hundred MB that must not count as the
+        driver's memory); returns the child's report (`batches`: the entity_batches rows to expect)."""
         cmd = [sys.executable, str(Path(__file__).resolve()), "produce", "--bootstrap", self.bootstrap,
-               "--n", str(n), "--ops", str(ops), "--seed", str(seed)]
+               "--n", str(n), "--ops", str(ops), "--seed", str(seed), "--partitions", str(self.partitions)]
         if entities is not None:
             cmd += ["--entities", str(entities)]
+        if cdc is not None:
+            cmd += ["--cdc", cdc]
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
@@ -408,24 +412,34 @@ def _raise_interrupt(signum, frame):
 
 
 def _produce_main(args) -> int:
-    from entity_assets.kafka_io import produce
-    from entity_assets.samples import BatchTraffic
+    from entity_assets.kafka_io import ensure_topics, produce
+    from entity_assets.samples import CDC_STREAMS, BatchTraffic, CdcTraffic
 
-    entities = args.entities if args.entities is not None else max(1, args.n // 10)
-    traffic = BatchTraffic(patches=args.n, entities=entities, ops=args.ops, seed=args.seed)
-    size = 0
+    config = {"bootstrap.servers": args.bootstrap}
+    if args.cdc:
+        topic = next(s for s, fmt in CDC_STREAMS.items() if fmt == args.cdc)
+        ensure_topics(config, [topic], args.partitions)
+        # each row: its insert, two changes, and every tenth its delete
+        traffic = CdcTraffic(rows=max(1, args.n * 10 // 31), changes=2, seed=args.seed, streams=(topic,))
+    else:
+        topic = "entity-batches"
+        entities = args.entities if args.entities is not None else max(1, args.n // 10)
+        traffic = BatchTraffic(patches=args.n, entities=entities, ops=args.ops, seed=args.seed)
+    size = registrations = 0
 
     def records():
-        nonlocal size
+        nonlocal size, registrations
         for stream, key, value in traffic.records():
-            assert stream == "entity-batches"
-            size += len(value)
+            assert stream == topic
+            size += len(value or b"")  # a DB2 delete has no value
+            registrations += key == "metadata"  # a Qlik metadata message: an avro_schemas row
             yield key, value
 
     with Timer() as t:
-        count = produce({"bootstrap.servers": args.bootstrap}, "entity-batches", records())
-    print(json.dumps({"stream": "entity-batches", "messages": count, "bytes": size, "seconds": round(t.s, 2),
-                      "per_s": round(count / t.s), "peak_rss_mb": round(driver_peak_mb())}), flush=True)
+        count = produce(config, topic, records())
+    print(json.dumps({"stream": topic, "messages": count, "batches": count - registrations, "bytes": size,
+                      "seconds": round(t.s, 2), "per_s": round(count / t.s), "peak_rss_mb": round(driver_peak_mb())}),
+          flush=True)
     return 0
 
 
@@ -438,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--entities", type=int, default=None)
     p.add_argument("--ops", type=int, default=3)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--partitions", type=int, default=4, help="of the CDC topic it creates")
+    p.add_argument("--cdc", default=None, help="a CDC format: its sample traffic instead of entity batches")
     args = parser.parse_args(argv)
     return _produce_main(args)
 

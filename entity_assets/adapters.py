@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -74,6 +75,7 @@ def parse_topic(topic: str, prefix: str) -> tuple[str, str] | None:
     return parts[0], parts[1]
 
 
+@lru_cache(maxsize=4096)
 def client_id(topic: str) -> str:
     return str(uuid.uuid5(_NAMESPACE, topic))
 

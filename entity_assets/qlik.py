@@ -238,12 +238,18 @@ class Decoder:
         return msg.data, key
 
 
+_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
 def plain(value: Any) -> Any:
     """Avro values as JSON values: bytes as base64, decimals as exact text, times as ISO 8601."""
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [plain(v) for v in value]
+    kind = type(value)
+    if kind in _JSON_SCALARS:
+        return value
+    if kind is dict:
+        return {k: v if type(v) in _JSON_SCALARS else plain(v) for k, v in value.items()}
+    if kind is list:
+        return [v if type(v) in _JSON_SCALARS else plain(v) for v in value]
     if isinstance(value, bytes):
         return base64.b64encode(value).decode()
     if isinstance(value, decimal.Decimal):

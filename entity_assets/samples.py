@@ -202,9 +202,11 @@ class CdcTraffic:
     rows: int = 100
     changes: int = 2
     seed: int = 7
+    streams: tuple[str, ...] = tuple(CDC_STREAMS)
 
     def records(self) -> Iterator[Record]:
-        for stream, fmt in CDC_STREAMS.items():
+        for stream in self.streams:
+            fmt = CDC_STREAMS[stream]
             rng = random.Random(f"{self.seed}/{stream}")
             rows = [{"ID": i, "NAME": f"Name{i}", "SCORE": rng.randrange(1000)} for i in range(self.rows)]
             made = 0
