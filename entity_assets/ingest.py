@@ -159,8 +159,8 @@ class _Rows:
 
 
 HELD = "held"
-"""Data messages whose Qlik schema was unknown to the task: dead-letter files that the driver
-commits as they are, or rewrites without the ones this slice's metadata messages resolve."""
+"""Data messages whose Qlik schema was unknown to the task: dead-letter files that the step
+commits as they are, or, when the slice registers schemas, rewrites (`resolve_tasks`)."""
 
 
 def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, topic: str, partition: int,
@@ -211,7 +211,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
             yield f.to_dict()
 
 
-# --------------------------------------------------------------------------- Qlik schemas, on the driver
+# --------------------------------------------------------------------------- Qlik data waiting for its schema
 
 def registry_before(engine, slice_key: str) -> dict[str, qlik.Registered]:
     """The data schemas that metadata messages of the slices before `slice_key` registered (the
