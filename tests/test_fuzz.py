@@ -19,6 +19,7 @@ from test_ingest import coordinates
 
 from entity_assets import samples
 from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.kafka_io import ensure_topics
 from entity_assets.messages import DeadLetterCode
 
 INVARIANTS = {"updates_are_successes", "responses_have_every_part", "one_row_per_entity", "one_row_per_database",
@@ -51,9 +52,10 @@ def _parent(doc, path):
     return doc
 
 
-def mutate(rng: random.Random, key, value: bytes):
-    """One seeded mutation of a record: (key, value, the kind of mutation)."""
-    kind = rng.randrange(11)
+def mutate(rng: random.Random, key, value: bytes, *, json_value: bool = True):
+    """One seeded mutation of a record: (key, value, the kind of mutation). Not `json_value` (Avro):
+    only the mutations of bytes and keys."""
+    kind = rng.randrange(11 if json_value else 5)
     if kind == 0:
         return key, value[: rng.randrange(len(value))], "truncated"
     if kind == 1:
@@ -126,3 +128,39 @@ def test_mutated_records_of_every_input_stream_land_once_as_rows_or_dead_letters
     patches = pipeline.read("entity_patches").num_rows
     responses = [r for r in pipeline.read("partial_responses").to_pylist() if r["stream"] == "entity-updates"]
     assert patches > 0 and len(responses) == patches
+
+
+def test_mutated_cdc_records_land_once_as_rows_or_dead_letters(pipeline):
+    """The same for the CDC ingestion topics of every format: each record is an entity batch, a
+    Qlik schema registration or a dead letter, once; a Qlik data message may be both a dead
+    letter that waited for its schema and, in the slice that brought it, an entity batch."""
+    rng = random.Random(1125)
+    ensure_topics(pipeline.kafka.config(), [pipeline.topic(s) for s in samples.CDC_STREAMS], 2)
+    mixed, mutations = [], Counter()
+    for stream, key, value in samples.CdcTraffic(rows=30, changes=1).records():
+        if value and rng.random() < 0.5:
+            key, value, what = mutate(rng, key, value, json_value=samples.CDC_STREAMS[stream] != "qlik")
+            mutations[what] += 1
+        mixed.append((stream, key, value))
+    assert len(mutations) == 9, mutations
+
+    for half in (mixed[: len(mixed) // 2], mixed[len(mixed) // 2:]):
+        pipeline.produce(half)
+        [request] = pipeline.tick()
+        result = pipeline.run_request(request, raise_on_error=False)
+        assert result.success, [pipeline.failure_text(e) for e in result.all_events if e.is_step_failure]
+        checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        assert all(checks[name] for name in INVARIANTS), checks
+
+    dead = pipeline.read("dead_letters")
+    codes = {c.value for c in DeadLetterCode}
+    assert all(r["code"] in codes and r["reason"] and r["stream"] == "ingestion" for r in dead.to_pylist())
+    dead_at = dict(zip(coordinates(dead), dead.to_pylist()))
+    written = coordinates(pipeline.read("entity_batches")) + coordinates(pipeline.read("avro_schemas"))
+    assert len(set(written)) == len(written) and len(dead_at) == dead.num_rows
+    waited = {c for c, r in dead_at.items() if r["code"] == DeadLetterCode.SCHEMA_PENDING.value}
+    assert not (set(written) & set(dead_at)) - waited
+    consumed = {(pipeline.topic(s), r["partition"], r["offset"]) for s in samples.CDC_STREAMS
+                for r in pipeline.consume(s)}
+    assert set(written) | set(dead_at) == consumed
+    assert sum(mutations.values()) * 0.3 < dead.num_rows - len(waited)  # most mutations are bad input
