@@ -23,11 +23,11 @@ from entity_assets.notify import DEVICE_KEY, DeviceInbox
 from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import LINEAGE
 
-TRAIL = ("entity_batches", "schema_patches", "connections", "notification_acks", "dead_letters",
+TRAIL = ("entity_batches", "schema_patches", "connections", "notification_acks", "avro_schemas", "dead_letters",
          "entity_patches", "entity_updates", "schema_updates", "schema_learning", "partial_responses",
          "complete_responses", "zone_changes", "changes_by_device")
 """The tables whose rows carry the coordinates of the input record they came from, in the graph's order."""
-RECORD_TABLES = 5
+RECORD_TABLES = 6
 """The first tables of `TRAIL`: the record's own row, or its dead letter."""
 
 STATES = {
@@ -159,6 +159,7 @@ _SUMMARY = {
     "schema_patches": ("clientid", "request", "dbid", "part", "parts"),
     "connections": ("dbid", "user", "device", "appVersion"),
     "notification_acks": ("dbid", "user", "device", "notifications", "upTo"),
+    "avro_schemas": ("system", "schemaId", "table", "primaryKey"),
     "dead_letters": ("stream", "code", "reason"),
     "entity_patches": ("part", "parts", "collection", "zone", "entity"),
     "entity_updates": ("part", "collection", "zone", "entity", "action"),

@@ -147,6 +147,10 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     assert [r["action"] for r in trail.rows["entity_updates"]] == ["updated"]
     assert [s["version"] for s in trail.states["entities"]] == [2]
     assert "applied in slice 0000000002" in format_trail(trail).splitlines()[0]
+    # and a metadata message's, to the schema it registered
+    [meta] = [r for r in pipeline.read("avro_schemas").to_pylist() if r["schemaId"] == s2]
+    trail = trace(pipeline.engine, topic, meta["kafka_partition"], meta["kafka_offset"])
+    assert [r["schemaId"] for r in trail.rows["avro_schemas"]] == [s2] and trail.slice == K(2)
 
 
 def test_the_sample_cdc_traffic_of_every_format(make_pipeline):
