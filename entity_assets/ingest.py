@@ -21,7 +21,7 @@ from entity_assets import messages as m
 from entity_assets.core import dumps
 from entity_assets.kafka_io import read_range
 from entity_assets.slices import OffsetRange
-from entity_assets.storage import FileWriter
+from entity_assets.storage import SLICE, FileWriter
 from entity_assets.tables import LINEAGE, SCHEMAS
 
 LINEAGE_NAMES = tuple(name for name, _ in LINEAGE)
@@ -158,6 +158,10 @@ class _Rows:
         self.values, self.offsets, self.timestamps = [], [], []
 
 
+DEAD_LETTER_STATS = ("slice", "code")
+"""Statistics of dead-letter files: a step finds the files that may hold EA-SCHEMA-PENDING letters
+by their codes' range, without reading the others."""
+
 HELD = "held"
 """Data messages whose Qlik schema was unknown to the task: dead-letter files that the step
 commits as they are, or, when the slice registers schemas, rewrites (`resolve_tasks`)."""
@@ -182,7 +186,8 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
     def writer(table: str) -> FileWriter:
         if table not in writers:
             target = "dead_letters" if table == HELD else table
-            writers[table] = FileWriter(table, table_uris[target], SCHEMAS[target], slice_key,
+            stats = DEAD_LETTER_STATS if target == "dead_letters" else (SLICE,)
+            writers[table] = FileWriter(table, table_uris[target], SCHEMAS[target], slice_key, stats_columns=stats,
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
@@ -236,6 +241,14 @@ def ingestion_stream(topic: str, prefix: str, sources: Mapping[str, adapters.Sou
     return IngestionStream(replace(source, system=parsed[0]), projection=parsed[1])
 
 
+def may_wait(f, slice_key: str) -> bool:
+    """Whether a committed dead-letter file may hold EA-SCHEMA-PENDING letters of a slice before
+    `slice_key`, by its statistics (a file written before they held codes may)."""
+    pending = m.DeadLetterCode.SCHEMA_PENDING.value
+    low, high = f.min.get("code"), f.max.get("code")
+    return f.min.get("slice", "") < slice_key and (low is None or low <= pending <= high)
+
+
 def new_registrations(engine, files: dict[str, list], registry: Mapping[str, qlik.Registered]) -> dict:
     """The schemas that the slice's metadata messages (its `avro_schemas` files) register for the first time."""
     from entity_assets.storage import read_table
@@ -266,7 +279,7 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
     batches = FileWriter("entity_batches", table_uris["entity_batches"], SCHEMAS["entity_batches"], slice_key,
                          storage_options=storage_options)
     dead = FileWriter("dead_letters", table_uris["dead_letters"], SCHEMAS["dead_letters"], slice_key,
-                      storage_options=storage_options)
+                      storage_options=storage_options, stats_columns=DEAD_LETTER_STATS)
     streams: dict[str, IngestionStream | None] = {}
     applied = 0
     for task in tasks:

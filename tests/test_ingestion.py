@@ -3,8 +3,10 @@ become entity batches and take the native path to updates, state and responses; 
 reach dead letters."""
 
 import json
+from dataclasses import replace
 
 from entity_assets import adapters, qlik, samples
+from entity_assets.ingest import may_wait
 from entity_assets.kafka_io import ensure_topics, produce
 from entity_assets.slices import slice_key as K
 from entity_assets.trace import format_trail, trace
@@ -120,6 +122,11 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     [waiting] = pipeline.read("dead_letters").to_pylist()
     assert waiting["code"] == "EA-SCHEMA-PENDING" and s2 in waiting["reason"] and waiting["slice"] == K(1)
     assert [r["schemaId"] for r in pipeline.read("avro_schemas").to_pylist()] == [s1]
+    # its file is found by its codes' statistics; a file of other codes is not read for waiting letters
+    [letters] = pipeline.engine.files("dead_letters")
+    assert may_wait(letters, K(2)) and not may_wait(letters, K(1))
+    assert not may_wait(replace(letters, min={"slice": K(1), "code": "GENERR001"},
+                                max={"slice": K(1), "code": "GENERR010"}), K(2))
     [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == "no_dead_letters"]
     assert not check.passed and check.metadata["by_stream_and_code"].data == {"ingestion EA-SCHEMA-PENDING": 1}
 

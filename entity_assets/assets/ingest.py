@@ -10,7 +10,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
                                          run_tasks, table_metadata)
-from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
+from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, may_wait, new_registrations,
                                   registry_before, resolve_tasks)
 from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
@@ -117,7 +117,7 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
         files.setdefault("dead_letters", []).extend(held)
         return 0
     dead_uri = engine.uri("dead_letters")
-    earlier = [f for f in engine.files("dead_letters") if f.min.get("slice", "") < slice_key]
+    earlier = [f for f in engine.files("dead_letters") if may_wait(f, slice_key)]
     tasks = [{"files": [f"{dead_uri}/{f.path}" for f in t["files"]], "earlier": False}
              for t in file_tasks(held, max_rows, spark.parallelism())]
     tasks += [{**t, "earlier": True} for t in file_tasks(earlier, max_rows, spark.parallelism())]
