@@ -52,17 +52,25 @@ _OFFSET_BITS = 40
 
 @dataclass(frozen=True)
 class Source:
-    """How one source system's projections map to entities."""
+    """How one source system's projections map to entities.
+
+    `updates`: "replace" (the row after a change is the whole row, as the seeds say) or "merge"
+    (its columns are set one by one and the others kept: connectors that send only the changed
+    columns, such as GoldenGate with compressed updates).
+    """
 
     system: str
     format: str = AUTO
     dbid: str | None = None
     zone: str | None = None
     learning: bool = False
+    updates: str = "replace"
 
     def __post_init__(self) -> None:
         if self.format != AUTO and self.format not in FORMATS:
             raise ValueError(f"unknown ingestion format {self.format!r}: one of {', '.join((AUTO, *FORMATS))}")
+        if self.updates not in ("replace", "merge"):
+            raise ValueError(f"unknown updates {self.updates!r}: replace or merge")
 
 
 def parse_topic(topic: str, prefix: str) -> tuple[str, str] | None:
@@ -206,8 +214,17 @@ def key_text(value) -> str:
     return value if isinstance(value, str) else dumps(value)
 
 
-def ops(kind: str, row: dict | None) -> list[dict]:
-    return [{"op": "add", "path": "", "value": row}] if kind == UPSERT else [{"op": "remove", "path": ""}]
+def ops(kind: str, row: dict | None, *, merge: bool = False) -> list[dict]:
+    """The patch of a change: the whole document, or with `merge` each column of the row (JSON
+    Pointer paths, escaped), which also creates a missing entity; a delete removes the entity."""
+    if kind == DELETE:
+        return [{"op": "remove", "path": ""}]
+    if not merge:
+        return [{"op": "add", "path": "", "value": row}]
+    if not row:
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "after: no column to merge")
+    return [{"op": "add", "path": "/" + name.replace("~", "~0").replace("/", "~1"), "value": value}
+            for name, value in row.items()]
 
 
 def batch_values(source: Source, projection: str, topic: str, partition: int, offset: int, timestamp: int,
@@ -224,6 +241,7 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
     else:
         entity = entity_id(key)
         kind, row = change(source.format, value)
-    patch = {"collection": projection, "zone": source.zone or source.system, "entity": entity, "ops": ops(kind, row)}
+    patch = {"collection": projection, "zone": source.zone or source.system, "entity": entity,
+             "ops": ops(kind, row, merge=source.updates == "merge")}
     return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,
             max(timestamp, 0), 1, dumps([patch]), source.learning, False, False)

@@ -23,6 +23,9 @@ class IngestionSource(Config):
     dbid: str | None = Field(default=None, description="database of its entities (default: the system's name)")
     zone: str | None = Field(default=None, description="zone of its entities (default: the system's name)")
     learning: bool = Field(default=False, description="its entity updates feed schema learning")
+    updates: Literal["replace", "merge"] = Field(
+        default="replace", description="replace: a change's row is the whole row (the seeds); merge: set its "
+                                       "columns and keep the others (connectors that send changed columns only)")
 
 
 class KafkaResource(ConfigurableResource):
@@ -74,7 +77,7 @@ class KafkaResource(ConfigurableResource):
 
     def sources(self) -> dict[str, adapters.Source]:
         """`ingestion` as the adapters' plain settings (what Spark tasks get)."""
-        return {system: adapters.Source(system, s.format, s.dbid, s.zone, s.learning)
+        return {system: adapters.Source(system, s.format, s.dbid, s.zone, s.learning, s.updates)
                 for system, s in self.ingestion.items()}
 
     def input_stream(self, topic: str) -> InputStream | IngestionStream | None:

@@ -85,6 +85,24 @@ def test_ops_apply_as_upsert_and_deletion():
     assert apply_patch(None, delete).status == 2  # deleting a row the projection never had
 
 
+def test_merge_updates_keep_the_columns_a_change_does_not_send():
+    """GoldenGate with compressed updates sends the key and the changed columns only."""
+    source = adapters.Source("erp", "goldengate", updates="merge")
+    insert = patch_of(batch(source, b"1", enc({"op_type": "I", "after": {**ROW, "a/b~c": 1}})))["ops"]
+    assert {"op": "add", "path": "/a~1b~0c", "value": 1} in insert and len(insert) == 4
+    update = patch_of(batch(source, b"1", enc({"op_type": "U", "after": {"USER_ID": 123, "COINS": 5}})))["ops"]
+    created = apply_patch(None, insert)
+    assert created.status == 1 and created.doc == {**ROW, "a/b~c": 1}
+    assert apply_patch(created.doc, update).doc == {**ROW, "a/b~c": 1, "COINS": 5}
+    assert apply_patch(None, update).doc == {"USER_ID": 123, "COINS": 5}  # a first change creates the entity
+    delete = patch_of(batch(source, b"1", enc({"op_type": "D", "before": ROW})))["ops"]
+    assert delete == [{"op": "remove", "path": ""}]
+    with pytest.raises(InvalidMessage, match="after: no column to merge"):
+        batch(source, b"1", enc({"op_type": "U", "after": {}}))
+    with pytest.raises(ValueError, match="unknown updates"):
+        adapters.Source("erp", updates="upsert")
+
+
 def test_request_keeps_kafka_order_and_client_is_the_topic():
     source = adapters.Source("crm")
     rows = [batch(source, b"1", enc({"a": 1}), partition=p, offset=o) for p, o in ((0, 9), (0, 10), (1, 0), (3, 2**39))]

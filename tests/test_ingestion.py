@@ -25,6 +25,7 @@ def states(pipeline) -> dict[tuple, dict]:
 
 def test_cdc_records_become_entities_and_bad_ones_dead_letters(make_pipeline):
     pipeline = make_pipeline(ingestion={"crm": IngestionSource(format="debezium", dbid="my-db", zone="A"),
+                                        "erp": IngestionSource(format="goldengate", updates="merge"),
                                         "*": IngestionSource()})
     crm, erp, legacy, ignored = (pipeline.topic(t) for t in ("crm.customers.ingestion", "erp.accounts.ingestion",
                                                               "legacy.users.ingestion", "crm.customers.pr-update"))
@@ -40,8 +41,7 @@ def test_cdc_records_become_entities_and_bad_ones_dead_letters(make_pipeline):
                (enc({"USER_ID": 3}), enc({"op": "t", "source": {}})),
                (enc({"USER_ID": 4}), b'{"op": "c", "after": ')])
     produce(config, erp, [(b"A1_7", enc({"op_type": "I", "before": None, "after": {"ID": "A1", "N": 7}})),
-                          (b"A1_7", enc({"op_type": "U", "before": {"ID": "A1"}, "after": {"ID": "A1", "N": 8},
-                                         "pos": 2}))])
+                          (b"A1_7", enc({"op_type": "U", "after": {"N": 8}, "pos": 2}))])  # changed columns only
     produce(config, legacy, [(enc({"ID": 5, "CODE": "x"}), enc({"ID": 5, "CODE": "x", "NAME": "Lara"})),
                              (enc({"ID": 6, "CODE": "y"}), enc({"ID": 6}))])
     produce(config, ignored, [(key, enc({"operationType": "INSERT"}))])
