@@ -131,8 +131,7 @@ UPSERT, DELETE = "upsert", "delete"
 
 
 def _json(raw: bytes, what: str) -> Any:
-    if len(raw) > m.MAX_MESSAGE_BYTES:
-        raise m.InvalidMessage(m.DeadLetterCode.OVERSIZE, f"{what} is {len(raw)} bytes, over {m.MAX_MESSAGE_BYTES}")
+    m.check_size(raw, what)
     try:
         return _unwrapped(from_json(raw))
     except ValueError as exc:

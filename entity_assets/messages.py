@@ -34,6 +34,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "DeadLetterCode",
     "InvalidMessage",
+    "check_size",
     "parse_message",
     "parse_value",
     "to_message",
@@ -536,6 +537,12 @@ def _classify(exc: ValidationError) -> InvalidMessage:
     return InvalidMessage(code, reason)
 
 
+def check_size(raw: bytes | bytearray, what: str = "message") -> None:
+    """The seed's size limit, before any parsing: EA-OVERSIZE over `MAX_MESSAGE_BYTES`."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise InvalidMessage(DeadLetterCode.OVERSIZE, f"{what} is {len(raw)} bytes, over {MAX_MESSAGE_BYTES}")
+
+
 def parse_message(model: type[T], raw: bytes | bytearray | memoryview | str | None) -> T:
     """Validate one Kafka record value, or raise InvalidMessage carrying its dead-letter code.
 
@@ -547,10 +554,7 @@ def parse_message(model: type[T], raw: bytes | bytearray | memoryview | str | No
         raw = raw.tobytes()
     elif type(raw) is str:
         raw = raw.encode()
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise InvalidMessage(
-            DeadLetterCode.OVERSIZE, f"message is {len(raw)} bytes, over {MAX_MESSAGE_BYTES}"
-        )
+    check_size(raw)
     try:
         return model.__pydantic_validator__.validate_json(raw)  # type: ignore[return-value]
     except ValidationError as exc:

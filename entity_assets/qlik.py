@@ -43,6 +43,8 @@ ENVELOPE_SCHEMA = {
 
 _ENVELOPE = fastavro.parse_schema(ENVELOPE_SCHEMA)
 _STRICT = ConfigDict(strict=True, extra="ignore")
+_OPEN = ConfigDict(extra="ignore")
+"""The messages Replicate writes inside the envelope: decoded by their own Avro schema already."""
 
 
 class Envelope(BaseModel):
@@ -58,7 +60,7 @@ class Envelope(BaseModel):
 class Lineage(BaseModel):
     """Where a metadata message's table comes from; only `table` is used."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     server: str | None = None
     task: str | None = None
     table: str | None = None
@@ -67,21 +69,21 @@ class Lineage(BaseModel):
 
 
 class Column(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     ordinal: int | None = None
     type: str | None = None
     primaryKeyPosition: int | None = None
 
 
 class TableStructure(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     tableColumns: dict[str, Column] = {}
 
 
 class MetadataMessage(BaseModel):
     """An MD message: a table's data schema (Avro JSON text) under its schema id."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     schemaId: m.Name
     lineage: Lineage | None = None
     tableStructure: TableStructure | None = None
@@ -91,7 +93,7 @@ class MetadataMessage(BaseModel):
 class DataHeaders(BaseModel):
     """A data message's headers; `operation` decides the change, the rest is the source's order."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     operation: Literal["INSERT", "UPDATE", "DELETE", "REFRESH"]
     changeSequence: str | None = None
     timestamp: str | None = None
@@ -102,7 +104,7 @@ class DataHeaders(BaseModel):
 class DataMessage(BaseModel):
     """A DT message: the row after the change (`data`) and, for updates, before it."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     data: m.Document | None = None
     beforeData: m.Document | None = None
     headers: DataHeaders
@@ -154,8 +156,7 @@ def is_envelope(raw: bytes | None) -> bool:
 
 
 def envelope(raw: bytes) -> Envelope:
-    if len(raw) > m.MAX_MESSAGE_BYTES:
-        raise m.InvalidMessage(m.DeadLetterCode.OVERSIZE, f"value is {len(raw)} bytes, over {m.MAX_MESSAGE_BYTES}")
+    m.check_size(raw, "value")
     if not is_envelope(raw):
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "value: not a Replicate envelope (no 'atMSG' magic)")
     env = m.parse_value(Envelope, _avro(raw, _ENVELOPE, "envelope"))

@@ -1,20 +1,15 @@
 """CDC ingestion adapters (seed 001): the seed's own examples, every format, every bad record."""
 
-import json
-
 import pytest
 
 from entity_assets import adapters
 from entity_assets.core import loads
 from entity_assets.messages import DeadLetterCode, InvalidMessage
 from entity_assets.patch import apply_patch
+from entity_assets.samples import encode as enc
 
 ROW = {"USER_ID": 123, "TAX_CODE": "the-fiscal-code-123", "COINS": 300000000}
 DB2_KEY = {"USER_ID": 123, "TAX_CODE": "ABCDEF12B02M100O"}
-
-
-def enc(value) -> bytes:
-    return json.dumps(value).encode()
 
 
 def batch(source: adapters.Source, key, value, *, topic="acme.PROD.crm.customers.ingestion", partition=0, offset=7,

@@ -8,15 +8,12 @@ from dataclasses import replace
 from entity_assets import adapters, qlik, samples
 from entity_assets.ingest import may_wait
 from entity_assets.kafka_io import ensure_topics, produce
+from entity_assets.samples import encode as enc
 from entity_assets.slices import slice_key as K
 from entity_assets.trace import format_trail, trace
 from resources.kafka import IngestionSource
 
 ROW = {"USER_ID": 1, "NAME": "Mario"}
-
-
-def enc(value) -> bytes:
-    return json.dumps(value).encode()
 
 
 def states(pipeline) -> dict[tuple, dict]:
