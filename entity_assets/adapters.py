@@ -12,7 +12,8 @@ Each record becomes a one-patch entity batch, the row a client's batch would giv
 the native path from `entity_batches` on (patches, updates, state, responses, zone changes):
 - entity: the primary key's values joined by underscores, GoldenGate's own key form, so a
   projection gets the same ids whichever connector feeds it;
-- collection: the projection; zone and dbid: the source's (by default its system name);
+- collection: the projection, or with the source's `collection="table"` the table the record
+  names (topics that carry several tables); zone and dbid: the source's (by default its system name);
 - ops: an insert, update, upsert or snapshot read replaces the whole document
   (`add` at `""`, which also creates it); a delete, or a record without a value (a tombstone),
   deletes the entity (`remove` of `""`);
@@ -57,6 +58,9 @@ class Source:
     `updates`: "replace" (the row after a change is the whole row, as the seeds say) or "merge"
     (its columns are set one by one and the others kept: connectors that send only the changed
     columns, such as GoldenGate with compressed updates).
+    `collection`: "projection" (the topic's, as the seed names topics) or "table" (the table the
+    record names, for connectors that route several tables to one topic; a record that names
+    none keeps the projection).
     """
 
     system: str
@@ -65,12 +69,15 @@ class Source:
     zone: str | None = None
     learning: bool = False
     updates: str = "replace"
+    collection: str = "projection"
 
     def __post_init__(self) -> None:
         if self.format != AUTO and self.format not in FORMATS:
             raise ValueError(f"unknown ingestion format {self.format!r}: one of {', '.join((AUTO, *FORMATS))}")
         if self.updates not in ("replace", "merge"):
             raise ValueError(f"unknown updates {self.updates!r}: replace or merge")
+        if self.collection not in ("projection", "table"):
+            raise ValueError(f"unknown collection {self.collection!r}: projection or table")
 
 
 def parse_topic(topic: str, prefix: str) -> tuple[str, str] | None:
@@ -109,6 +116,8 @@ class GoldenGateChange(BaseModel):
     before: m.Document | None = None
     after: m.Document | None = None
     pos: m.Long | None = None
+    table: str | None = None
+    """`SCHEMA.TABLE`; the collection is its last part with `collection="table"`."""
 
 
 class DebeziumChange(BaseModel):
@@ -120,6 +129,7 @@ class DebeziumChange(BaseModel):
     before: m.Document | None = None
     after: m.Document | None = None
     source: m.Document | None = None
+    """Where the change comes from; its `table` is the collection with `collection="table"`."""
 
 
 _ROWLESS_DEBEZIUM_OPS = {"t": "truncate", "m": "message"}
@@ -154,31 +164,36 @@ def detect(value: Any) -> str:
     return "db2"
 
 
-def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None]:
-    """(UPSERT, the row after) or (DELETE, None) of one record value; InvalidMessage if it is bad."""
+def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None]:
+    """(UPSERT, the row after, its table) or (DELETE, None, its table) of one record value, the
+    table None where the format or the record does not name it; InvalidMessage if it is bad."""
     if not raw:
-        return DELETE, None  # a tombstone: its key is gone
+        return DELETE, None, None  # a tombstone: its key is gone
     value = _json(raw, "value")
     if value is None:
-        return DELETE, None
+        return DELETE, None, None
     fmt = detect(value) if fmt == AUTO else fmt
     if fmt == "db2":
         if not isinstance(value, dict):
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "value: a DB2 record is the row (an object) or null")
-        return UPSERT, value
+        return UPSERT, value, None
     if fmt == "debezium" and isinstance(value, dict) and value.get("op") in _ROWLESS_DEBEZIUM_OPS:
         op = value["op"]
         raise m.InvalidMessage(m.DeadLetterCode.UNSUPPORTED_TYPE,
                                f"op: '{op}' ({_ROWLESS_DEBEZIUM_OPS[op]}) changes no row of a projection")
     model = GoldenGateChange if fmt == "goldengate" else DebeziumChange
     parsed = m.parse_value(model, value)
-    op = parsed.op_type if fmt == "goldengate" else parsed.op
+    if fmt == "goldengate":
+        op, table = parsed.op_type, parsed.table and parsed.table.rsplit(".", 1)[-1]
+    else:
+        op, table = parsed.op, parsed.source and parsed.source.get("table")
+    table = table if isinstance(table, str) and table else None
     if op in ("D", "d"):
-        return DELETE, None
+        return DELETE, None, table
     if parsed.after is None:
         field = "op_type" if fmt == "goldengate" else "op"
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"after: field required for {field} '{op}'")
-    return UPSERT, parsed.after
+    return UPSERT, parsed.after, table
 
 
 def entity_id(raw: bytes | None) -> str:
@@ -234,13 +249,14 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
         decoded = (decoder or qlik.Decoder({})).decode(value or b"")
         if isinstance(decoded, qlik.Registered):
             return decoded
-        row, primary_key = decoded
+        row, primary_key, table = decoded
         kind = DELETE if row is None else UPSERT
         entity = "_".join(map(key_text, primary_key)) if primary_key else entity_id(key)
     else:
         entity = entity_id(key)
-        kind, row = change(source.format, value)
-    patch = {"collection": projection, "zone": source.zone or source.system, "entity": entity,
+        kind, row, table = change(source.format, value)
+    collection = table if table and source.collection == "table" else projection
+    patch = {"collection": collection, "zone": source.zone or source.system, "entity": entity,
              "ops": ops(kind, row, merge=source.updates == "merge")}
     return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,
             max(timestamp, 0), 1, dumps([patch]), source.learning, False, False)

@@ -198,10 +198,10 @@ class Decoder:
         self.registry = registry
         self._parsed: dict[str, Any] = {}
 
-    def decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None]:
+    def decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None, str | None]:
         """A metadata message's `Registered`, or a data message's (row after the change, None for
-        a delete; its primary key values, None when its schema names no key); `SchemaPending` or
-        InvalidMessage otherwise."""
+        a delete; its primary key values, None when its schema names no key; its table, None
+        when no registered schema names it); `SchemaPending` or InvalidMessage otherwise."""
         env = envelope(raw)
         if env.type == "MD":
             if env.messageSchema is None:
@@ -231,12 +231,13 @@ class Decoder:
                 raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT,
                                        f"data: primary key column(s) {', '.join(missing)} missing or null")
             key = tuple(row[c] for c in registered.primary_key)
+        table = registered.table if registered else None
         if msg.headers.operation == "DELETE":
-            return None, key
+            return None, key, table
         if msg.data is None:
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"data: field required for operation "
                                                                 f"'{msg.headers.operation}'")
-        return msg.data, key
+        return msg.data, key, table
 
 
 _JSON_SCALARS = frozenset((str, int, float, bool, type(None)))

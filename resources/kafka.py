@@ -26,6 +26,9 @@ class IngestionSource(Config):
     updates: Literal["replace", "merge"] = Field(
         default="replace", description="replace: a change's row is the whole row (the seeds); merge: set its "
                                        "columns and keep the others (connectors that send changed columns only)")
+    collection: Literal["projection", "table"] = Field(
+        default="projection", description="projection: the topic's (the seed's one topic per table); table: the "
+                                          "table each record names (topics that carry several tables)")
 
 
 class KafkaResource(ConfigurableResource):
@@ -77,7 +80,7 @@ class KafkaResource(ConfigurableResource):
 
     def sources(self) -> dict[str, adapters.Source]:
         """`ingestion` as the adapters' plain settings (what Spark tasks get)."""
-        return {system: adapters.Source(system, s.format, s.dbid, s.zone, s.learning, s.updates)
+        return {system: adapters.Source(system, s.format, s.dbid, s.zone, s.learning, s.updates, s.collection)
                 for system, s in self.ingestion.items()}
 
     def input_stream(self, topic: str) -> InputStream | IngestionStream | None:

@@ -59,6 +59,20 @@ def test_debezium_seed_examples(fmt):
     assert patch_of(batch(source, enc(DB2_KEY), None))["ops"] == [{"op": "remove", "path": ""}]  # tombstone
 
 
+def test_collection_table_takes_the_table_each_record_names():
+    """Connectors that route several tables to one topic name each record's table."""
+    source = adapters.Source("shop", "auto", collection="table")
+    debezium = enc({"op": "c", "after": ROW, "source": {"db": "shop", "table": "orders"}})
+    goldengate = enc({"op_type": "D", "table": "QASOURCE.TCUSTMER", "before": ROW})
+    nameless = (enc({"op": "u", "after": ROW}), enc({"op_type": "U", "table": "", "after": ROW}), enc(ROW), None)
+    assert patch_of(batch(source, b"1", debezium))["collection"] == "orders"
+    assert patch_of(batch(source, b"1", goldengate))["collection"] == "TCUSTMER"
+    assert [patch_of(batch(source, b"1", value))["collection"] for value in nameless] == ["customers"] * 4
+    assert patch_of(batch(adapters.Source("shop"), b"1", debezium))["collection"] == "customers"
+    with pytest.raises(ValueError, match="unknown collection"):
+        adapters.Source("shop", collection="schema")
+
+
 def test_kafka_connect_schema_envelope_is_unwrapped():
     key = enc({"schema": {"type": "struct"}, "payload": {"id": 5}})
     value = enc({"schema": {"type": "struct"}, "payload": {"op": "c", "after": {"id": 5, "name": "x"}}})

@@ -157,6 +157,40 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     assert [r["schemaId"] for r in trail.rows["avro_schemas"]] == [s2] and trail.slice == K(2)
 
 
+def test_a_schema_topic_and_topics_of_several_tables(make_pipeline):
+    """Replicate can write its metadata messages to a schema topic of their own and every table's
+    data to one topic; a Debezium router can do the same. With `collection="table"` each record's
+    table is its collection; a schema serves every topic, whichever topic registered it."""
+    pipeline = make_pipeline(ingestion={"hr": IngestionSource(format="qlik", collection="table"),
+                                        "shop": IngestionSource(format="debezium", collection="table")})
+    schemas, hr, shop = (pipeline.topic(t) for t in ("hr.schemas.ingestion", "hr.all.ingestion",
+                                                      "shop.all.ingestion"))
+    ensure_topics(pipeline.kafka.config(), [schemas, hr, shop], 2)
+    config = pipeline.kafka.config()
+    emp, dept = {"EMP_ID": "long", "NAME": "string"}, {"DEPT_ID": "string"}
+    se, sd = "e" * 32, "d" * 32
+    produce(config, hr, [(None, qlik.data_envelope(se, qlik.data_schema("EMPLOYEES", emp), "INSERT",
+                                                   {"EMP_ID": 1, "NAME": "Ada"})),
+                         (None, qlik.data_envelope(sd, qlik.data_schema("DEPTS", dept), "INSERT", {"DEPT_ID": "rd"}))])
+    produce(config, schemas, [(b"EMPLOYEES", qlik.metadata_envelope(se, "EMPLOYEES", emp, ["EMP_ID"])),
+                              (b"DEPTS", qlik.metadata_envelope(sd, "DEPTS", dept, ["DEPT_ID"]))])
+    produce(config, shop, [(enc({"ID": 1}), enc({"op": "c", "after": {"ID": 1}, "source": {"table": "orders"}})),
+                           (enc({"ID": 1}), enc({"op": "c", "after": {"ID": 1}, "source": {"table": "carts"}})),
+                           (enc({"ID": 1}), enc({"op": "d", "before": {"ID": 1}, "source": {"table": "carts"}})),
+                           (enc({"ID": 1}), None)])  # a tombstone names no table: the projection's, status 2
+    [run] = pipeline.tick_and_run()
+    assert run.success and pipeline.read("dead_letters").num_rows == 0
+    assert pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 2
+    produce(config, hr, [(None, qlik.data_envelope(sd, qlik.data_schema("DEPTS", dept), "DELETE", {"DEPT_ID": "rd"}))])
+    [run] = pipeline.tick_and_run()  # decoded by the tasks: registered by the schema topic in slice 1
+    assert run.success and pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 0
+    assert {k[1:]: v["deleted"] for k, v in states(pipeline).items()} == {
+        ("EMPLOYEES", "hr", "1"): False, ("DEPTS", "hr", "rd"): True,
+        ("orders", "shop", "1"): False, ("carts", "shop", "1"): True}
+    statuses = sorted((r["kafka_topic"], r["status"]) for r in pipeline.read("partial_responses").to_pylist())
+    assert statuses == sorted([(hr, 1)] * 3 + [(shop, 1)] * 3 + [(shop, 2)])
+
+
 def test_the_sample_cdc_traffic_of_every_format(make_pipeline):
     """`entity-assets produce cdc`: four sources, one per format, each table's rows inserted,
     changed twice, every tenth deleted; Qlik's metadata message read after its first data."""

@@ -5,6 +5,7 @@ import decimal
 import io
 import json
 import pickle
+from dataclasses import replace
 
 import fastavro
 import pytest
@@ -40,12 +41,12 @@ def test_metadata_message_registers_its_data_schema_and_primary_key():
 
 def test_data_messages_decode_with_the_registered_schema():
     decoder = qlik.Decoder({SID: registered()})
-    assert decoder.decode(dt_message()) == (ROW, ("R&D", 7))
-    assert decoder.decode(dt_message("REFRESH")) == (ROW, ("R&D", 7))
+    assert decoder.decode(dt_message()) == (ROW, ("R&D", 7), "EMPLOYEES")
+    assert decoder.decode(dt_message("REFRESH")) == (ROW, ("R&D", 7), "EMPLOYEES")
     changed = {**ROW, "NAME": "Ada L."}
-    assert decoder.decode(dt_message("UPDATE", changed, ROW)) == (changed, ("R&D", 7))
-    assert decoder.decode(dt_message("DELETE", ROW)) == (None, ("R&D", 7))
-    assert decoder.decode(dt_message("DELETE", None, ROW)) == (None, ("R&D", 7))
+    assert decoder.decode(dt_message("UPDATE", changed, ROW)) == (changed, ("R&D", 7), "EMPLOYEES")
+    assert decoder.decode(dt_message("DELETE", ROW)) == (None, ("R&D", 7), "EMPLOYEES")
+    assert decoder.decode(dt_message("DELETE", None, ROW)) == (None, ("R&D", 7), "EMPLOYEES")
 
 
 def test_batch_values_of_envelopes():
@@ -59,6 +60,19 @@ def test_batch_values_of_envelopes():
         (patch,) = loads(values[6])
         assert patch == {"collection": "employees", "zone": "hr", "entity": "R&D_7",
                          "ops": [{"op": "add", "path": "", "value": ROW}]}
+
+
+def test_one_topic_of_several_tables_takes_each_message_s_table_as_its_collection():
+    """Replicate can write every table to one topic; its schemas name the tables."""
+    orders = qlik.metadata_envelope("f" * 32, "ORDERS", {"ID": "long"}, ["ID"])
+    decoder = qlik.Decoder({SID: registered(), "f" * 32: qlik.Decoder({}).decode(orders)})
+    source = adapters.Source("hr", "qlik", collection="table")
+    order = qlik.data_envelope("f" * 32, qlik.data_schema("ORDERS", {"ID": "long"}), "INSERT", {"ID": 1})
+    got = [loads(adapters.batch_values(source, "all", "hr.all.ingestion", 0, offset, 1000, b"k", value,
+                                       decoder)[6])[0]
+           for offset, value in enumerate((dt_message(), order, dt_message("DELETE", ROW)))]
+    assert [(p["collection"], p["entity"]) for p in got] == [("EMPLOYEES", "R&D_7"), ("ORDERS", "1"),
+                                                            ("EMPLOYEES", "R&D_7")]
 
 
 def test_an_unknown_schema_waits_and_survives_pickling():
@@ -82,6 +96,9 @@ def test_a_self_describing_data_message_needs_no_registry_and_keys_by_the_kafka_
                                 "messageSchema": json.dumps(SCHEMA), "message": message.getvalue()})
     values = adapters.batch_values(SOURCE, "employees", "t", 0, 0, 0, b"emp-7", raw.getvalue())
     assert loads(values[6])[0]["entity"] == "emp-7"
+    by_table = adapters.batch_values(replace(SOURCE, collection="table"), "employees", "t", 0, 0, 0, b"emp-7",
+                                     raw.getvalue())
+    assert loads(by_table[6])[0]["collection"] == "employees"  # no registered schema names its table
 
 
 def test_avro_values_become_json_values():
