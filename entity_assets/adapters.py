@@ -19,7 +19,8 @@ the native path from `entity_batches` on (patches, updates, state, responses, zo
   deletes the entity (`remove` of `""`);
 - clientid: a UUID of the topic; request: the record's partition and offset, so a topic's
   records keep their Kafka order in the fold's (begun, clientid, request) order;
-- begun: the Kafka timestamp.
+- begun: the Kafka timestamp;
+- learning, includeBefore, includeAfter: the source's (default false).
 
 Plain module: imported by Spark workers and tested without Kafka, Spark or Dagster.
 """
@@ -61,6 +62,8 @@ class Source:
     `collection`: "projection" (the topic's, as the seed names topics) or "table" (the table the
     record names, for connectors that route several tables to one topic; a record that names
     none keeps the projection).
+    `includeBefore`, `includeAfter`: the batches ask for the document before and after each
+    change in their entity updates, as the seed's projection-update message carries them.
     """
 
     system: str
@@ -70,6 +73,8 @@ class Source:
     learning: bool = False
     updates: str = "replace"
     collection: str = "projection"
+    includeBefore: bool = False
+    includeAfter: bool = False
 
     def __post_init__(self) -> None:
         if self.format != AUTO and self.format not in FORMATS:
@@ -259,4 +264,5 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
     patch = {"collection": collection, "zone": source.zone or source.system, "entity": entity,
              "ops": ops(kind, row, merge=source.updates == "merge")}
     return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,
-            max(timestamp, 0), 1, dumps([patch]), source.learning, False, False)
+            max(timestamp, 0), 1, dumps([patch]), source.learning, source.includeBefore,
+            source.includeAfter)

@@ -29,6 +29,8 @@ class IngestionSource(Config):
     collection: Literal["projection", "table"] = Field(
         default="projection", description="projection: the topic's (the seed's one topic per table); table: the "
                                           "table each record names (topics that carry several tables)")
+    includeBefore: bool = Field(default=False, description="its entity updates carry the document before the change")
+    includeAfter: bool = Field(default=False, description="its entity updates carry the document after the change")
 
 
 class KafkaResource(ConfigurableResource):
@@ -80,8 +82,7 @@ class KafkaResource(ConfigurableResource):
 
     def sources(self) -> dict[str, adapters.Source]:
         """`ingestion` as the adapters' plain settings (what Spark tasks get)."""
-        return {system: adapters.Source(system, s.format, s.dbid, s.zone, s.learning, s.updates, s.collection)
-                for system, s in self.ingestion.items()}
+        return {system: adapters.Source(system, **s.model_dump()) for system, s in self.ingestion.items()}
 
     def input_stream(self, topic: str) -> InputStream | IngestionStream | None:
         """What a topic feeds: a seed input stream, a configured source's ingestion topic, or nothing."""

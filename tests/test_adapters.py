@@ -53,6 +53,7 @@ def test_debezium_seed_examples(fmt):
     for op in ("c", "r", "u"):
         row = batch(source, enc(DB2_KEY), enc({"op": op, "before": None, "after": ROW, "source": {"table": "T"}}))
         assert row["dbid"] == "my-db" and patch_of(row)["zone"] == "A"
+        assert (row["learning"], row["includeBefore"], row["includeAfter"]) == (False, False, False)
         assert patch_of(row)["ops"] == [{"op": "add", "path": "", "value": ROW}]
     delete = patch_of(batch(source, enc(DB2_KEY), enc({"op": "d", "before": ROW, "after": None})))
     assert delete["ops"] == [{"op": "remove", "path": ""}]
@@ -69,6 +70,8 @@ def test_collection_table_takes_the_table_each_record_names():
     assert patch_of(batch(source, b"1", goldengate))["collection"] == "TCUSTMER"
     assert [patch_of(batch(source, b"1", value))["collection"] for value in nameless] == ["customers"] * 4
     assert patch_of(batch(adapters.Source("shop"), b"1", debezium))["collection"] == "customers"
+    flags = batch(adapters.Source("shop", learning=True, includeBefore=True, includeAfter=True), b"1", debezium)
+    assert (flags["learning"], flags["includeBefore"], flags["includeAfter"]) == (True, True, True)
     with pytest.raises(ValueError, match="unknown collection"):
         adapters.Source("shop", collection="schema")
 

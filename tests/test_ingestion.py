@@ -22,7 +22,8 @@ def states(pipeline) -> dict[tuple, dict]:
 
 def test_cdc_records_become_entities_and_bad_ones_dead_letters(make_pipeline):
     pipeline = make_pipeline(ingestion={"crm": IngestionSource(format="debezium", dbid="my-db", zone="A"),
-                                        "erp": IngestionSource(format="goldengate", updates="merge"),
+                                        "erp": IngestionSource(format="goldengate", updates="merge",
+                                                               includeBefore=True, includeAfter=True),
                                         "*": IngestionSource()})
     crm, erp, legacy, ignored = (pipeline.topic(t) for t in ("crm.customers.ingestion", "erp.accounts.ingestion",
                                                               "legacy.users.ingestion", "crm.customers.pr-update"))
@@ -69,6 +70,11 @@ def test_cdc_records_become_entities_and_bad_ones_dead_letters(make_pipeline):
     updates = pipeline.read("entity_updates").to_pylist()
     assert len(updates) == 41 + 2 + 2 + 2 and {u["status"] for u in updates} == {1}
     assert sorted(u["action"] for u in updates if u["entity"] == "2") == ["created", "deleted"]
+    # erp asks for the document before and after each change, as a projection-update message holds them
+    v1, v2 = {"ID": "A1", "N": 7}, {"ID": "A1", "N": 8}
+    assert [(u["before"] and json.loads(u["before"]), json.loads(u["after"])) for u in updates
+            if u["entity"] == "A1_7"] == [(None, v1), (v1, v2)]
+    assert {(u["before"], u["after"]) for u in updates if u["kafka_topic"] != erp} == {(None, None)}
     responses = pipeline.read("partial_responses").to_pylist()
     assert sorted(r["status"] for r in responses if r["entity"] == "2") == [1, 1, 2]  # the tombstone's
     assert pipeline.read("complete_responses").num_rows == len(batches)
