@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
 from operator import attrgetter
 
 import pyarrow as pa
@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from entity_assets import adapters, qlik
 from entity_assets import messages as m
 from entity_assets.core import dumps
-from entity_assets.kafka_io import read_range
+from entity_assets.kafka_io import RecordsExpired, read_range
 from entity_assets.slices import OffsetRange
 from entity_assets.storage import SLICE, FileWriter
 from entity_assets.tables import LINEAGE, SCHEMAS
@@ -180,7 +180,11 @@ def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, to
 def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, InputStream | IngestionStream],
                  slice_key: str, table_uris: dict[str, str], storage_options: dict | None,
                  max_rows_per_file: int = 250_000) -> Iterator[dict]:
-    """mapPartitions body: yields one dict per data file written (see storage.DataFile)."""
+    """mapPartitions body: yields one dict per data file written (see storage.DataFile), and the
+    count of spans of offsets that Kafka no longer held (`COUNTER + "expired"`): each is an
+    EA-EXPIRED dead letter, never a silent gap."""
+    from entity_assets.fold import COUNTER
+
     writers: dict[str, FileWriter] = {}
 
     def writer(table: str) -> FileWriter:
@@ -191,12 +195,21 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
+    expired = 0
+
+    def lost(stream: str, gone: RecordsExpired) -> None:
+        """One dead letter per span of offsets gone, at its first offset (no key, value or timestamp)."""
+        nonlocal expired
+        expired += 1
+        dead_letter(writer("dead_letters"), m.InvalidMessage(m.DeadLetterCode.EXPIRED, str(gone)), slice_key, stream,
+                    gone.topic, gone.partition, gone.start, -1, None, None)
+
     for task in tasks:
         r = OffsetRange(**task)
         stream = streams_by_topic[r.topic]
         rows = _Rows(stream.fields, r, slice_key, writer(stream.table))
         routed: dict[str, _Rows] = {}
-        for msg in read_range(kafka_config, r):
+        for msg in read_range(kafka_config, r, expired=partial(lost, stream.name)):
             try:
                 values = stream.read(msg)
             except Exception as exc:  # InvalidMessage: its code; anything else (a bug) must not lose the record either
@@ -214,6 +227,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
     for w in writers.values():
         for f in w.close():
             yield f.to_dict()
+    yield {"table": COUNTER + "expired", "path": "", "size": 0, "rows": expired, "stats": ""}
 
 
 # --------------------------------------------------------------------------- Qlik data waiting for its schema

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from entity_assets.slices import OffsetRange
@@ -48,11 +48,36 @@ def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
         consumer.close()
 
 
-def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeout: float = 30.0) -> Iterator:
+class RecordsExpired(Exception):
+    """Offsets of a range that its partition no longer holds: Kafka's retention (or a delete of
+    records) removed them before they were read, or the topic was deleted and created again."""
+
+    def __init__(self, topic: str, partition: int, start: int, stop: int):
+        super().__init__(topic, partition, start, stop)  # picklable across Spark workers
+        self.topic, self.partition, self.start, self.stop = topic, partition, start, stop
+
+    def __str__(self) -> str:
+        return (f"{self.topic}[{self.partition}] no longer holds offsets [{self.start}, {self.stop}): Kafka's "
+                "retention deleted them before they were read, or the topic was created again")
+
+
+def _expired(consumer: Consumer, r: OffsetRange, offset: int, err) -> RecordsExpired:
+    low, high = consumer.get_watermark_offsets(TopicPartition(r.topic, r.partition), timeout=10.0, cached=False)
+    if offset < low:
+        return RecordsExpired(r.topic, r.partition, offset, min(low, r.end))
+    if offset >= high:  # fewer records than when the slice was closed
+        return RecordsExpired(r.topic, r.partition, offset, r.end)
+    raise KafkaException(err)
+
+
+def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeout: float = 30.0,
+               expired: Callable[[RecordsExpired], None] | None = None) -> Iterator:
     """Yields the messages of [start, end) of one partition, in offset order.
 
     Offsets may have gaps (compaction, transaction markers), so the range ends at the first
-    message at or past `end - 1`, or when the consumer's position reaches `end`.
+    message at or past `end - 1`, or when the consumer's position reaches `end`. Offsets the
+    partition no longer holds raise `RecordsExpired`, or with `expired` are passed to it and
+    skipped: never silently, as librdkafka's offset reset would.
     """
     if r.count <= 0:
         return
@@ -62,6 +87,7 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
             "group.id": "entity-assets-slices",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
+            "auto.offset.reset": "error",
             "fetch.max.bytes": 32 * 1024 * 1024,
             # a shallow prefetch: two `consume` batches. With librdkafka's default (100k
             # messages), a consumer slower than the fetches (a task validating as it reads)
@@ -80,9 +106,19 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
             for m in messages:
                 err = m.error()
                 if err is not None:
-                    if err.code() == -191:  # _PARTITION_EOF
+                    if err.code() == KafkaError._PARTITION_EOF:
                         continue
-                    raise KafkaException(err)
+                    if err.code() != KafkaError._AUTO_OFFSET_RESET:
+                        raise KafkaException(err)
+                    gone = _expired(consumer, r, next_offset, err)
+                    if expired is None:
+                        raise gone
+                    expired(gone)
+                    if gone.stop >= r.end:
+                        return
+                    next_offset = gone.stop
+                    consumer.assign([TopicPartition(r.topic, r.partition, next_offset)])
+                    break
                 if m.offset() >= r.end:
                     return
                 yield m

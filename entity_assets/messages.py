@@ -75,6 +75,7 @@ class DeadLetterCode(StrEnum):
     OVERSIZE = "EA-OVERSIZE"
     DUPLICATE = "EA-DUPLICATE"
     SCHEMA_PENDING = "EA-SCHEMA-PENDING"
+    EXPIRED = "EA-EXPIRED"
 
 
 class InvalidMessage(Exception):

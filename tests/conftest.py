@@ -64,6 +64,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _delete_records_before(config: dict, offsets: dict[tuple[str, int], int]) -> None:
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(config)  # held until the futures are done: they never complete once it is collected
+    for future in admin.delete_records([TopicPartition(t, p, o) for (t, p), o in offsets.items()]).values():
+        future.result()
+
+
+@pytest.fixture
+def delete_records_before() -> Callable[[dict, dict[tuple[str, int], int]], None]:
+    """What Kafka's retention does: each partition's records before the offset are gone."""
+    return _delete_records_before
+
+
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Gives TCP ports on 127.0.0.1 that nothing listens on, for servers a test starts."""

@@ -255,6 +255,40 @@ def test_rematerializing_a_slice_reads_its_manifest_and_never_duplicates(pipelin
             assert r.start <= offset < r.end
 
 
+def test_records_kafka_no_longer_holds_are_dead_letters_and_a_re_run_keeps_the_lake_rows(pipeline, delete_records_before):
+    """Retention can delete a closed slice's records before its run reads them: each span of
+    offsets gone is an EA-EXPIRED dead letter, never a silent gap. Once a slice is ingested, the
+    lake holds the only copy of what Kafka dropped since: a re-run keeps its rows."""
+    pipeline.produce(traffic(100, seed=8))
+    [r1] = pipeline.tick()
+    ranges = [r for r in pipeline.manifest(K1).ranges if r.count >= 4]
+    config = pipeline.kafka.config()
+    delete_records_before(config, {(r.topic, r.partition): r.start + 3 for r in ranges})
+    run = pipeline.run_request(r1)
+    assert run.success
+    rows = pipeline.read("entity_batches")
+    assert rows.num_rows == 100 - 3 * len(ranges)
+    dead = pipeline.read("dead_letters").to_pylist()
+    assert sorted((d["kafka_topic"], d["kafka_partition"], d["kafka_offset"], d["code"]) for d in dead) == sorted(
+        (r.topic, r.partition, r.start, "EA-EXPIRED") for r in ranges)
+    assert all(f"no longer holds offsets [{d['kafka_offset']}, {d['kafka_offset'] + 3})" in d["reason"]
+               and d["value"] is None and d["kafka_timestamp"] == -1 for d in dead)
+    [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == "no_dead_letters"]
+    assert not check.passed and check.metadata["by_stream_and_code"].data == {"entity-batches EA-EXPIRED": len(ranges)}
+    updates = pipeline.read("entity_updates").num_rows
+
+    # Every record of the slice gone: the re-run keeps the lake's rows, and the steps after ingest run on them.
+    delete_records_before(config, {(r.topic, r.partition): r.end for r in pipeline.manifest(K1).ranges if r.count})
+    again = pipeline.run(K1)
+    assert again.success
+    meta = pipeline.materializations(again)
+    assert "kept" in meta["entity_batches"] and meta["entity_batches"]["rows"] == rows.num_rows
+    assert meta["dead_letters"]["rows"] == len(ranges)
+    assert pipeline.read("entity_batches").num_rows == rows.num_rows
+    assert pipeline.read("dead_letters").num_rows == len(ranges)
+    assert "complete_responses" in meta and pipeline.read("entity_updates").num_rows == updates
+
+
 # --------------------------------------------------------------------------- bad input
 
 def _batch(**changes) -> dict:

@@ -6,7 +6,8 @@ import pyarrow as pa
 import pytest
 
 from entity_assets import kafka_io
-from entity_assets.kafka_io import BatchProducer, Spool, ensure_topics, end_offsets, read_range, replay_into
+from entity_assets.kafka_io import (BatchProducer, RecordsExpired, Spool, ensure_topics, end_offsets, produce, read_range,
+                                   replay_into)
 from entity_assets.publish import partition_for
 from entity_assets.slices import OffsetRange
 
@@ -119,6 +120,24 @@ def test_a_spool_sends_nothing_until_replayed_then_every_record_as_sent(broker, 
     for (topic, p), got in received.items():  # by key: where the Java client's murmur2 puts it
         keyed = {(k.encode(), v.encode()) for t, k, v, q in sent if t == topic and q is None and k is not None}
         assert all(partition_for(k.decode(), 2) == p for k, v in got if (k, v) in keyed)
+
+
+def test_offsets_a_partition_no_longer_holds_are_never_skipped_silently(broker, delete_records_before):
+    """librdkafka would jump to the partition's end; a range's reader names what is gone."""
+    config = {"bootstrap.servers": broker.bootstrap}
+    topic = "expired-records"
+    ensure_topics(config, [topic], 1)
+    produce(config, topic, [(b"k", b"%d" % i) for i in range(10)])
+    delete_records_before(config, {(topic, 0): 4})
+    with pytest.raises(RecordsExpired, match=r"expired-records\[0\] no longer holds offsets \[0, 4\)"):
+        list(read_range(config, OffsetRange(topic, 0, 0, 10)))
+    gone = []
+    assert [m.offset() for m in read_range(config, OffsetRange(topic, 0, 2, 10), expired=gone.append)] == [
+        4, 5, 6, 7, 8, 9]
+    assert [(g.start, g.stop) for g in gone] == [(2, 4)]
+    gone.clear()  # past the partition's end: fewer records than when the range was planned (a topic created again)
+    assert list(read_range(config, OffsetRange(topic, 0, 12, 14), expired=gone.append)) == []
+    assert [(g.start, g.stop) for g in gone] == [(12, 14)]
 
 
 def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch, tmp_path):

@@ -16,7 +16,8 @@ from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import slice_key as key_of, slice_seq, split_ranges
-from entity_assets.storage import filesystem
+from entity_assets.messages import DeadLetterCode
+from entity_assets.storage import filesystem, read_table
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 DESCRIPTIONS = {
@@ -69,6 +70,9 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
         storage_options=engine.storage_options,
     )
     files = run_tasks(spark, tasks, fn, manifest.messages)
+    if pop_counts(files)["expired"] and _ingested(engine, manifest.key):
+        yield from _keep(context, engine, manifest.key, files)
+        return
     resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing.max_messages_per_task)
     if resolved:
         context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
@@ -128,10 +132,41 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
     applied = pop_counts(out)["applied"]
     for table, written in out.items():
         files.setdefault(table, []).extend(written)
-    fs, root = filesystem(dead_uri, engine.storage_options)
-    for f in held:  # rewritten by the tasks
-        fs.delete_file(f"{root}/{f.path}")
+    _discard(engine, {HELD: held})  # rewritten by the tasks
     return applied
+
+
+def _discard(engine, files: dict) -> None:
+    """Deletes data files the tasks wrote that no commit will add."""
+    for table, written in files.items():
+        fs, root = filesystem(engine.uri("dead_letters" if table == HELD else table), engine.storage_options)
+        for f in written:
+            fs.delete_file(f"{root}/{f.path}")
+
+
+def _ingested(engine, slice_key: str) -> bool:
+    return any(engine.slice_files(table, [slice_key]) for table in TABLES)
+
+
+def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict):
+    """A re-run of an ingested slice whose records Kafka no longer all holds (retention): its
+    rows in the lake are their only copy, so they stay as they are and the steps after this one
+    run on them."""
+    letters = [r["reason"] for f in files.get("dead_letters", [])
+               for r in read_table(f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options).to_pylist()
+               if r["code"] == DeadLetterCode.EXPIRED.value]
+    _discard(engine, files)
+    context.log.warning(f"slice {slice_key} was ingested before, and Kafka no longer holds all of its records "
+                        f"({'; '.join(letters[:3])}{'; ...' if len(letters) > 3 else ''}): its rows in the lake, their "
+                        "only copy, are kept as they are")
+    rows = {table: sum(f.rows for f in engine.slice_files(table, [slice_key])) for table in TABLES}
+    for table in TABLES:
+        yield MaterializeResult(asset_key=table, metadata={
+            "rows": MetadataValue.int(rows[table]), "delta_version": MetadataValue.int(engine.version(table)),
+            "table_uri": MetadataValue.path(engine.uri(table)),
+            "kept": MetadataValue.text(f"records expired from Kafka: the rows ingested before are kept "
+                                       f"({len(letters)} span(s) of offsets gone)")})
+    yield _dead_letters_check(engine, slice_key, rows["dead_letters"])
 
 
 def _dead_letters_check(engine, slice_key: str, dead: int) -> AssetCheckResult:
