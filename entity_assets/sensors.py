@@ -9,7 +9,7 @@ from dagster import RunRequest, SensorEvaluationContext, SensorResult, SkipReaso
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import slices_partitions
-from entity_assets.slices import plan_slices, slice_key
+from entity_assets.slices import behind, plan_slices, slice_key
 from resources import KafkaResource, LakeResource, SlicingResource
 
 
@@ -50,6 +50,11 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
 
     ends = kafka.input_end_offsets()
     ends = {**positions, **ends}  # keep positions of topics the broker did not list this time
+    went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {positions[(t, p)]}" for t, p in behind(positions, ends))
+    if went_back:
+        went_back = (f"offsets went back: {went_back}. The topic was deleted and created again, or the bootstrap "
+                     "servers name another cluster; records below the next offset are not read (docs/slices.md)")
+        context.log.error(went_back)
     new = plan_slices(positions, ends, policy=slicing.policy(), next_seq=latest + 1,
                       last_closed_at=closed_at, now=int(time.time() * 1000))
     for manifest in new:
@@ -61,7 +66,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     cursor = dump_cursor(last, positions, closed_at)
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
-        return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"), cursor=cursor)
+        return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
+                                                    + (f"; {went_back}" if went_back else "")), cursor=cursor)
     context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
     return SensorResult(
         run_requests=[RunRequest(run_key=k, partition_key=k) for k in keys],

@@ -159,6 +159,13 @@ def plan_slices(
     return slices
 
 
+def behind(positions: Mapping[TopicPartition, int], ends: Mapping[TopicPartition, int]) -> list[TopicPartition]:
+    """Partitions whose end offset is below the next offset the slices read from: the topic was
+    deleted and created again, or the bootstrap servers name another cluster. Their new records
+    below that offset would never be read, so the sensor says so at every tick."""
+    return sorted(tp for tp, end in ends.items() if end < positions.get(tp, 0))
+
+
 def split_ranges(ranges: Iterable[OffsetRange], max_per_task: int) -> list[OffsetRange]:
     """Cuts ranges into task-sized pieces so that one hot partition still uses every core."""
     out = []

@@ -14,7 +14,10 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions, build_sensor_context
 
+from confluent_kafka.admin import AdminClient
+
 from entity_assets import samples, trace
+from entity_assets.kafka_io import ensure_topics, release_producers
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.messages import parse_message
 from entity_assets.slices import slice_key
@@ -206,6 +209,24 @@ def test_ticks_close_contiguous_slices(pipeline):
     assert [r.run_key for r in pipeline.tick()] == [K1, K2]
     assert pipeline.tick() == []
     assert pipeline.manifest(K2) == m2
+
+
+def test_offsets_that_went_back_are_reported_at_every_tick(pipeline):
+    """A topic deleted and created again restarts its offsets: its records below the slices'
+    positions would never be read, so every tick says so."""
+    pipeline.produce(traffic(120, seed=1))
+    [first] = pipeline.tick()
+    topic = pipeline.topic(STREAM)
+    admin = AdminClient(pipeline.kafka.config())
+    for future in admin.delete_topics([topic]).values():
+        future.result()
+    ensure_topics(pipeline.kafka.config(), [topic], sum(r.topic == topic for r in pipeline.manifest(K1).ranges))
+    release_producers()  # an idempotent producer's sequence numbers belong to the old topic
+    pipeline.produce(traffic(4, seed=2))
+    for _ in range(2):
+        assert pipeline.tick() == []
+        reason = pipeline.last_result.skip_reason.skip_message
+        assert f"offsets went back: {topic}[" in reason and "created again" in reason
 
 
 def test_slices_respect_max_messages(make_pipeline):
