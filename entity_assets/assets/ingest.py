@@ -14,9 +14,9 @@ from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_t
                                   registry_before, resolve_tasks)
 from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
+from entity_assets.messages import DeadLetterCode
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import slice_key as key_of, slice_seq, split_ranges
-from entity_assets.messages import DeadLetterCode
 from entity_assets.storage import filesystem, read_table
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
