@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from dagster import Definitions, EnvVar, in_process_executor
@@ -29,7 +30,10 @@ def _settings(text: str) -> dict[str, str]:
 
 
 def _ingestion(text: str) -> dict[str, IngestionSource]:
-    """`system=format,...` (`*` for any other system); empty: no ingestion topics are read."""
+    """`system=format,...` (`*` for any other system), or a JSON object of each system's
+    `IngestionSource` settings; empty: no ingestion topics are read."""
+    if text.lstrip().startswith("{"):
+        return {system: IngestionSource(**settings) for system, settings in json.loads(text).items()}
     return {system: IngestionSource(format=fmt) for system, fmt in _settings(text).items()}
 
 

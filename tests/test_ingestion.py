@@ -93,6 +93,19 @@ def test_cdc_records_become_entities_and_bad_ones_dead_letters(make_pipeline):
     assert json.loads(mario["document"])["NAME"] == "Luigi" and mario["version"] == 42
 
 
+def test_ingestion_sources_come_from_the_environment(monkeypatch):
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("ENTITY_ASSETS_INGESTION", "crm=debezium, *=auto")
+    assert {s: v.format for s, v in build_resources()["kafka"].ingestion.items()} == {"crm": "debezium", "*": "auto"}
+    monkeypatch.setenv("ENTITY_ASSETS_INGESTION", '{"shop": {"format": "debezium", "collection": "table", '
+                                                  '"includeAfter": true}}')
+    [(system, source)] = build_resources()["kafka"].sources().items()
+    assert (system, source.format, source.collection, source.includeAfter) == ("shop", "debezium", "table", True)
+    monkeypatch.setenv("ENTITY_ASSETS_INGESTION", "")
+    assert build_resources()["kafka"].ingestion == {}
+
+
 def test_without_sources_no_ingestion_topic_is_read(make_pipeline):
     pipeline = make_pipeline(ingestion={})
     topic = pipeline.topic("crm.customers.ingestion")
