@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -59,6 +60,15 @@ class RecordsExpired(Exception):
     def __str__(self) -> str:
         return (f"{self.topic}[{self.partition}] no longer holds offsets [{self.start}, {self.stop}): Kafka's "
                 "retention deleted them before they were read, or the topic was created again")
+
+    @staticmethod
+    def span(reason: str) -> range | None:
+        """The offsets a dead letter's reason (`str` of one) names as gone."""
+        found = _SPAN.search(reason)
+        return range(int(found[1]), int(found[2])) if found else None
+
+
+_SPAN = re.compile(r"no longer holds offsets \[(\d+), (\d+)\)")
 
 
 def _expired(consumer: Consumer, r: OffsetRange, offset: int, err) -> RecordsExpired:

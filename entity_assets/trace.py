@@ -17,6 +17,7 @@ import pyarrow as pa
 from entity_assets import core
 from entity_assets.fold import key_buckets
 from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.kafka_io import RecordsExpired
 from entity_assets.manifests import TABLE as MANIFESTS
 from entity_assets.messages import DeadLetterCode
 from entity_assets.notify import DEVICE_KEY, DeviceInbox
@@ -37,7 +38,7 @@ STATES = {
 }
 """State table -> the trail's table whose rows name its keys, and the key columns."""
 
-SCHEMA_PENDING = DeadLetterCode.SCHEMA_PENDING.value
+SCHEMA_PENDING, EXPIRED = DeadLetterCode.SCHEMA_PENDING.value, DeadLetterCode.EXPIRED.value
 
 _HIDDEN = {name for name, _ in LINEAGE} | {"bucket"}
 """Columns a trail leaves out of its rows: the coordinates it was asked for, and storage layout."""
@@ -93,6 +94,11 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
     at = [("kafka_topic", "=", topic), ("kafka_partition", "=", partition), ("kafka_offset", "=", offset)]
     for table in TRAIL[:RECORD_TABLES]:
         _add(trail, table, _read(engine, table, [trail.slice], None, at))
+    if not trail.rows:  # gone from Kafka before its slice read it: the dead letter of its span
+        gone = [("kafka_topic", "=", topic), ("kafka_partition", "=", partition), ("kafka_offset", "<=", offset),
+                ("code", "=", EXPIRED)]
+        _add(trail, "dead_letters", [r for r in _read(engine, "dead_letters", [trail.slice], None, gone)
+                                     if offset in (RecordsExpired.span(r["reason"]) or ())])
     if any(r["code"] == SCHEMA_PENDING for r in trail.rows.get("dead_letters", [])):
         later = _read(engine, "entity_batches", None, None, at)  # every slice's files: a rare path
         trail.applied = later[0]["slice"] if later else None

@@ -297,6 +297,10 @@ def test_records_kafka_no_longer_holds_are_dead_letters_and_a_re_run_keeps_the_l
     [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == "no_dead_letters"]
     assert not check.passed and check.metadata["by_stream_and_code"].data == {"entity-batches EA-EXPIRED": len(ranges)}
     updates = pipeline.read("entity_updates").num_rows
+    r = ranges[0]  # a record inside a span gone is traced to the span's dead letter
+    [letter] = trace.trace(pipeline.engine, r.topic, r.partition, r.start + 1).rows["dead_letters"]
+    assert letter["code"] == "EA-EXPIRED" and f"[{r.start}, {r.start + 3})" in letter["reason"]
+    assert trace.trace(pipeline.engine, r.topic, r.partition, r.start + 3).rows.keys() >= {"entity_batches"}
 
     # Every record of the slice gone: the re-run keeps the lake's rows, and the steps after ingest run on them.
     delete_records_before(config, {(r.topic, r.partition): r.end for r in pipeline.manifest(K1).ranges if r.count})
