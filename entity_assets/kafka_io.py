@@ -30,9 +30,10 @@ PRODUCER_DEFAULTS = {
 }
 
 
-def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
-                timeout: float = 10.0) -> dict[tuple[str, int], int]:
-    """High watermarks of every partition of `topics` (names, or a test of the broker's names)."""
+def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
+               timeout: float = 10.0) -> dict[tuple[str, int], tuple[int, int]]:
+    """(first offset held, high watermark) of every partition of `topics` (names, or a test of
+    the broker's names)."""
     consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False})
     try:
         metadata = consumer.list_topics(timeout=timeout)
@@ -42,11 +43,16 @@ def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
             if meta is None or meta.error is not None:
                 continue
             for p in meta.partitions:
-                _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout, cached=False)
-                out[(topic, p)] = high
+                out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout, cached=False)
         return out
     finally:
         consumer.close()
+
+
+def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
+                timeout: float = 10.0) -> dict[tuple[str, int], int]:
+    """High watermarks of every partition of `topics`."""
+    return {tp: high for tp, (_, high) in watermarks(config, topics, timeout).items()}
 
 
 class RecordsExpired(Exception):

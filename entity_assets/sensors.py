@@ -50,8 +50,13 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
 
     ends = kafka.input_end_offsets()
     ends = {**positions, **ends}  # keep positions of topics the broker did not list this time
-    went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {positions[(t, p)]}" for t, p in behind(positions, ends))
-    if went_back:
+    back = behind(positions, ends)
+    went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {positions[(t, p)]}" for t, p in back)
+    if back and slicing.offsets_went_back == "restart":
+        positions = {**positions, **kafka.first_offsets(back)}
+        context.log.warning(f"offsets went back: {went_back}; read again from their first offsets")
+        went_back = ""
+    elif back:
         went_back = (f"offsets went back: {went_back}. The topic was deleted and created again, or the bootstrap "
                      "servers name another cluster; records below the next offset are not read (docs/slices.md)")
         context.log.error(went_back)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from dagster import Config, ConfigurableResource
@@ -96,3 +97,11 @@ class KafkaResource(ConfigurableResource):
         from entity_assets.kafka_io import end_offsets
 
         return end_offsets(self.config(), lambda topic: self.input_stream(topic) is not None, timeout)
+
+    def first_offsets(self, partitions: Iterable[tuple[str, int]], timeout: float = 10.0) -> dict[tuple[str, int], int]:
+        """The first offset each of `partitions` still holds (its low watermark)."""
+        from entity_assets.kafka_io import watermarks
+
+        wanted = set(partitions)
+        return {tp: low for tp, (low, _) in watermarks(self.config(), {t for t, _ in wanted}, timeout).items()
+                if tp in wanted}

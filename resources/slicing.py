@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from dagster import ConfigurableResource
 from pydantic import Field
 
@@ -16,6 +18,9 @@ class SlicingResource(ConfigurableResource):
     max_messages_per_task: int = Field(default=200_000, description="Kafka records one Spark task reads")
     dedupe_window_slices: int = Field(
         default=4, description="earlier slices searched for redelivered requests (an hour at the default interval)")
+    offsets_went_back: Literal["report", "restart"] = Field(
+        default="report", description="a partition whose offsets went below the slices' (a topic created again, "
+                                      "another cluster): report it at every tick, or read it again from its first offset")
 
     def policy(self) -> SlicePolicy:
         return SlicePolicy(self.min_interval_seconds, self.max_messages)

@@ -211,22 +211,43 @@ def test_ticks_close_contiguous_slices(pipeline):
     assert pipeline.manifest(K2) == m2
 
 
-def test_offsets_that_went_back_are_reported_at_every_tick(pipeline):
-    """A topic deleted and created again restarts its offsets: its records below the slices'
-    positions would never be read, so every tick says so."""
-    pipeline.produce(traffic(120, seed=1))
-    [first] = pipeline.tick()
-    topic = pipeline.topic(STREAM)
+def create_again(pipeline, stream: str) -> str:
+    """Deletes a stream's topic and creates it again, empty: its offsets start again at 0."""
+    topic = pipeline.topic(stream)
     admin = AdminClient(pipeline.kafka.config())
     for future in admin.delete_topics([topic]).values():
         future.result()
     ensure_topics(pipeline.kafka.config(), [topic], sum(r.topic == topic for r in pipeline.manifest(K1).ranges))
     release_producers()  # an idempotent producer's sequence numbers belong to the old topic
+    return topic
+
+
+def test_offsets_that_went_back_are_reported_at_every_tick(pipeline):
+    """A topic deleted and created again restarts its offsets: its records below the slices'
+    positions would never be read, so every tick says so."""
+    pipeline.produce(traffic(120, seed=1))
+    [first] = pipeline.tick()
+    topic = create_again(pipeline, STREAM)
     pipeline.produce(traffic(4, seed=2))
     for _ in range(2):
         assert pipeline.tick() == []
         reason = pipeline.last_result.skip_reason.skip_message
         assert f"offsets went back: {topic}[" in reason and "created again" in reason
+
+
+def test_offsets_that_went_back_can_be_read_again_from_the_start(make_pipeline):
+    """`offsets_went_back="restart"`: the new topic's records are read from its first offsets."""
+    pipeline = make_pipeline(offsets_went_back="restart")
+    pipeline.produce(traffic(120, seed=1))
+    [first] = pipeline.tick_and_run()
+    topic = create_again(pipeline, STREAM)
+    pipeline.produce(traffic(4, seed=2))
+    [second] = pipeline.tick_and_run()
+    assert second.success
+    restarted = [r for r in pipeline.manifest(K2).ranges if r.topic == topic and r.count]
+    assert restarted and all(r.start == 0 for r in restarted) and sum(r.count for r in restarted) == 4
+    assert rows_of_slice(pipeline.read("entity_batches"), K2).num_rows == 4
+    assert pipeline.tick() == []  # and on from there
 
 
 def test_slices_respect_max_messages(make_pipeline):
