@@ -48,12 +48,14 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
             context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest}: resuming from the lake")
             cursor_seq = latest
 
-    ends = kafka.input_end_offsets()
-    ends = {**positions, **ends}  # keep positions of topics the broker did not list this time
+    marks = kafka.input_watermarks()
+    firsts = {tp: low for tp, (low, _) in marks.items()}
+    ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
+    positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds
     back = behind(positions, ends)
     went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {positions[(t, p)]}" for t, p in back)
     if back and slicing.offsets_went_back == "restart":
-        positions = {**positions, **kafka.first_offsets(back)}
+        positions = {**positions, **{tp: firsts[tp] for tp in back}}
         context.log.warning(f"offsets went back: {went_back}; read again from their first offsets")
         went_back = ""
     elif back:

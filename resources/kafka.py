@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Literal
 
 from dagster import Config, ConfigurableResource
@@ -92,16 +91,9 @@ class KafkaResource(ConfigurableResource):
                 return stream
         return ingestion_stream(topic, self.topic_prefix, self.sources())
 
-    def input_end_offsets(self, timeout: float = 10.0) -> dict[tuple[str, int], int]:
-        """High watermarks of every input topic on the broker: the seed's and the ingestion topics."""
-        from entity_assets.kafka_io import end_offsets
-
-        return end_offsets(self.config(), lambda topic: self.input_stream(topic) is not None, timeout)
-
-    def first_offsets(self, partitions: Iterable[tuple[str, int]], timeout: float = 10.0) -> dict[tuple[str, int], int]:
-        """The first offset each of `partitions` still holds (its low watermark)."""
+    def input_watermarks(self, timeout: float = 10.0) -> dict[tuple[str, int], tuple[int, int]]:
+        """(first offset held, high watermark) of every partition of every input topic on the broker:
+        the seed's and the ingestion topics."""
         from entity_assets.kafka_io import watermarks
 
-        wanted = set(partitions)
-        return {tp: low for tp, (low, _) in watermarks(self.config(), {t for t, _ in wanted}, timeout).items()
-                if tp in wanted}
+        return watermarks(self.config(), lambda topic: self.input_stream(topic) is not None, timeout)

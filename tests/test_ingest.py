@@ -250,6 +250,20 @@ def test_offsets_that_went_back_can_be_read_again_from_the_start(make_pipeline):
     assert pipeline.tick() == []  # and on from there
 
 
+def test_a_partition_no_slice_has_read_starts_at_the_first_offset_kafka_holds(pipeline, delete_records_before):
+    """Records that retention removed before the sensor ever saw the topic were never the
+    pipeline's to read: no dead letter for them."""
+    pipeline.produce(traffic(120, seed=1))
+    ends = pipeline.end_offsets(STREAM)
+    delete_records_before(pipeline.kafka.config(), {tp: end // 2 for tp, end in ends.items()})
+    [run] = pipeline.tick_and_run()
+    assert run.success
+    assert {(r.topic, r.partition): r.start for r in pipeline.manifest(K1).ranges if r.topic == pipeline.topic(STREAM)} \
+        == {tp: end // 2 for tp, end in ends.items()}
+    assert pipeline.read("entity_batches").num_rows == sum(end - end // 2 for end in ends.values())
+    assert pipeline.read("dead_letters").num_rows == 0
+
+
 def test_slices_respect_max_messages(make_pipeline):
     pipeline = make_pipeline(max_messages=100)
     pipeline.produce(traffic(250, seed=3))
