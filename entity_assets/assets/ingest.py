@@ -70,8 +70,8 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
         storage_options=engine.storage_options,
     )
     files = run_tasks(spark, tasks, fn, manifest.messages)
-    if pop_counts(files)["expired"] and _ingested(engine, manifest.key):
-        yield from _keep(context, engine, manifest.key, files)
+    if pop_counts(files)["expired"] and any((before := _slice_rows(engine, manifest.key)).values()):
+        yield from _keep(context, engine, manifest.key, files, before)
         return
     resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing.max_messages_per_task)
     if resolved:
@@ -144,14 +144,15 @@ def _discard(engine, files: dict) -> None:
             fs.delete_file(f"{root}/{f.path}")
 
 
-def _ingested(engine, slice_key: str) -> bool:
-    return any(engine.slice_files(table, [slice_key]) for table in TABLES)
+def _slice_rows(engine, slice_key: str) -> dict[str, int]:
+    """Rows of the slice in each table, as committed: none before its first ingest."""
+    return {table: sum(f.rows for f in engine.slice_files(table, [slice_key])) for table in TABLES}
 
 
-def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict):
+def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, rows: dict[str, int]):
     """A re-run of an ingested slice whose records Kafka no longer all holds (retention): its
-    rows in the lake are their only copy, so they stay as they are and the steps after this one
-    run on them."""
+    rows in the lake (`rows` of them per table) are their only copy, so they stay as they are and
+    the steps after this one run on them."""
     letters = [r["reason"] for f in files.get("dead_letters", [])
                for r in read_table(f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options).to_pylist()
                if r["code"] == DeadLetterCode.EXPIRED.value]
@@ -159,11 +160,9 @@ def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict):
     context.log.warning(f"slice {slice_key} was ingested before, and Kafka no longer holds all of its records "
                         f"({'; '.join(letters[:3])}{'; ...' if len(letters) > 3 else ''}): its rows in the lake, their "
                         "only copy, are kept as they are")
-    rows = {table: sum(f.rows for f in engine.slice_files(table, [slice_key])) for table in TABLES}
     for table in TABLES:
         yield MaterializeResult(asset_key=table, metadata={
-            "rows": MetadataValue.int(rows[table]), "delta_version": MetadataValue.int(engine.version(table)),
-            "table_uri": MetadataValue.path(engine.uri(table)),
+            **table_metadata(engine, table, {"rows": rows[table], "version": engine.version(table)}),
             "kept": MetadataValue.text(f"records expired from Kafka: the rows ingested before are kept "
                                        f"({len(letters)} span(s) of offsets gone)")})
     yield _dead_letters_check(engine, slice_key, rows["dead_letters"])
