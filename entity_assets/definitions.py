@@ -68,6 +68,7 @@ def build_resources() -> dict:
             min_interval_seconds=float(_env("ENTITY_ASSETS_SLICE_INTERVAL_SECONDS", "900")),
             max_messages=int(_env("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "5000000")),
             max_messages_per_task=int(_env("ENTITY_ASSETS_SLICE_MAX_PER_TASK", "200000")),
+            schema_wait_slices=int(_env("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "4")),
             offsets_went_back=_env("ENTITY_ASSETS_OFFSETS_WENT_BACK", "report"),
         ),
     }

@@ -20,8 +20,8 @@ from entity_assets import adapters, qlik
 from entity_assets import messages as m
 from entity_assets.core import dumps
 from entity_assets.kafka_io import RecordsExpired, read_range
-from entity_assets.slices import OffsetRange
-from entity_assets.storage import SLICE, FileWriter
+from entity_assets.slices import OffsetRange, slice_key as slice_key_of, slice_seq
+from entity_assets.storage import FileWriter
 from entity_assets.tables import LINEAGE, SCHEMAS
 
 LINEAGE_NAMES = tuple(name for name, _ in LINEAGE)
@@ -158,13 +158,9 @@ class _Rows:
         self.values, self.offsets, self.timestamps = [], [], []
 
 
-DEAD_LETTER_STATS = ("slice", "code")
-"""Statistics of dead-letter files: a step finds the files that may hold EA-SCHEMA-PENDING letters
-by their codes' range, without reading the others."""
-
 HELD = "held"
-"""Data messages whose Qlik schema was unknown to the task: dead-letter files that the step
-commits as they are, or, when the slice registers schemas, rewrites (`resolve_tasks`)."""
+"""Data messages whose Qlik schema was unknown to the task: `schema_waits` files that the step
+commits as they are, or rewrites (`resolve_tasks`) when the slice registers schemas or ends a wait."""
 
 
 def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, topic: str, partition: int,
@@ -189,9 +185,8 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
 
     def writer(table: str) -> FileWriter:
         if table not in writers:
-            target = "dead_letters" if table == HELD else table
-            stats = DEAD_LETTER_STATS if target == "dead_letters" else (SLICE,)
-            writers[table] = FileWriter(table, table_uris[target], SCHEMAS[target], slice_key, stats_columns=stats,
+            target = "schema_waits" if table == HELD else table
+            writers[table] = FileWriter(table, table_uris[target], SCHEMAS[target], slice_key,
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
@@ -255,14 +250,6 @@ def ingestion_stream(topic: str, prefix: str, sources: Mapping[str, adapters.Sou
     return IngestionStream(replace(source, system=parsed[0]), projection=parsed[1])
 
 
-def may_wait(f, slice_key: str) -> bool:
-    """Whether a committed dead-letter file may hold EA-SCHEMA-PENDING letters of a slice before
-    `slice_key`, by its statistics (a file written before they held codes may)."""
-    pending = m.DeadLetterCode.SCHEMA_PENDING.value
-    low, high = f.min.get("code"), f.max.get("code")
-    return f.min.get("slice", "") < slice_key and (low is None or low <= pending <= high)
-
-
 def new_registrations(engine, files: dict[str, list], registry: Mapping[str, qlik.Registered]) -> dict:
     """The schemas that the slice's metadata messages (its `avro_schemas` files) register for the first time."""
     from entity_assets.storage import read_table
@@ -276,38 +263,48 @@ def new_registrations(engine, files: dict[str, list], registry: Mapping[str, qli
 
 
 def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, adapters.Source],
-                  registry: Mapping[str, qlik.Registered], new: frozenset[str], slice_key: str,
+                  registry: Mapping[str, qlik.Registered], new: frozenset[str], slice_key: str, wait_slices: int,
                   table_uris: dict[str, str], storage_options: dict | None) -> Iterator[dict]:
-    """mapPartitions body: applies the data messages waiting for a schema that the slice registered.
+    """mapPartitions body: the Qlik data messages waiting for their schema (`schema_waits` rows).
 
-    A task reads its `files` of dead letters: the slice's held ones (`HELD`) or, for `earlier`,
-    committed ones, of which only the EA-SCHEMA-PENDING letters of slices before it whose schema is `new`
-    count. Each such message becomes an `entity_batches` row of this slice with its own Kafka
-    coordinates (or a dead letter of another code if it is bad otherwise); a held message whose
-    schema is still unknown is a dead letter of the slice. Yields the files written, and one
-    record per message applied under the table `COUNTER + "applied"`.
+    A task reads its `files` of waits: the slice's held ones (`HELD`) or, for `earlier`, committed
+    ones of slices before it. A message whose schema is `new` (the slice registers it) becomes an
+    `entity_batches` row of this slice with its own Kafka coordinates (or a dead letter of another
+    code if it is bad otherwise); a held one that still waits is a `schema_waits` row of the slice.
+    One read `wait_slices` slices before this one whose schema no slice has registered is an
+    EA-SCHEMA-UNKNOWN dead letter of this slice; it keeps its `schema_waits` row, so the slice that
+    registers its schema, whenever it comes, still applies it. `registry`: every schema known,
+    `new` ones included. Yields the files written, and one record per message applied under the
+    table `COUNTER + "applied"`.
     """
     from entity_assets.fold import COUNTER
     from entity_assets.storage import read_table
 
-    batches = FileWriter("entity_batches", table_uris["entity_batches"], SCHEMAS["entity_batches"], slice_key,
-                         storage_options=storage_options)
-    dead = FileWriter("dead_letters", table_uris["dead_letters"], SCHEMAS["dead_letters"], slice_key,
-                      storage_options=storage_options, stats_columns=DEAD_LETTER_STATS)
+    def writer(table: str) -> FileWriter:
+        return FileWriter(table, table_uris[table], SCHEMAS[table], slice_key, storage_options=storage_options)
+
+    batches, dead, waits = writer("entity_batches"), writer("dead_letters"), writer("schema_waits")
+    seq = slice_seq(slice_key)
+    due = slice_key_of(seq - wait_slices) if seq > wait_slices else None
     streams: dict[str, IngestionStream | None] = {}
     applied = 0
     for task in tasks:
         for r in (r for f in task["files"] for r in read_table(f, storage_options).to_pylist()):
-            if task["earlier"] and (r["code"] != m.DeadLetterCode.SCHEMA_PENDING.value or r["slice"] >= slice_key):
+            if task["earlier"] and r["slice"] >= slice_key:
                 continue
-            topic = r["kafka_topic"]
+            topic, schema_id = r["kafka_topic"], qlik.schema_id_of(r["value"])
             if topic not in streams:
                 stream = ingestion_stream(topic, prefix, sources)
                 streams[topic] = stream and replace(stream, registry=registry)
             stream = streams[topic]
-            if stream is None or qlik.schema_id_of(r["value"]) not in new:
+            if stream is None or schema_id not in new:
                 if not task["earlier"]:
-                    dead.append(r)  # still waiting
+                    waits.append(r)
+                if r["slice"] == due and schema_id not in registry:
+                    reason = (f"no metadata message registered schema {schema_id} in the {wait_slices} slice(s) from "
+                              f"slice {r['slice']}, which read this data message; the slice that registers it applies it")
+                    dead.append({**r, "slice": slice_key, "code": m.DeadLetterCode.SCHEMA_UNKNOWN.value,
+                                 "reason": reason})
                 continue
             coordinates = (topic, r["kafka_partition"], r["kafka_offset"], r["kafka_timestamp"])
             try:
@@ -318,6 +315,6 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
             batches.append({"slice": slice_key, **dict(zip(LINEAGE_NAMES[1:], coordinates)),
                             **dict(zip(BATCH_FIELDS, values))})
             applied += 1
-    for f in (*batches.close(), *dead.close()):
+    for f in (*batches.close(), *dead.close(), *waits.close()):
         yield f.to_dict()
     yield {"table": COUNTER + "applied", "path": "", "size": 0, "rows": applied, "stats": ""}

@@ -65,7 +65,8 @@ MAX_MESSAGE_BYTES = 1_000_000
 
 
 class DeadLetterCode(StrEnum):
-    """Codes written with each dead letter; GENERR* are the seed's, EA-* the project's own."""
+    """Codes written with each dead letter (and each wait for a Qlik schema, EA-SCHEMA-PENDING);
+    GENERR* are the seed's, EA-* the project's own."""
 
     BAD_FORMAT = "GENERR001"
     UNSUPPORTED_TYPE = "GENERR002"
@@ -75,6 +76,7 @@ class DeadLetterCode(StrEnum):
     OVERSIZE = "EA-OVERSIZE"
     DUPLICATE = "EA-DUPLICATE"
     SCHEMA_PENDING = "EA-SCHEMA-PENDING"
+    SCHEMA_UNKNOWN = "EA-SCHEMA-UNKNOWN"
     EXPIRED = "EA-EXPIRED"
 
 

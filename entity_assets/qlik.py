@@ -4,7 +4,7 @@ messages are decoded by the schema id they reference.
 An envelope (magic `atMSG`) holds either a metadata message (type MD, self-describing: its Avro
 schema is embedded) that carries a table's data schema under a 32-byte schema id, or a data
 message (type DT) encoded with a schema registered earlier. A data message whose schema is not
-registered yet is `SchemaPending`: the ingest step holds it in dead letters and applies it in
+registered yet is `SchemaPending`: the ingest step keeps it in `schema_waits` and applies it in
 the slice that brings its metadata message (docs/ingestion.md).
 
 Plain module: fastavro and pydantic, no Kafka, Spark or Dagster.

@@ -23,6 +23,7 @@ REQUEST = [("clientid", STR), ("request", I64), ("user", STR), ("dbid", STR)]
 FLAGS = [("learning", BOOL), ("includeBefore", BOOL), ("includeAfter", BOOL)]
 TARGET = [("collection", STR), ("zone", STR), ("entity", STR)]
 RESULT = [("ended", I64), ("status", I32), ("error", STR), ("before", STR), ("after", STR)]
+LETTER = [("stream", STR), ("kafka_key", BIN), ("value", BIN), ("code", STR), ("reason", STR)]
 STATE = [("version", I64), ("deleted", BOOL), ("document", STR), ("ended", I64), ("bucket", I32)]
 
 
@@ -46,10 +47,9 @@ SCHEMAS: dict[str, pa.Schema] = {
     "avro_schemas": _schema(
         LINEAGE, [("system", STR), ("schemaId", STR), ("table", STR), ("primaryKey", STR), ("dataSchema", STR)]
     ),
-    "dead_letters": _schema(
-        LINEAGE,
-        [("stream", STR), ("kafka_key", BIN), ("value", BIN), ("code", STR), ("reason", STR)],
-    ),
+    "dead_letters": _schema(LINEAGE, LETTER),
+    # Qlik data messages read before their schema's metadata message, in a dead letter's shape
+    "schema_waits": _schema(LINEAGE, LETTER),
     # the entity core
     "entity_patches": _schema(
         LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, [("bucket", I32)]

@@ -25,11 +25,11 @@ from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import LINEAGE
 
 TRAIL = ("entity_batches", "schema_patches", "connections", "notification_acks", "avro_schemas", "dead_letters",
-         "entity_patches", "entity_updates", "schema_updates", "schema_learning", "partial_responses",
+         "schema_waits", "entity_patches", "entity_updates", "schema_updates", "schema_learning", "partial_responses",
          "complete_responses", "zone_changes", "changes_by_device")
 """The tables whose rows carry the coordinates of the input record they came from, in the graph's order."""
-RECORD_TABLES = 6
-"""The first tables of `TRAIL`: the record's own row, or its dead letter."""
+RECORD_TABLES = 7
+"""The first tables of `TRAIL`: the record's own row, its dead letter, or its wait for a schema."""
 
 STATES = {
     "entities": ("entity_patches", core.ENTITY_KEY),
@@ -38,7 +38,7 @@ STATES = {
 }
 """State table -> the trail's table whose rows name its keys, and the key columns."""
 
-SCHEMA_PENDING, EXPIRED = DeadLetterCode.SCHEMA_PENDING.value, DeadLetterCode.EXPIRED.value
+EXPIRED = DeadLetterCode.EXPIRED.value
 
 _HIDDEN = {name for name, _ in LINEAGE} | {"bucket"}
 """Columns a trail leaves out of its rows: the coordinates it was asked for, and storage layout."""
@@ -51,8 +51,8 @@ class Trail:
     offset: int
     slice: str | None = None
     applied: str | None = None
-    """The later slice that applied the record, for a Qlik data message that waited there for its
-    schema (an EA-SCHEMA-PENDING dead letter in its own slice); None otherwise."""
+    """The later slice that applied the record, for a Qlik data message that waited for its schema
+    (a `schema_waits` row of its own slice); None otherwise."""
     rows: dict[str, list[dict]] = field(default_factory=dict)
     """Table -> the record's rows in it (tables without any are left out)."""
     inboxes: list[dict] = field(default_factory=list)
@@ -99,10 +99,11 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
                 ("code", "=", EXPIRED)]
         _add(trail, "dead_letters", [r for r in _read(engine, "dead_letters", [trail.slice], None, gone)
                                      if offset in (RecordsExpired.span(r["reason"]) or ())])
-    if any(r["code"] == SCHEMA_PENDING for r in trail.rows.get("dead_letters", [])):
-        later = _read(engine, "entity_batches", None, None, at)  # every slice's files: a rare path
+    if "schema_waits" in trail.rows:  # every slice's files: a rare path
+        later = _read(engine, "entity_batches", None, None, at)
         trail.applied = later[0]["slice"] if later else None
         _add(trail, "entity_batches", later)
+        _add(trail, "dead_letters", _read(engine, "dead_letters", None, None, at))  # the wait's end, or bad once decoded
     for table in TRAIL[RECORD_TABLES:]:
         _add(trail, table, _read(engine, table, [trail.applied or trail.slice], None, at))
     trail.inboxes = _inboxes(engine, trail.applied or trail.slice, trail.rows.get("changes_by_device", []))
@@ -167,6 +168,7 @@ _SUMMARY = {
     "notification_acks": ("dbid", "user", "device", "notifications", "upTo"),
     "avro_schemas": ("system", "schemaId", "table", "primaryKey"),
     "dead_letters": ("stream", "code", "reason"),
+    "schema_waits": ("stream", "code", "reason"),
     "entity_patches": ("part", "parts", "collection", "zone", "entity"),
     "entity_updates": ("part", "collection", "zone", "entity", "action"),
     "schema_updates": ("part", "status", "error"),

@@ -18,6 +18,9 @@ class SlicingResource(ConfigurableResource):
     max_messages_per_task: int = Field(default=200_000, description="Kafka records one Spark task reads")
     dedupe_window_slices: int = Field(
         default=4, description="earlier slices searched for redelivered requests (an hour at the default interval)")
+    schema_wait_slices: int = Field(
+        default=4, ge=0, description="slices a Qlik data message waits for its schema's metadata message before it is "
+                                     "also a dead letter (EA-SCHEMA-UNKNOWN); the slice that registers it applies it")
     offsets_went_back: Literal["report", "restart"] = Field(
         default="report", description="a partition whose offsets went below the slices' (a topic created again, "
                                       "another cluster): report it at every tick, or read it again from its first offset")

@@ -133,6 +133,17 @@ def test_spark_settings_come_from_the_environment(monkeypatch):
                                                "spark.sql.shuffle.partitions": "16"}
 
 
+def test_slicing_settings_come_from_the_environment(monkeypatch):
+    from entity_assets.definitions import build_resources
+
+    assert (build_resources()["slicing"].schema_wait_slices, build_resources()["slicing"].offsets_went_back) == (
+        4, "report")
+    monkeypatch.setenv("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "0")
+    monkeypatch.setenv("ENTITY_ASSETS_OFFSETS_WENT_BACK", "restart")
+    assert (build_resources()["slicing"].schema_wait_slices, build_resources()["slicing"].offsets_went_back) == (
+        0, "restart")
+
+
 # --------------------------------------------------------------------------- one slice
 
 def test_slice_rows_equal_what_was_produced(make_pipeline):

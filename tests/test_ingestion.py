@@ -3,10 +3,8 @@ become entity batches and take the native path to updates, state and responses; 
 reach dead letters."""
 
 import json
-from dataclasses import replace
 
 from entity_assets import adapters, qlik, samples
-from entity_assets.ingest import may_wait
 from entity_assets.kafka_io import ensure_topics, produce
 from entity_assets.samples import encode as enc
 from entity_assets.slices import slice_key as K
@@ -14,6 +12,11 @@ from entity_assets.trace import format_trail, trace
 from resources.kafka import IngestionSource
 
 ROW = {"USER_ID": 1, "NAME": "Mario"}
+
+
+def check_passed(run, name: str) -> bool:
+    [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == name]
+    return check.passed
 
 
 def states(pipeline) -> dict[tuple, dict]:
@@ -117,9 +120,10 @@ def test_without_sources_no_ingestion_topic_is_read(make_pipeline):
 
 def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     """Seed 000: a data message read before its schema's metadata message waits for it: within
-    the slice it is applied at once; across slices it is a dead letter (EA-SCHEMA-PENDING) until
-    the slice that brings the schema applies it."""
-    pipeline = make_pipeline()
+    the slice it is applied at once; across slices it waits in `schema_waits`, is a dead letter
+    (EA-SCHEMA-UNKNOWN) once it has waited `schema_wait_slices` slices, and the slice that brings
+    the schema applies it."""
+    pipeline = make_pipeline(schema_wait_slices=1)
     topic = pipeline.topic("hr.employees.ingestion")
     ensure_topics(pipeline.kafka.config(), [topic], 2)
     columns = {"EMP_ID": "long", "NAME": "string"}
@@ -135,22 +139,27 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     now = states(pipeline)
     assert json.loads(now[("hr", "employees", "hr", "2")]["document"]) == {"EMP_ID": 2, "NAME": "Bob"}
     assert json.loads(now[("hr", "employees", "hr", "1")]["document"]) == {"EMP_ID": 1, "NAME": "Ada"}
-    [waiting] = pipeline.read("dead_letters").to_pylist()
+    [waiting] = pipeline.read("schema_waits").to_pylist()
     assert waiting["code"] == "EA-SCHEMA-PENDING" and s2 in waiting["reason"] and waiting["slice"] == K(1)
+    assert pipeline.read("dead_letters").num_rows == 0 and pipeline.materializations(run)["schema_waits"]["rows"] == 1
     assert [r["schemaId"] for r in pipeline.read("avro_schemas").to_pylist()] == [s1]
-    # its file is found by its codes' statistics; a file of other codes is not read for waiting letters
-    [letters] = pipeline.engine.files("dead_letters")
-    assert may_wait(letters, K(2)) and not may_wait(letters, K(1))
-    assert not may_wait(replace(letters, min={"slice": K(1), "code": "GENERR001"},
-                                max={"slice": K(1), "code": "GENERR010"}), K(2))
+    assert check_passed(run, "no_dead_letters")
+
+    # a slice without its schema: the wait (one slice here) is over, the message is a dead letter
+    produce(config, topic, [(b"3", qlik.data_envelope(s1, v1, "INSERT", {"EMP_ID": 3, "NAME": "Cy"}))])
+    [run] = pipeline.tick_and_run()
+    assert run.success and pipeline.materializations(run)["schema_waits"]["rows"] == 0
+    [letter] = pipeline.read("dead_letters").to_pylist()
+    assert (letter["code"], letter["slice"], letter["kafka_offset"]) == ("EA-SCHEMA-UNKNOWN", K(2), waiting["kafka_offset"])
+    assert s2 in letter["reason"] and f"slice {K(1)}" in letter["reason"]
     [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == "no_dead_letters"]
-    assert not check.passed and check.metadata["by_stream_and_code"].data == {"ingestion EA-SCHEMA-PENDING": 1}
+    assert not check.passed and check.metadata["by_stream_and_code"].data == {"ingestion EA-SCHEMA-UNKNOWN": 1}
 
     produce(config, topic, [(b"meta", qlik.metadata_envelope(s2, "EMPLOYEES", {**columns, "AGE": "int"},
                                                              ["EMP_ID"])),
                             (b"2", qlik.data_envelope(s2, v2, "DELETE", {"EMP_ID": 2, "NAME": "Bob", "AGE": None}))])
     for _ in range(2):  # the slice, then its re-run: the same rows, once
-        [run] = pipeline.tick_and_run() or [pipeline.run(K(2))]
+        [run] = pipeline.tick_and_run() or [pipeline.run(K(3))]
         assert run.success
         # slice 1's waiting update, and this slice's delete, which its task read before the schema
         assert pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 2
@@ -159,21 +168,38 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
         assert now[("hr", "employees", "hr", "2")]["deleted"]
         batches = pipeline.read("entity_batches").to_pylist()
         assert sorted((b["slice"], b["kafka_offset"]) for b in batches if b["kafka_partition"] == waiting[
-            "kafka_partition"] and b["kafka_offset"] == waiting["kafka_offset"]) == [(K(2), waiting["kafka_offset"])]
-        assert len(batches) == 4
-        assert pipeline.read("dead_letters").num_rows == 1  # slice 1's record of the wait
+            "kafka_partition"] and b["kafka_offset"] == waiting["kafka_offset"]) == [(K(3), waiting["kafka_offset"])]
+        assert len(batches) == 5
+        assert pipeline.read("dead_letters").num_rows == 1  # slice 2's record of the wait's end
+        assert pipeline.read("schema_waits").num_rows == 1  # slice 1's
+        assert check_passed(run, "no_dead_letters")
 
-    # The waiting record's trail: its dead letter in slice 1, its rows in slice 2, its entity now.
+    # The waiting record's trail: its wait in slice 1, its dead letter, its rows in slice 3, its entity now.
     trail = trace(pipeline.engine, topic, waiting["kafka_partition"], waiting["kafka_offset"])
-    assert (trail.slice, trail.applied) == (K(1), K(2))
-    assert [r["code"] for r in trail.rows["dead_letters"]] == ["EA-SCHEMA-PENDING"]
+    assert (trail.slice, trail.applied) == (K(1), K(3))
+    assert [r["code"] for r in trail.rows["schema_waits"]] == ["EA-SCHEMA-PENDING"]
+    assert [r["code"] for r in trail.rows["dead_letters"]] == ["EA-SCHEMA-UNKNOWN"]
     assert [r["action"] for r in trail.rows["entity_updates"]] == ["updated"]
     assert [s["version"] for s in trail.states["entities"]] == [2]
-    assert "applied in slice 0000000002" in format_trail(trail).splitlines()[0]
+    assert "applied in slice 0000000003" in format_trail(trail).splitlines()[0]
     # and a metadata message's, to the schema it registered
     [meta] = [r for r in pipeline.read("avro_schemas").to_pylist() if r["schemaId"] == s2]
     trail = trace(pipeline.engine, topic, meta["kafka_partition"], meta["kafka_offset"])
-    assert [r["schemaId"] for r in trail.rows["avro_schemas"]] == [s2] and trail.slice == K(2)
+    assert [r["schemaId"] for r in trail.rows["avro_schemas"]] == [s2] and trail.slice == K(3)
+
+
+def test_without_a_wait_an_unknown_schema_is_a_dead_letter_at_once(make_pipeline):
+    """`schema_wait_slices=0`: the slice that read the data message dead-letters it, and still keeps its wait."""
+    pipeline = make_pipeline(schema_wait_slices=0)
+    topic = pipeline.topic("hr.employees.ingestion")
+    ensure_topics(pipeline.kafka.config(), [topic], 1)
+    columns = {"EMP_ID": "long"}
+    produce(pipeline.kafka.config(), topic, [
+        (b"1", qlik.data_envelope("c" * 32, qlik.data_schema("EMPLOYEES", columns), "INSERT", {"EMP_ID": 1}))])
+    [run] = pipeline.tick_and_run()
+    assert run.success
+    assert [(r["code"], r["slice"]) for r in pipeline.read("dead_letters").to_pylist()] == [("EA-SCHEMA-UNKNOWN", K(1))]
+    assert [(r["code"], r["slice"]) for r in pipeline.read("schema_waits").to_pylist()] == [("EA-SCHEMA-PENDING", K(1))]
 
 
 def test_a_schema_topic_and_topics_of_several_tables(make_pipeline):

@@ -10,7 +10,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
                                          run_tasks, table_metadata)
-from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, may_wait, new_registrations,
+from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
                                   registry_before, resolve_tasks)
 from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
@@ -28,10 +28,13 @@ DESCRIPTIONS = {
     "avro_schemas": "Data schemas that Qlik Replicate metadata messages registered on the ingestion topics, by schema id: "
                     "the registry that their data messages are decoded with.",
     "dead_letters": "Every record that could not be parsed or validated, with its bytes, Kafka coordinates, code and reason.",
+    "schema_waits": "Qlik data messages read before the metadata message of their schema: applied in the slice that "
+                    "registers it; after the slicing resource's schema_wait_slices slices, also a dead letter.",
 }
 GROUPS = {"entity_batches": "entities", "schema_patches": "schemas", "connections": "devices",
-          "notification_acks": "devices", "avro_schemas": "entities", "dead_letters": "quality"}
-TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("avro_schemas", "dead_letters")
+          "notification_acks": "devices", "avro_schemas": "entities", "dead_letters": "quality",
+          "schema_waits": "quality"}
+TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("avro_schemas", "dead_letters", "schema_waits")
 
 
 @multi_asset(
@@ -61,7 +64,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
                       "sources): restore the Kafka resource's settings that closed the slice")
     ranges = [r for r in manifest.ranges if r.count > 0]
     registry = _registry(engine, manifest.key, streams_by_topic)
-    streams_by_topic = {t: replace(s, registry=registry) if isinstance(s, IngestionStream) else s
+    streams_by_topic = {t: replace(s, registry=registry or {}) if isinstance(s, IngestionStream) else s
                         for t, s in streams_by_topic.items()}
     tasks = [vars(r) for r in split_ranges(ranges, slicing.max_messages_per_task)]
     fn = partial(
@@ -73,7 +76,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     if pop_counts(files)["expired"] and any((before := _slice_rows(engine, manifest.key)).values()):
         yield from _keep(context, engine, manifest.key, files, before)
         return
-    resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing.max_messages_per_task)
+    resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing)
     if resolved:
         context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
     summary = commit_slice(engine, TABLES, files, manifest.key)
@@ -95,14 +98,15 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     yield _dead_letters_check(engine, manifest.key, summary["dead_letters"]["rows"])
 
 
-def _registry(engine, slice_key: str, streams: dict) -> dict:
-    """The Qlik schemas registered before the slice, if any of its topics may hold envelopes.
+def _registry(engine, slice_key: str, streams: dict) -> dict | None:
+    """The Qlik schemas registered before the slice, if any of its topics may hold envelopes (None
+    if none may).
 
     The slice before must be ingested: its metadata messages, and its data messages still
     waiting for theirs, are read from the lake.
     """
     if not any(isinstance(s, IngestionStream) and s.may_hold_envelopes for s in streams.values()):
-        return {}
+        return None
     seq = slice_seq(slice_key)
     if seq > 1 and engine.version_after("entity_batches", key_of(seq - 1), "replace_slice") is None:
         raise OutOfOrder(f"slice {slice_key} holds ingestion topics, whose Qlik data messages are decoded with the "
@@ -111,23 +115,28 @@ def _registry(engine, slice_key: str, streams: dict) -> dict:
     return registry_before(engine, slice_key)
 
 
-def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: dict, slice_key: str,
-                   max_rows: int) -> int:
-    """Qlik data messages that waited for a schema this slice registers: applied in it, by tasks
-    (`resolve_tasks`); returns how many. Without a new schema, the held ones are dead letters."""
+def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: dict | None, slice_key: str,
+                   slicing: SlicingResource) -> int:
+    """Qlik data messages waiting for their schema: applied in the slice that registers it, dead
+    letters too once they have waited `schema_wait_slices` slices (`resolve_tasks`, which this
+    runs only when either happens); returns how many were applied."""
     held = files.pop(HELD, [])
-    new = new_registrations(engine, files, registry)
-    if not new:
-        files.setdefault("dead_letters", []).extend(held)
+    new = new_registrations(engine, files, registry or {})
+    seq, wait = slice_seq(slice_key), slicing.schema_wait_slices
+    due = engine.slice_files("schema_waits", [key_of(seq - wait)]) if 0 < wait < seq else []
+    if not (new or due or (held and wait == 0)):
+        files.setdefault("schema_waits", []).extend(held)
         return 0
-    dead_uri = engine.uri("dead_letters")
-    earlier = [f for f in engine.files("dead_letters") if may_wait(f, slice_key)]
-    tasks = [{"files": [f"{dead_uri}/{f.path}" for f in t["files"]], "earlier": False}
-             for t in file_tasks(held, max_rows, spark.parallelism())]
-    tasks += [{**t, "earlier": True} for t in file_tasks(earlier, max_rows, spark.parallelism())]
+    if registry is None:  # no envelope topic in the slice: the registry tells which due waits were applied since
+        registry = registry_before(engine, slice_key)
+    earlier = [f for f in engine.files("schema_waits") if f.min.get("slice", "") < slice_key] if new else due
+    uri, rows = engine.uri("schema_waits"), slicing.max_messages_per_task
+    tasks = [{"files": [f"{uri}/{f.path}" for f in t["files"]], "earlier": False}
+             for t in file_tasks(held, rows, spark.parallelism())]
+    tasks += [{**t, "earlier": True} for t in file_tasks(earlier, rows, spark.parallelism())]
     fn = partial(resolve_tasks, prefix=kafka.topic_prefix, sources=kafka.sources(), registry={**registry, **new},
-                 new=frozenset(new), slice_key=slice_key, table_uris={t: engine.uri(t) for t in TABLES},
-                 storage_options=engine.storage_options)
+                 new=frozenset(new), slice_key=slice_key, wait_slices=wait,
+                 table_uris={t: engine.uri(t) for t in TABLES}, storage_options=engine.storage_options)
     out = run_tasks(spark, tasks, fn, sum(f.rows for f in held) + sum(f.rows for f in earlier))
     applied = pop_counts(out)["applied"]
     for table, written in out.items():
@@ -139,7 +148,7 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
 def _discard(engine, files: dict) -> None:
     """Deletes data files the tasks wrote that no commit will add."""
     for table, written in files.items():
-        fs, root = filesystem(engine.uri("dead_letters" if table == HELD else table), engine.storage_options)
+        fs, root = filesystem(engine.uri("schema_waits" if table == HELD else table), engine.storage_options)
         for f in written:
             fs.delete_file(f"{root}/{f.path}")
 
