@@ -202,6 +202,39 @@ def test_without_a_wait_an_unknown_schema_is_a_dead_letter_at_once(make_pipeline
     assert [(r["code"], r["slice"]) for r in pipeline.read("schema_waits").to_pylist()] == [("EA-SCHEMA-PENDING", K(1))]
 
 
+def test_slices_that_read_qlik_schemas_are_ingested_in_order(make_pipeline):
+    """A slice decodes with the schemas of the slices before it, and ends the waits of the slice
+    `schema_wait_slices` before it unless a slice since registered their schema: either way it
+    refuses to be ingested before the slice before it, which it names."""
+    pipeline = make_pipeline(schema_wait_slices=2)
+    topic = pipeline.topic("hr.employees.ingestion")
+    ensure_topics(pipeline.kafka.config(), [topic], 1)
+    columns, sid = {"EMP_ID": "long"}, "e" * 32
+    produce(pipeline.kafka.config(), topic, [
+        (b"1", qlik.data_envelope(sid, qlik.data_schema("EMPLOYEES", columns), "INSERT", {"EMP_ID": 1}))])
+    [first] = pipeline.tick()
+    produce(pipeline.kafka.config(), topic, [(b"meta", qlik.metadata_envelope(sid, "EMPLOYEES", columns, ["EMP_ID"]))])
+    [second] = pipeline.tick()
+    pipeline.produce(samples.BatchTraffic(patches=3, entities=3).records())
+    [third] = pipeline.tick()
+    ingest = pipeline.asset_keys_of("dead_letters")
+
+    def refused(request, missing: str) -> None:
+        result = pipeline.run(request.partition_key, assets=ingest, raise_on_error=False)
+        [failure] = [e for e in result.all_events if e.is_step_failure]
+        assert not result.success and f"slice {missing} is not ingested" in pipeline.failure_text(failure)
+
+    refused(second, K(1))  # its data messages would be decoded without slice 1's schemas
+    assert pipeline.run(first.partition_key, assets=ingest).success
+    assert pipeline.read("schema_waits").num_rows == 1
+    refused(third, K(2))  # it ends slice 1's wait, unless slice 2 registered the schema: it did
+    assert pipeline.run(second.partition_key, assets=ingest).success
+    assert pipeline.run(third.partition_key, assets=ingest).success
+    assert pipeline.read("dead_letters").num_rows == 0
+    assert [r["slice"] for r in pipeline.read("entity_batches").to_pylist()
+            if r["kafka_topic"] == topic] == [K(2)]
+
+
 def test_a_schema_topic_and_topics_of_several_tables(make_pipeline):
     """Replicate can write its metadata messages to a schema topic of their own and every table's
     data to one topic; a Debezium router can do the same. With `collection="table"` each record's

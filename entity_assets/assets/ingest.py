@@ -100,18 +100,20 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
 
 def _registry(engine, slice_key: str, streams: dict) -> dict | None:
     """The Qlik schemas registered before the slice, if any of its topics may hold envelopes (None
-    if none may).
-
-    The slice before must be ingested: its metadata messages, and its data messages still
-    waiting for theirs, are read from the lake.
-    """
+    if none may)."""
     if not any(isinstance(s, IngestionStream) and s.may_hold_envelopes for s in streams.values()):
         return None
+    return _registry_before(engine, slice_key)
+
+
+def _registry_before(engine, slice_key: str) -> dict:
+    """The Qlik schemas registered before the slice. The slice before must be ingested: its
+    metadata messages, and its data messages still waiting for theirs, are read from the lake."""
     seq = slice_seq(slice_key)
     if seq > 1 and engine.version_after("entity_batches", key_of(seq - 1), "replace_slice") is None:
-        raise OutOfOrder(f"slice {slice_key} holds ingestion topics, whose Qlik data messages are decoded with the "
-                         f"schemas of the slices before it, and slice {key_of(seq - 1)} is not ingested: materialize "
-                         "the slices in order")
+        raise OutOfOrder(f"slice {slice_key} reads the Qlik schemas that the slices before it registered (to decode "
+                         f"its ingestion topics' data messages, or to end their waits) and slice {key_of(seq - 1)} "
+                         "is not ingested: materialize the slices in order")
     return registry_before(engine, slice_key)
 
 
@@ -128,7 +130,7 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
         files.setdefault("schema_waits", []).extend(held)
         return 0
     if registry is None:  # no envelope topic in the slice: the registry tells which due waits were applied since
-        registry = registry_before(engine, slice_key)
+        registry = _registry_before(engine, slice_key)
     earlier = [f for f in engine.files("schema_waits") if f.min.get("slice", "") < slice_key] if new else due
     uri, rows = engine.uri("schema_waits"), slicing.max_messages_per_task
     tasks = [{"files": [f"{uri}/{f.path}" for f in t["files"]], "earlier": False}
