@@ -21,7 +21,7 @@ from entity_assets import messages as m
 from entity_assets.core import dumps
 from entity_assets.kafka_io import RecordsExpired, read_range
 from entity_assets.slices import OffsetRange, slice_key as slice_key_of, slice_seq
-from entity_assets.storage import FileWriter
+from entity_assets.storage import SLICE, FileWriter
 from entity_assets.tables import LINEAGE, SCHEMAS
 
 LINEAGE_NAMES = tuple(name for name, _ in LINEAGE)
@@ -162,15 +162,20 @@ HELD = "held"
 """Data messages whose Qlik schema was unknown to the task: `schema_waits` files that the step
 commits as they are, or rewrites (`resolve_tasks`) when the slice registers schemas or ends a wait."""
 
+WAIT_STATS = ("slice", "schemaId")
+"""Statistics of `schema_waits` files: a slice that registers schemas reads only the files whose
+schema ids' range holds one of them."""
+
 
 def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, topic: str, partition: int,
                 offset: int, timestamp: int, key: bytes | None, value: bytes | None) -> None:
-    """A `dead_letters` row of a record: an InvalidMessage's code, or GENERR009 for anything else (a bug)."""
+    """A `dead_letters` row of a record: an InvalidMessage's code, or GENERR009 for anything else (a
+    bug); for a Qlik data message waiting for its schema, a `schema_waits` row, with the schema's id."""
     code, reason = ((exc.code.value, exc.reason) if isinstance(exc, m.InvalidMessage)
                     else (m.DeadLetterCode.UNEXPECTED.value, f"{type(exc).__name__}: {exc}"))
     out.append({"slice": slice_key, "kafka_topic": topic, "kafka_partition": partition, "kafka_offset": offset,
                 "kafka_timestamp": timestamp, "stream": stream, "kafka_key": key, "value": value, "code": code,
-                "reason": reason})
+                "reason": reason, "schemaId": exc.schema_id if isinstance(exc, qlik.SchemaPending) else None})
 
 
 def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, InputStream | IngestionStream],
@@ -187,6 +192,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
         if table not in writers:
             target = "schema_waits" if table == HELD else table
             writers[table] = FileWriter(table, table_uris[target], SCHEMAS[target], slice_key,
+                                        stats_columns=WAIT_STATS if table == HELD else (SLICE,),
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
@@ -250,6 +256,11 @@ def ingestion_stream(topic: str, prefix: str, sources: Mapping[str, adapters.Sou
     return IngestionStream(replace(source, system=parsed[0]), projection=parsed[1])
 
 
+def waits_for(f, schema_ids) -> bool:
+    """Whether a `schema_waits` file may hold waits for one of `schema_ids`, by its statistics."""
+    return any(f.min["schemaId"] <= s <= f.max["schemaId"] for s in schema_ids)
+
+
 def new_registrations(engine, files: dict[str, list], registry: Mapping[str, qlik.Registered]) -> dict:
     """The schemas that the slice's metadata messages (its `avro_schemas` files) register for the first time."""
     from entity_assets.storage import read_table
@@ -281,7 +292,8 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
     from entity_assets.storage import read_table
 
     def writer(table: str) -> FileWriter:
-        return FileWriter(table, table_uris[table], SCHEMAS[table], slice_key, storage_options=storage_options)
+        return FileWriter(table, table_uris[table], SCHEMAS[table], slice_key, storage_options=storage_options,
+                          stats_columns=WAIT_STATS if table == "schema_waits" else (SLICE,))
 
     batches, dead, waits = writer("entity_batches"), writer("dead_letters"), writer("schema_waits")
     seq = slice_seq(slice_key)
@@ -292,7 +304,7 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
         for r in (r for f in task["files"] for r in read_table(f, storage_options).to_pylist()):
             if task["earlier"] and r["slice"] >= slice_key:
                 continue
-            topic, schema_id = r["kafka_topic"], qlik.schema_id_of(r["value"])
+            topic, schema_id = r["kafka_topic"], r["schemaId"]
             if topic not in streams:
                 stream = ingestion_stream(topic, prefix, sources)
                 streams[topic] = stream and replace(stream, registry=registry)

@@ -166,15 +166,6 @@ def envelope(raw: bytes) -> Envelope:
     return env
 
 
-def schema_id_of(raw: bytes) -> str | None:
-    """The schema id a data message references (None for anything else): to find pending ones."""
-    try:
-        env = envelope(raw)
-    except m.InvalidMessage:
-        return None
-    return env.messageSchemaId if env.type == "DT" else None
-
-
 def _avro(raw: bytes, schema, what: str) -> Any:
     try:
         return fastavro.schemaless_reader(io.BytesIO(raw), schema, None)

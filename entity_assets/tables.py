@@ -48,8 +48,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         LINEAGE, [("system", STR), ("schemaId", STR), ("table", STR), ("primaryKey", STR), ("dataSchema", STR)]
     ),
     "dead_letters": _schema(LINEAGE, LETTER),
-    # Qlik data messages read before their schema's metadata message, in a dead letter's shape
-    "schema_waits": _schema(LINEAGE, LETTER),
+    # Qlik data messages read before their schema's metadata message: a dead letter and its schema id
+    "schema_waits": _schema(LINEAGE, LETTER, [("schemaId", STR)]),
     # the entity core
     "entity_patches": _schema(
         LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, [("bucket", I32)]

@@ -5,6 +5,7 @@ reach dead letters."""
 import json
 
 from entity_assets import adapters, qlik, samples
+from entity_assets.ingest import waits_for
 from entity_assets.kafka_io import ensure_topics, produce
 from entity_assets.samples import encode as enc
 from entity_assets.slices import slice_key as K
@@ -141,6 +142,10 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     assert json.loads(now[("hr", "employees", "hr", "1")]["document"]) == {"EMP_ID": 1, "NAME": "Ada"}
     [waiting] = pipeline.read("schema_waits").to_pylist()
     assert waiting["code"] == "EA-SCHEMA-PENDING" and s2 in waiting["reason"] and waiting["slice"] == K(1)
+    assert waiting["schemaId"] == s2
+    # a slice that registers schemas reads the files of waits whose schema ids' range holds one
+    [waits] = pipeline.engine.files("schema_waits")
+    assert waits_for(waits, {s2, "c" * 32}) and not waits_for(waits, {s1, "c" * 32})
     assert pipeline.read("dead_letters").num_rows == 0 and pipeline.materializations(run)["schema_waits"]["rows"] == 1
     assert [r["schemaId"] for r in pipeline.read("avro_schemas").to_pylist()] == [s1]
     assert check_passed(run, "no_dead_letters")

@@ -11,7 +11,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
                                          run_tasks, table_metadata)
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
-                                  registry_before, resolve_tasks)
+                                  registry_before, resolve_tasks, waits_for)
 from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
@@ -131,7 +131,10 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
         return 0
     if registry is None:  # no envelope topic in the slice: the registry tells which due waits were applied since
         registry = _registry_before(engine, slice_key)
-    earlier = [f for f in engine.files("schema_waits") if f.min.get("slice", "") < slice_key] if new else due
+    earlier = due  # and, with new schemas, the earlier files whose schema ids' range holds one
+    if new:
+        earlier = [f for f in engine.files("schema_waits")
+                   if f.min["slice"] < slice_key and (f in due or waits_for(f, new))]
     uri, rows = engine.uri("schema_waits"), slicing.max_messages_per_task
     tasks = [{"files": [f"{uri}/{f.path}" for f in t["files"]], "earlier": False}
              for t in file_tasks(held, rows, spark.parallelism())]
