@@ -256,6 +256,13 @@ def ingestion_stream(topic: str, prefix: str, sources: Mapping[str, adapters.Sou
     return IngestionStream(replace(source, system=parsed[0]), projection=parsed[1])
 
 
+def waits_ending(slice_key: str, wait_slices: int) -> str | None:
+    """The slice whose waits for a schema end in `slice_key` (itself when they do not wait; None
+    for the first slices)."""
+    seq = slice_seq(slice_key)
+    return slice_key_of(seq - wait_slices) if seq > wait_slices else None
+
+
 def waits_for(f, schema_ids) -> bool:
     """Whether a `schema_waits` file may hold waits for one of `schema_ids`, by its statistics."""
     return any(f.min["schemaId"] <= s <= f.max["schemaId"] for s in schema_ids)
@@ -296,8 +303,7 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
                           stats_columns=WAIT_STATS if table == "schema_waits" else (SLICE,))
 
     batches, dead, waits = writer("entity_batches"), writer("dead_letters"), writer("schema_waits")
-    seq = slice_seq(slice_key)
-    due = slice_key_of(seq - wait_slices) if seq > wait_slices else None
+    due = waits_ending(slice_key, wait_slices)
     streams: dict[str, IngestionStream | None] = {}
     applied = 0
     for task in tasks:

@@ -11,7 +11,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
                                          run_tasks, table_metadata)
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
-                                  registry_before, resolve_tasks, waits_for)
+                                  registry_before, resolve_tasks, waits_ending, waits_for)
 from entity_assets.kafka_io import warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
@@ -124,8 +124,9 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
     runs only when either happens); returns how many were applied."""
     held = files.pop(HELD, [])
     new = new_registrations(engine, files, registry or {})
-    seq, wait = slice_seq(slice_key), slicing.schema_wait_slices
-    due = engine.slice_files("schema_waits", [key_of(seq - wait)]) if 0 < wait < seq else []
+    wait = slicing.schema_wait_slices
+    ending = waits_ending(slice_key, wait)  # with no wait, this one: its committed files are a run's it replaces
+    due = engine.slice_files("schema_waits", [ending]) if ending and ending < slice_key else []
     if not (new or due or (held and wait == 0)):
         files.setdefault("schema_waits", []).extend(held)
         return 0
@@ -134,7 +135,7 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
     earlier = due  # and, with new schemas, the earlier files whose schema ids' range holds one
     if new:
         earlier = [f for f in engine.files("schema_waits")
-                   if f.min["slice"] < slice_key and (f in due or waits_for(f, new))]
+                   if f.min["slice"] < slice_key and (f.min["slice"] == ending or waits_for(f, new))]
     uri, rows = engine.uri("schema_waits"), slicing.max_messages_per_task
     tasks = [{"files": [f"{uri}/{f.path}" for f in t["files"]], "earlier": False}
              for t in file_tasks(held, rows, spark.parallelism())]
