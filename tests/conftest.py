@@ -297,6 +297,11 @@ class Pipeline:
         return out
 
     @staticmethod
+    def checks(result) -> dict[str, Any]:
+        """Check name -> its evaluation (`passed`, `metadata`) in one in-process run."""
+        return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+    @staticmethod
     def failure_text(event) -> str:
         """A step failure event's message with all its causes."""
         parts, error = [], event.event_specific_data.error

@@ -119,10 +119,6 @@ def ended_of(batch_row: dict) -> int:
     return max(batch_row["kafka_timestamp"], batch_row["begun"])
 
 
-def check_evaluations(result) -> dict[str, bool]:
-    return {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
-
-
 def canonical(table_rows: list[dict]) -> list[str]:
     """Rows as sortable text (None, bytes and nested values included), sorted."""
     return sorted(json.dumps(r, sort_keys=True, default=repr) for r in table_rows)
@@ -218,9 +214,9 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     assert meta["partial_responses"]["entity-updates status 3"] == 2
     assert meta["partial_responses"]["rows"] == 4 and meta["partial_responses"]["pending_parts"] == 0
     assert meta["entity_updates"]["rows"] == 1 and meta["entity_patches"]["duplicates"] == 0
-    checks = check_evaluations(result)
+    checks = pipeline.checks(result)
     for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
-        assert checks.get(name) is True, (name, checks)
+        assert checks[name].passed is True, (name, checks)
     assert meta["entity_updates"]["published"] == 1 and meta["partial_responses"]["published"] == 4
     assert not os.listdir(pipeline.engine.uri(common.OUTBOX_FOLDER))  # published spools are deleted
 
@@ -277,8 +273,8 @@ def test_two_part_batch_yields_the_seed_complete_response(pipeline):
     assert {r["entity"]: r["version"] for r in rows(pipeline, "entities")} == {SALLY: 1, WILLIAM: 1}
     assert sorted((r["part"], r["entity"]) for r in rows(pipeline, "entity_patches")) == [(1, SALLY), (2, WILLIAM)]
     assert all(r["parts"] == 2 for r in rows(pipeline, "entity_patches"))
-    checks = check_evaluations(result)
-    assert checks.get("responses_have_every_part") is True, checks
+    checks = pipeline.checks(result)
+    assert checks["responses_have_every_part"].passed is True, checks
 
 
 # --------------------------------------------------------------------------- 9: order within a slice
@@ -461,9 +457,9 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
         assert len(state) == len(rows(pipeline, "entities")) and max(f.rows for f in state) == 1
         assert 0 < meta2["entities"]["replaced_files"] < len(state)  # slice 2 rewrote only the files of its keys
     for result in (one_, two):
-        checks = check_evaluations(result)
+        checks = pipeline.checks(result)
         for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
-            assert checks.get(name) is True, (name, checks)
+            assert checks[name].passed is True, (name, checks)
 
     # 8. re-running slices 1 and 2 (replays) rewrites exactly the same rows and leaves the state
     before = snapshot(pipeline)

@@ -105,7 +105,7 @@ def test_mutated_records_of_every_input_stream_land_once_as_rows_or_dead_letters
         result = pipeline.run_request(request, raise_on_error=False)
         failures = [pipeline.failure_text(e) for e in result.all_events if e.is_step_failure]
         assert result.success, failures
-        checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        checks = {name: e.passed for name, e in pipeline.checks(result).items()}
         assert INVARIANTS <= checks.keys() and all(checks[name] for name in INVARIANTS), checks
 
     dead = pipeline.read("dead_letters")
@@ -149,7 +149,7 @@ def test_mutated_cdc_records_land_once_as_rows_or_dead_letters(pipeline):
         [request] = pipeline.tick()
         result = pipeline.run_request(request, raise_on_error=False)
         assert result.success, [pipeline.failure_text(e) for e in result.all_events if e.is_step_failure]
-        checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        checks = {name: e.passed for name, e in pipeline.checks(result).items()}
         assert all(checks[name] for name in INVARIANTS), checks
 
     dead = pipeline.read("dead_letters")

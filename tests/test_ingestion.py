@@ -15,11 +15,6 @@ from resources.kafka import IngestionSource
 ROW = {"USER_ID": 1, "NAME": "Mario"}
 
 
-def check_passed(run, name: str) -> bool:
-    [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == name]
-    return check.passed
-
-
 def states(pipeline) -> dict[tuple, dict]:
     return {(r["dbid"], r["collection"], r["zone"], r["entity"]): r for r in pipeline.read("entities").to_pylist()}
 
@@ -148,7 +143,7 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     assert waits_for(waits, {s2, "c" * 32}) and not waits_for(waits, {s1, "c" * 32})
     assert pipeline.read("dead_letters").num_rows == 0 and pipeline.materializations(run)["schema_waits"]["rows"] == 1
     assert [r["schemaId"] for r in pipeline.read("avro_schemas").to_pylist()] == [s1]
-    assert check_passed(run, "no_dead_letters")
+    assert pipeline.checks(run)["no_dead_letters"].passed
 
     # a slice without its schema: the wait (one slice here) is over, the message is a dead letter
     produce(config, topic, [(b"3", qlik.data_envelope(s1, v1, "INSERT", {"EMP_ID": 3, "NAME": "Cy"}))])
@@ -157,7 +152,7 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     [letter] = pipeline.read("dead_letters").to_pylist()
     assert (letter["code"], letter["slice"], letter["kafka_offset"]) == ("EA-SCHEMA-UNKNOWN", K(2), waiting["kafka_offset"])
     assert s2 in letter["reason"] and f"slice {K(1)}" in letter["reason"]
-    [check] = [c for c in run.get_asset_check_evaluations() if c.check_name == "no_dead_letters"]
+    check = pipeline.checks(run)["no_dead_letters"]
     assert not check.passed and check.metadata["by_stream_and_code"].data == {"ingestion EA-SCHEMA-UNKNOWN": 1}
 
     produce(config, topic, [(b"meta", qlik.metadata_envelope(s2, "EMPLOYEES", {**columns, "AGE": "int"},
@@ -177,7 +172,7 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
         assert len(batches) == 5
         assert pipeline.read("dead_letters").num_rows == 1  # slice 2's record of the wait's end
         assert pipeline.read("schema_waits").num_rows == 1  # slice 1's
-        assert check_passed(run, "no_dead_letters")
+        assert pipeline.checks(run)["no_dead_letters"].passed
 
     # The waiting record's trail: its wait in slice 1, its dead letter, its rows in slice 3, its entity now.
     trail = trace(pipeline.engine, topic, waiting["kafka_partition"], waiting["kafka_offset"])

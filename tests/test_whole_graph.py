@@ -59,10 +59,6 @@ def run_slice(pipeline, records, expected_key: str):
     return result
 
 
-def check_evaluations(result) -> dict[str, object]:
-    return {e.check_name: e for e in result.get_asset_check_evaluations()}
-
-
 # --------------------------------------------------------------------------- the seed's schema samples
 
 def field(type_: str, optional: bool) -> dict:
@@ -249,13 +245,13 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     groups = learned[(DB, "Groups")]
     assert groups["observed"] == 1 and json.loads(groups["disagreements"]) == []
     assert json.loads(groups["learned"]) == SEED_SCHEMA_AFTER["Groups"]
-    checks2 = check_evaluations(r2)
+    checks2 = pipeline.checks(r2)
     check = checks2["entities_match_declared_schema"]
     assert check.passed is False
     report = check.metadata["disagreements"].value
     assert set(report) == {f"{DB}/Contacts"}  # Groups' entities match its declaration
     assert [(d["path"], d["kind"]) for d in report[f"{DB}/Contacts"]] == [("phone", "undeclared")]
-    assert check_evaluations(r1)["entities_match_declared_schema"].passed is True  # nothing learned yet
+    assert pipeline.checks(r1)["entities_match_declared_schema"].passed is True  # nothing learned yet
     assert all(e.passed for name, e in checks2.items() if name != "entities_match_declared_schema")
     # every bucketed state is checked for repeated keys
     assert {"one_row_per_entity", "one_row_per_database", "one_row_per_device", "one_inbox_per_device"} <= set(checks2)
@@ -431,7 +427,7 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
                                  "device2": ("bob", 2, FUTURE + 2, FUTURE + 3),
                                  "device3": ("carol", 1, FUTURE + 10, FUTURE + 10)}
     assert pipeline.materializations(r3)["device_notifications"]["acks"] == 3
-    assert check_evaluations(r3)["one_inbox_per_device"].passed is True
+    assert pipeline.checks(r3)["one_inbox_per_device"].passed is True
     published = messages_on(pipeline, "device-notifications")
     n = partitions_of(pipeline, "device-notifications")
     assert sorted((m["key"], m["value"]["count"]) for m in published) == [
