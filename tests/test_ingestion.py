@@ -205,7 +205,8 @@ def test_without_a_wait_an_unknown_schema_is_a_dead_letter_at_once(make_pipeline
 def test_slices_that_read_qlik_schemas_are_ingested_in_order(make_pipeline):
     """A slice decodes with the schemas of the slices before it, and ends the waits of the slice
     `schema_wait_slices` before it unless a slice since registered their schema: either way it
-    refuses to be ingested before the slice before it, which it names."""
+    refuses to be ingested before the slice before it, or before the slice whose waits it ends,
+    and names the one missing."""
     pipeline = make_pipeline(schema_wait_slices=2)
     topic = pipeline.topic("hr.employees.ingestion")
     ensure_topics(pipeline.kafka.config(), [topic], 1)
@@ -225,6 +226,7 @@ def test_slices_that_read_qlik_schemas_are_ingested_in_order(make_pipeline):
         assert not result.success and f"slice {missing} is not ingested" in pipeline.failure_text(failure)
 
     refused(second, K(1))  # its data messages would be decoded without slice 1's schemas
+    refused(third, K(1))  # slice 1's waits, ingested after it, would never end
     assert pipeline.run(first.partition_key, assets=ingest).success
     assert pipeline.read("schema_waits").num_rows == 1
     refused(third, K(2))  # it ends slice 1's wait, unless slice 2 registered the schema: it did

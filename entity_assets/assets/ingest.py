@@ -64,6 +64,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
                       "sources): restore the Kafka resource's settings that closed the slice")
     ranges = [r for r in manifest.ranges if r.count > 0]
     registry = _registry(engine, manifest.key, streams_by_topic)
+    _waits_end_in_order(engine, kafka, manifest.key, slicing.schema_wait_slices)
     streams_by_topic = {t: replace(s, registry=registry or {}) if isinstance(s, IngestionStream) else s
                         for t, s in streams_by_topic.items()}
     tasks = [vars(r) for r in split_ranges(ranges, slicing.max_messages_per_task)]
@@ -115,6 +116,19 @@ def _registry_before(engine, slice_key: str) -> dict:
                          f"its ingestion topics' data messages, or to end their waits) and slice {key_of(seq - 1)} "
                          "is not ingested: materialize the slices in order")
     return registry_before(engine, slice_key)
+
+
+def _waits_end_in_order(engine, kafka: KafkaResource, slice_key: str, wait: int) -> None:
+    """The slice whose waits this one ends must be ingested first if it may hold Qlik data
+    messages: ingested after, its waits would never end."""
+    ending = waits_ending(slice_key, wait)
+    if (ending is None or ending == slice_key or engine.slice_files("schema_waits", [ending])
+            or engine.version_after("entity_batches", ending, "replace_slice") is not None):
+        return
+    streams = (kafka.input_stream(r.topic) for r in ManifestStore(engine).get(ending).ranges if r.count > 0)
+    if any(isinstance(s, IngestionStream) and s.may_hold_envelopes for s in streams):
+        raise OutOfOrder(f"slice {slice_key} ends the waits for their schema of slice {ending}'s Qlik data messages "
+                         f"and slice {ending} is not ingested: materialize the slices in order")
 
 
 def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: dict | None, slice_key: str,
