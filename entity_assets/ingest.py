@@ -101,7 +101,8 @@ class IngestionStream:
                   value: bytes | None) -> tuple | Routed:
         values = adapters.batch_values(self.source, self.projection, topic, partition, offset, timestamp, key, value,
                                        self._decoder)
-        if isinstance(values, qlik.Registered):
+        if isinstance(values, qlik.Registered):  # the topic's later data messages decode at once (an id names one schema)
+            self._decoder.registry.setdefault(values.schema_id, values)
             return Routed("avro_schemas", values.values(self.source.system))
         return values
 

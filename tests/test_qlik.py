@@ -12,6 +12,7 @@ import pytest
 
 from entity_assets import adapters, qlik
 from entity_assets.core import loads
+from entity_assets.ingest import IngestionStream, Routed
 from entity_assets.messages import DeadLetterCode, InvalidMessage
 
 COLUMNS = {"EMP_ID": "long", "DEPT": "string", "NAME": "string"}
@@ -73,6 +74,19 @@ def test_one_topic_of_several_tables_takes_each_message_s_table_as_its_collectio
            for offset, value in enumerate((dt_message(), order, dt_message("DELETE", ROW)))]
     assert [(p["collection"], p["entity"]) for p in got] == [("EMPLOYEES", "R&D_7"), ("ORDERS", "1"),
                                                             ("EMPLOYEES", "R&D_7")]
+
+
+def test_a_topic_s_data_messages_after_its_metadata_message_decode_at_once():
+    """Replicate writes a table's metadata message before its data: a task that has read it
+    holds none of the data that follows; the registry of the slices before is left as it was."""
+    before: dict = {}
+    stream = IngestionStream(SOURCE, "employees", registry=before)
+    with pytest.raises(qlik.SchemaPending):
+        stream.values_of("hr.employees.ingestion", 0, 0, 1000, None, dt_message())
+    assert stream.values_of("hr.employees.ingestion", 0, 1, 1000, None, MD) == Routed(
+        "avro_schemas", registered().values("hr"))
+    assert loads(stream.values_of("hr.employees.ingestion", 0, 2, 1000, None, dt_message())[6])[0]["entity"] == "R&D_7"
+    assert before == {}
 
 
 def test_an_unknown_schema_waits_and_survives_pickling():
