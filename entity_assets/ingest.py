@@ -22,9 +22,8 @@ from entity_assets.core import dumps
 from entity_assets.kafka_io import RecordsExpired, read_range
 from entity_assets.slices import OffsetRange, slice_key as slice_key_of, slice_seq
 from entity_assets.storage import SLICE, FileWriter
-from entity_assets.tables import LINEAGE, SCHEMAS
+from entity_assets.tables import SCHEMAS
 
-LINEAGE_NAMES = tuple(name for name, _ in LINEAGE)
 
 def _batch_values(b: m.EntityBatch) -> tuple:
     return (b.clientid, b.request, b.user, b.dbid, b.begun, len(b.patches), dumps(b.patches), b.learning,
@@ -297,7 +296,7 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
     table `COUNTER + "applied"`.
     """
     from entity_assets.fold import COUNTER
-    from entity_assets.storage import read_table
+    from entity_assets.storage import read_table, to_rows
 
     def writer(table: str) -> FileWriter:
         return FileWriter(table, table_uris[table], SCHEMAS[table], slice_key, storage_options=storage_options,
@@ -306,9 +305,10 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
     batches, dead, waits = writer("entity_batches"), writer("dead_letters"), writer("schema_waits")
     due = waits_ending(slice_key, wait_slices)
     streams: dict[str, IngestionStream | None] = {}
+    rows: dict[tuple[str, int], _Rows] = {}  # applied messages by topic and partition, as `ingest_tasks` writes them
     applied = 0
     for task in tasks:
-        for r in (r for f in task["files"] for r in read_table(f, storage_options).to_pylist()):
+        for r in (r for f in task["files"] for r in to_rows(read_table(f, storage_options))):
             if task["earlier"] and r["slice"] >= slice_key:
                 continue
             topic, schema_id = r["kafka_topic"], r["schemaId"]
@@ -331,9 +331,13 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
             except Exception as exc:
                 dead_letter(dead, exc, slice_key, r["stream"], *coordinates, r["kafka_key"], r["value"])
                 continue
-            batches.append({"slice": slice_key, **dict(zip(LINEAGE_NAMES[1:], coordinates)),
-                            **dict(zip(BATCH_FIELDS, values))})
+            if (topic, coordinates[1]) not in rows:
+                rows[topic, coordinates[1]] = _Rows(BATCH_FIELDS, OffsetRange(topic, coordinates[1], 0, 0), slice_key,
+                                                    batches)
+            rows[topic, coordinates[1]].add(values, r["kafka_offset"], r["kafka_timestamp"])
             applied += 1
+    for each in rows.values():
+        each.flush()
     for f in (*batches.close(), *dead.close(), *waits.close()):
         yield f.to_dict()
     yield {"table": COUNTER + "applied", "path": "", "size": 0, "rows": applied, "stats": ""}
