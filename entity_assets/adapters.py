@@ -64,6 +64,9 @@ class Source:
     none keeps the projection).
     `includeBefore`, `includeAfter`: the batches ask for the document before and after each
     change in their entity updates, as the seed's projection-update message carries them.
+    `schema_projection`: the projection of the topic Qlik Replicate writes its metadata
+    messages to (its "schema topic", `<system>.<schema_projection>.ingestion`), which a slice
+    reads before its data.
     """
 
     system: str
@@ -75,6 +78,7 @@ class Source:
     collection: str = "projection"
     includeBefore: bool = False
     includeAfter: bool = False
+    schema_projection: str | None = None
 
     def __post_init__(self) -> None:
         if self.format != AUTO and self.format not in FORMATS:

@@ -31,6 +31,9 @@ class IngestionSource(Config):
                                           "table each record names (topics that carry several tables)")
     includeBefore: bool = Field(default=False, description="its entity updates carry the document before the change")
     includeAfter: bool = Field(default=False, description="its entity updates carry the document after the change")
+    schema_projection: str | None = Field(
+        default=None, description="Qlik Replicate's schema topic, <system>.<schema_projection>.ingestion: a slice reads "
+                                  "its metadata messages first, so data that they register decodes at once")
 
 
 class KafkaResource(ConfigurableResource):

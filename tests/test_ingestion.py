@@ -4,6 +4,8 @@ reach dead letters."""
 
 import json
 
+import pytest
+
 from entity_assets import adapters, qlik, samples
 from entity_assets.ingest import waits_for
 from entity_assets.kafka_io import ensure_topics, produce
@@ -238,11 +240,15 @@ def test_slices_that_read_qlik_schemas_are_ingested_in_order(make_pipeline):
             if r["kafka_topic"] == topic] == [K(2)]
 
 
-def test_a_schema_topic_and_topics_of_several_tables(make_pipeline):
+@pytest.mark.parametrize("schema_projection", [None, "schemas"])
+def test_a_schema_topic_and_topics_of_several_tables(make_pipeline, schema_projection):
     """Replicate can write its metadata messages to a schema topic of their own and every table's
     data to one topic; a Debezium router can do the same. With `collection="table"` each record's
-    table is its collection; a schema serves every topic, whichever topic registered it."""
-    pipeline = make_pipeline(ingestion={"hr": IngestionSource(format="qlik", collection="table"),
+    table is its collection; a schema serves every topic, whichever topic registered it. Named as
+    the source's `schema_projection`, the schema topic is read first: the data messages of the
+    slice that registers their schemas decode at once instead of waiting for the tasks' end."""
+    pipeline = make_pipeline(ingestion={"hr": IngestionSource(format="qlik", collection="table",
+                                                              schema_projection=schema_projection),
                                         "shop": IngestionSource(format="debezium", collection="table")})
     schemas, hr, shop = (pipeline.topic(t) for t in ("hr.schemas.ingestion", "hr.all.ingestion",
                                                       "shop.all.ingestion"))
@@ -261,7 +267,7 @@ def test_a_schema_topic_and_topics_of_several_tables(make_pipeline):
                            (enc({"ID": 1}), None)])  # a tombstone names no table: the projection's, status 2
     [run] = pipeline.tick_and_run()
     assert run.success and pipeline.read("dead_letters").num_rows == 0
-    assert pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 2
+    assert pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == (0 if schema_projection else 2)
     produce(config, hr, [(None, qlik.data_envelope(sd, qlik.data_schema("DEPTS", dept), "DELETE", {"DEPT_ID": "rd"}))])
     [run] = pipeline.tick_and_run()  # decoded by the tasks: registered by the schema topic in slice 1
     assert run.success and pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 0

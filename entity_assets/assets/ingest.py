@@ -12,7 +12,8 @@ from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables
                                          run_tasks, table_metadata)
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
                                   registry_before, resolve_tasks, waits_ending, waits_for)
-from entity_assets.kafka_io import warm_producer
+from entity_assets import qlik
+from entity_assets.kafka_io import read_range, warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
 from entity_assets.partitions import LAKE_POOL, slices_partitions
@@ -65,7 +66,8 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     ranges = [r for r in manifest.ranges if r.count > 0]
     registry = _registry(engine, manifest.key, streams_by_topic)
     _waits_end_in_order(engine, kafka, manifest.key, slicing.schema_wait_slices)
-    streams_by_topic = {t: replace(s, registry=registry or {}) if isinstance(s, IngestionStream) else s
+    decoding = _schemas_first(kafka, ranges, streams_by_topic, registry) if registry is not None else {}
+    streams_by_topic = {t: replace(s, registry=decoding) if isinstance(s, IngestionStream) else s
                         for t, s in streams_by_topic.items()}
     tasks = [vars(r) for r in split_ranges(ranges, slicing.max_messages_per_task)]
     fn = partial(
@@ -116,6 +118,27 @@ def _registry_before(engine, slice_key: str) -> dict:
                          f"its ingestion topics' data messages, or to end their waits) and slice {key_of(seq - 1)} "
                          "is not ingested: materialize the slices in order")
     return registry_before(engine, slice_key)
+
+
+def _schemas_first(kafka: KafkaResource, ranges: list, streams_by_topic: dict, registry: dict) -> dict:
+    """The schemas the tasks decode with: those of the slices before (which win: an id names one
+    schema) and those that the slice's records on schema topics register, read here first (a few
+    metadata messages), so that data messages decode at once in the slice that registers their schema."""
+    found: dict = {}
+    decoder = qlik.Decoder({})
+    for r in ranges:
+        stream = streams_by_topic[r.topic]
+        if not (isinstance(stream, IngestionStream) and stream.may_hold_envelopes
+                and stream.projection == stream.source.schema_projection):
+            continue
+        for msg in read_range(kafka.config(), r, expired=lambda gone: None):
+            try:
+                registered = decoder.decode(msg.value())
+            except Exception:  # the tasks read it too: it becomes a dead letter there
+                continue
+            if isinstance(registered, qlik.Registered):
+                found.setdefault(registered.schema_id, registered)
+    return {**found, **registry}
 
 
 def _waits_end_in_order(engine, kafka: KafkaResource, slice_key: str, wait: int) -> None:
