@@ -39,7 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    BenchEnv, Profiler, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, print_profile, vm_hwm_mb,
+    QLIK_SCHEMA_TOPIC, BenchEnv, Profiler, ResourceSampler, Timer, driver_peak_mb, jvm_pid, kv_line, log, print_profile,
+    vm_hwm_mb,
 )
 
 DEFAULT_PER_TASK = 200_000
@@ -261,16 +262,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cdc", choices=["db2", "goldengate", "debezium", "qlik"], default=None,
                         help="ingest about N records of the sample CDC traffic of this format (its ingestion topic) "
                              "instead of entity batches")
+    parser.add_argument("--schema-topic", choices=["named", "unnamed"], default=None,
+                        help="with --cdc qlik: the metadata messages on a schema topic of their own, named as the "
+                             "source's schema_projection (read first) or not (its data messages wait for it)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary home (lake, broker data)")
     parser.add_argument("--verbose", action="store_true", help="Dagster INFO logs of the runs")
     args = parser.parse_args(argv)
+    if args.schema_topic and args.cdc != "qlik":
+        parser.error("--schema-topic needs --cdc qlik")
     per_tasks = [int(x) for x in args.per_task.split(",")]
     # Rounds alternate direction (A B C, C B A, ...) so that warm-up and drift weigh on every value alike.
     plan = [p for r in range(args.repeat) for p in (per_tasks if r % 2 == 0 else per_tasks[::-1])]
 
     results: list[dict] = []
     with BenchEnv(port=args.port, keep=args.keep) as env:
-        produced = env.produce_batches(args.n, cdc=args.cdc)
+        produced = env.produce_batches(args.n, cdc=args.cdc, schema_topic=args.schema_topic is not None)
+        if args.schema_topic == "named":
+            os.environ["ENTITY_ASSETS_INGESTION"] = json.dumps(
+                {"*": {"schema_projection": QLIK_SCHEMA_TOPIC.split(".")[1]}})
         n = produced["messages"]
         log(f"produced {produced['messages']:,} messages ({produced['bytes'] / 1e6:.0f} MB) in "
             f"{produced['seconds']:.1f}s ({produced['per_s']:,}/s) in a child process "
@@ -299,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p:>10,}    {', '.join(f'{r:,.0f}' for r in rates):<30}  {statistics.median(rates):,.0f}")
         print(f"best: max_messages_per_task {best['per_task']:,}; the last line is that trial")
     ok = all(f["ok"] for f in results)
-    print(kv(n, best, produced, trials=len(results), all_ok=int(ok), cdc=args.cdc or "none"))
+    print(kv(n, best, produced, trials=len(results), all_ok=int(ok), cdc=args.cdc or "none",
+             schema_topic=args.schema_topic or "none"))
     return 0 if ok else 1
 
 

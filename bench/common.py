@@ -353,7 +353,7 @@ class BenchEnv:
         ensure_topics({"bootstrap.servers": self.bootstrap}, list(INPUT_STREAMS), self.partitions)
 
     def produce_batches(self, n: int, *, entities: int | None = None, ops: int = 3, seed: int = 7,
-                        cdc: str | None = None) -> dict:
+                        cdc: str | None = None, schema_topic: bool = False) -> dict:
         """Produces BatchTraffic(patches=n, entities=n//10, ops=3) to entity-batches, or with `cdc` (a
         format) about n records of the sample CDC traffic of that format to its ingestion topic, in
         a child process (generating 1M values costs a few hundred MB that must not count as the
@@ -364,6 +364,8 @@ class BenchEnv:
             cmd += ["--entities", str(entities)]
         if cdc is not None:
             cmd += ["--cdc", cdc]
+        if schema_topic:
+            cmd += ["--schema-topic"]
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
@@ -410,6 +412,8 @@ def _raise_interrupt(signum, frame):
 
 # --------------------------------------------------------------------------- producing (child process)
 
+QLIK_SCHEMA_TOPIC = "hr.schemas.ingestion"
+
 
 def _produce_main(args) -> int:
     from entity_assets.kafka_io import ensure_topics, produce
@@ -426,6 +430,7 @@ def _produce_main(args) -> int:
         entities = args.entities if args.entities is not None else max(1, args.n // 10)
         traffic = BatchTraffic(patches=args.n, entities=entities, ops=args.ops, seed=args.seed)
     size = registrations = 0
+    metadata: list[tuple] = []  # with --schema-topic, produced to QLIK_SCHEMA_TOPIC after the data
 
     def records():
         nonlocal size, registrations
@@ -433,10 +438,16 @@ def _produce_main(args) -> int:
             assert stream == topic
             size += len(value or b"")  # a DB2 delete has no value
             registrations += key == "metadata"  # a Qlik metadata message: an avro_schemas row
+            if key == "metadata" and args.schema_topic:
+                metadata.append((key, value))
+                continue
             yield key, value
 
     with Timer() as t:
         count = produce(config, topic, records())
+        if metadata:
+            ensure_topics(config, [QLIK_SCHEMA_TOPIC], 1)
+            count += produce(config, QLIK_SCHEMA_TOPIC, metadata)
     print(json.dumps({"stream": topic, "messages": count, "batches": count - registrations, "bytes": size,
                       "seconds": round(t.s, 2), "per_s": round(count / t.s), "peak_rss_mb": round(driver_peak_mb())}),
           flush=True)
@@ -454,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--partitions", type=int, default=4, help="of the CDC topic it creates")
     p.add_argument("--cdc", default=None, help="a CDC format: its sample traffic instead of entity batches")
+    p.add_argument("--schema-topic", action="store_true",
+                   help=f"Qlik's metadata messages on {QLIK_SCHEMA_TOPIC}, not on the data topic")
     args = parser.parse_args(argv)
     return _produce_main(args)
 
