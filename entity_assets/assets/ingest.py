@@ -8,11 +8,11 @@ from functools import partial
 from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetExecutionContext, AssetSpec, Failure,
                      MaterializeResult, MetadataValue, multi_asset)
 
+from entity_assets import qlik
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
                                          run_tasks, table_metadata)
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
                                   registry_before, resolve_tasks, waits_ending, waits_for)
-from entity_assets import qlik
 from entity_assets.kafka_io import read_range, warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
