@@ -269,8 +269,11 @@ def test_a_schema_topic_and_topics_of_several_tables(make_pipeline, schema_proje
     assert run.success and pipeline.read("dead_letters").num_rows == 0
     assert pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == (0 if schema_projection else 2)
     produce(config, hr, [(None, qlik.data_envelope(sd, qlik.data_schema("DEPTS", dept), "DELETE", {"DEPT_ID": "rd"}))])
+    produce(config, schemas, [(b"bad", b"atMSG, then no envelope")])  # read first, then a dead letter of its task
     [run] = pipeline.tick_and_run()  # decoded by the tasks: registered by the schema topic in slice 1
     assert run.success and pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 0
+    [bad] = pipeline.read("dead_letters").to_pylist()
+    assert (bad["kafka_topic"], bad["code"]) == (schemas, "GENERR001")
     assert {k[1:]: v["deleted"] for k, v in states(pipeline).items()} == {
         ("EMPLOYEES", "hr", "1"): False, ("DEPTS", "hr", "rd"): True,
         ("orders", "shop", "1"): False, ("carts", "shop", "1"): True}
