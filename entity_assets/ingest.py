@@ -50,6 +50,7 @@ class InputStream:
     model: type[BaseModel]
     fields: tuple[str, ...]
     values: Callable[[BaseModel], tuple]
+    may_hold_envelopes = False  # JSON records, never a Qlik envelope
 
     def read(self, msg) -> tuple:
         """The row values of one Kafka message; InvalidMessage if it must go to dead letters."""

@@ -65,7 +65,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
                       "sources): restore the Kafka resource's settings that closed the slice")
     ranges = [r for r in manifest.ranges if r.count > 0]
     registry = _registry(engine, manifest.key, streams_by_topic)
-    _waits_end_in_order(engine, kafka, manifest.key, slicing.schema_wait_slices)
+    due = _due_waits(engine, kafka, manifest.key, slicing.schema_wait_slices)
     decoding = _schemas_first(kafka, ranges, streams_by_topic, registry) if registry is not None else {}
     streams_by_topic = {t: replace(s, registry=decoding) if isinstance(s, IngestionStream) else s
                         for t, s in streams_by_topic.items()}
@@ -79,7 +79,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     if pop_counts(files)["expired"] and any((before := _slice_rows(engine, manifest.key)).values()):
         yield from _keep(context, engine, manifest.key, files, before)
         return
-    resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing)
+    resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing, due)
     if resolved:
         context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
     summary = commit_slice(engine, TABLES, files, manifest.key)
@@ -104,7 +104,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
 def _registry(engine, slice_key: str, streams: dict) -> dict | None:
     """The Qlik schemas registered before the slice, if any of its topics may hold envelopes (None
     if none may)."""
-    if not any(isinstance(s, IngestionStream) and s.may_hold_envelopes for s in streams.values()):
+    if not any(s.may_hold_envelopes for s in streams.values()):
         return None
     return _registry_before(engine, slice_key)
 
@@ -128,8 +128,7 @@ def _schemas_first(kafka: KafkaResource, ranges: list, streams_by_topic: dict, r
     decoder = qlik.Decoder({})
     for r in ranges:
         stream = streams_by_topic[r.topic]
-        if not (isinstance(stream, IngestionStream) and stream.may_hold_envelopes
-                and stream.projection == stream.source.schema_projection):
+        if not (stream.may_hold_envelopes and stream.projection == stream.source.schema_projection):
             continue
         for msg in read_range(kafka.config(), r, expired=lambda gone: None):
             try:
@@ -141,29 +140,31 @@ def _schemas_first(kafka: KafkaResource, ranges: list, streams_by_topic: dict, r
     return {**found, **registry}
 
 
-def _waits_end_in_order(engine, kafka: KafkaResource, slice_key: str, wait: int) -> None:
-    """The slice whose waits this one ends must be ingested first if it may hold Qlik data
-    messages: ingested after, its waits would never end."""
+def _due_waits(engine, kafka: KafkaResource, slice_key: str, wait: int) -> list:
+    """The `schema_waits` files of the slice whose waits this one ends. That slice must be
+    ingested first if it may hold Qlik data messages: ingested after, its waits would never end."""
     ending = waits_ending(slice_key, wait)
-    if (ending is None or ending == slice_key or engine.slice_files("schema_waits", [ending])
-            or engine.version_after("entity_batches", ending, "replace_slice") is not None):
-        return
-    streams = (kafka.input_stream(r.topic) for r in ManifestStore(engine).get(ending).ranges if r.count > 0)
-    if any(isinstance(s, IngestionStream) and s.may_hold_envelopes for s in streams):
-        raise OutOfOrder(f"slice {slice_key} ends the waits for their schema of slice {ending}'s Qlik data messages "
-                         f"and slice {ending} is not ingested: materialize the slices in order")
+    if ending is None or ending == slice_key:  # with no wait, this one: its committed files are a run's it replaces
+        return []
+    due = engine.slice_files("schema_waits", [ending])
+    if not due and engine.version_after("entity_batches", ending, "replace_slice") is None:
+        streams = (kafka.input_stream(r.topic) for r in ManifestStore(engine).get(ending).ranges if r.count > 0)
+        if any(s is not None and s.may_hold_envelopes for s in streams):
+            raise OutOfOrder(f"slice {slice_key} ends the waits for their schema of slice {ending}'s Qlik data "
+                             f"messages and slice {ending} is not ingested: materialize the slices in order")
+    return due
 
 
 def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: dict | None, slice_key: str,
-                   slicing: SlicingResource) -> int:
+                   slicing: SlicingResource, due: list) -> int:
     """Qlik data messages waiting for their schema: applied in the slice that registers it, dead
     letters too once they have waited `schema_wait_slices` slices (`resolve_tasks`, which this
-    runs only when either happens); returns how many were applied."""
+    runs only when either happens); `due`: the files of the waits that end (`_due_waits`).
+    Returns how many were applied."""
     held = files.pop(HELD, [])
     new = new_registrations(engine, files, registry or {})
     wait = slicing.schema_wait_slices
-    ending = waits_ending(slice_key, wait)  # with no wait, this one: its committed files are a run's it replaces
-    due = engine.slice_files("schema_waits", [ending]) if ending and ending < slice_key else []
+    ending = waits_ending(slice_key, wait)
     if not (new or due or (held and wait == 0)):
         files.setdefault("schema_waits", []).extend(held)
         return 0
