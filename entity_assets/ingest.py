@@ -168,6 +168,16 @@ WAIT_STATS = ("slice", "schemaId")
 schema ids' range holds one of them."""
 
 
+def lake_table(files: str) -> str:
+    """The table that a task's files under `files` belong to (`HELD` files are `schema_waits` files)."""
+    return "schema_waits" if files == HELD else files
+
+
+def file_stats(table: str) -> tuple[str, ...]:
+    """The columns whose statistics a data file of `table` (`lake_table`) records."""
+    return WAIT_STATS if table == "schema_waits" else (SLICE,)
+
+
 def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, topic: str, partition: int,
                 offset: int, timestamp: int, key: bytes | None, value: bytes | None) -> None:
     """A `dead_letters` row of a record: an InvalidMessage's code, or GENERR009 for anything else (a
@@ -191,9 +201,9 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
 
     def writer(table: str) -> FileWriter:
         if table not in writers:
-            target = "schema_waits" if table == HELD else table
+            target = lake_table(table)
             writers[table] = FileWriter(table, table_uris[target], SCHEMAS[target], slice_key,
-                                        stats_columns=WAIT_STATS if table == HELD else (SLICE,),
+                                        stats_columns=file_stats(target),
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
@@ -301,7 +311,7 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
 
     def writer(table: str) -> FileWriter:
         return FileWriter(table, table_uris[table], SCHEMAS[table], slice_key, storage_options=storage_options,
-                          stats_columns=WAIT_STATS if table == "schema_waits" else (SLICE,))
+                          stats_columns=file_stats(table))
 
     batches, dead, waits = writer("entity_batches"), writer("dead_letters"), writer("schema_waits")
     due = waits_ending(slice_key, wait_slices)

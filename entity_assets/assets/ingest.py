@@ -11,8 +11,8 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 from entity_assets import qlik
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
                                          run_tasks, table_metadata)
-from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, new_registrations,
-                                  registry_before, resolve_tasks, waits_ending, waits_for)
+from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
+                                  new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
 from entity_assets.kafka_io import read_range, warm_producer
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
@@ -192,7 +192,7 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
 def _discard(engine, files: dict) -> None:
     """Deletes data files the tasks wrote that no commit will add."""
     for table, written in files.items():
-        fs, root = filesystem(engine.uri("schema_waits" if table == HELD else table), engine.storage_options)
+        fs, root = filesystem(engine.uri(lake_table(table)), engine.storage_options)
         for f in written:
             fs.delete_file(f"{root}/{f.path}")
 
