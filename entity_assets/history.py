@@ -13,12 +13,17 @@ every change before it, so it starts when all of them had ended: the running max
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Iterable
+
+import pyarrow.compute as pc
 
 from entity_assets import core
 from entity_assets.patch import STATUS_OK
 from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine, read_tables
+from entity_assets.tables import SCHEMAS
 
 COLUMNS = ["slice", "kafka_topic", "kafka_partition", "kafka_offset", *core.ORDER, "ended", "ops", "action"]
 """The `entity_updates` columns a replay reads."""
@@ -60,10 +65,15 @@ def as_of(history: list[dict], *, slice: int | None = None, time: int | None = N
 
 
 def entity_history(engine: DeltaRsEngine, dbid: str, collection: str, zone: str, entity: str) -> list[dict]:
-    """`versions` of one entity, read from every slice of `entity_updates` (row groups whose
-    statistics exclude the entity are skipped; updates of random ids rarely let them)."""
+    """`versions` of one entity, read from every slice of `entity_updates`: of each file, only the
+    row groups that the statistics of `bucket` admit (a file's rows are in bucket order), all of
+    a file written before the column was added (`tables.ADDED_IN_PLACE`)."""
     if not engine.exists("entity_updates"):
         return []
-    key = [(c, "=", v) for c, v in zip(core.ENTITY_KEY, (dbid, collection, zone, entity))]
-    return versions(r for t in read_tables(engine.files("entity_updates"), engine.storage_options, COLUMNS, key)
+    key = (dbid, collection, zone, entity)
+    bucket = pc.field("bucket")
+    where = functools.reduce(operator.and_, (pc.field(c) == v for c, v in zip(core.ENTITY_KEY, key)),
+                             (bucket == core.bucket_of(*key)) | bucket.is_null())
+    return versions(r for t in read_tables(engine.files("entity_updates"), engine.storage_options, COLUMNS, where,
+                                           SCHEMAS["entity_updates"])
                     for r in t.to_pylist())

@@ -410,16 +410,17 @@ def parquet_file(file: str | TableFile, storage_options: dict[str, str] | None =
 
 
 def read_table(file: str | TableFile, storage_options: dict[str, str] | None = None, columns: list[str] | None = None,
-               filters=None) -> pa.Table:
-    """`filters` (pyarrow's): row groups whose statistics exclude them are not even decoded."""
+               filters=None, schema: pa.Schema | None = None) -> pa.Table:
+    """`filters` (pyarrow's, or an expression): row groups whose statistics exclude them are not
+    even decoded. `schema`: the table's, where a file may lack a column added in place (null there)."""
     return parquet_file(file, storage_options).to_table(
-        columns=columns, filter=None if filters is None else pq.filters_to_expression(filters))
+        schema=schema, columns=columns, filter=None if filters is None else pq.filters_to_expression(filters))
 
 
 def read_tables(files: Sequence[str | TableFile], storage_options: dict[str, str] | None = None,
-                columns: list[str] | None = None, filters=None) -> Iterator[pa.Table]:
+                columns: list[str] | None = None, filters=None, schema: pa.Schema | None = None) -> Iterator[pa.Table]:
     """Each of `files` read (whole, or its rows `filters` keep), in order: at once on an object store (`files_ahead`)."""
-    return prefetched(lambda f: read_table(f, storage_options, columns, filters), files, files_ahead(files))
+    return prefetched(lambda f: read_table(f, storage_options, columns, filters, schema), files, files_ahead(files))
 
 
 def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Sequence[str | TableFile],
@@ -657,9 +658,10 @@ class DeltaRsEngine:
             self._existing.add(table)
         return True
 
-    def ensure(self, table: str, schema: pa.Schema) -> None:
-        """Creates the table if missing; gives a table of an older lake the `CHECKPOINT_INTERVAL` (one commit, once)."""
-        from deltalake import DeltaTable
+    def ensure(self, table: str, schema: pa.Schema, added_in_place: Iterable[str] = ()) -> None:
+        """Creates the table if missing; gives a table of an older lake the `CHECKPOINT_INTERVAL`
+        and the columns of `schema` named in `added_in_place` that it lacks (a commit each, once)."""
+        from deltalake import DeltaTable, Field
 
         if not self.exists(table):
             DeltaTable.create(self.uri(table), schema, mode="ignore",
@@ -667,6 +669,11 @@ class DeltaRsEngine:
                               storage_options=self.storage_options, post_commithook_properties=_post_commit())
             return
         self._set_property(table, CHECKPOINT_SETTING, str(CHECKPOINT_INTERVAL))
+        dt = self._open(table)
+        present = set(pa.schema(dt.schema().to_arrow()).names)
+        if missing := [schema.field(n) for n in added_in_place if n not in present]:
+            dt.alter.add_columns([Field.from_arrow(f) for f in missing], post_commithook_properties=_post_commit())
+            self._written.add(table)
 
     def _set_property(self, table: str, name: str, value: str) -> None:
         """Sets a table property on the step's handle of the table, in a commit only when it changes."""
@@ -813,10 +820,10 @@ class DeltaRsEngine:
                 low, high = actions[f"min.{k}"], actions[f"max.{k}"]
                 actions = actions.filter(pc.or_kleene(pc.is_null(low), pc.and_(pc.less_equal(low, v), pc.greater_equal(high, v))))
         files = self._table_files(actions, dt)
-        schema = pa.schema(dt.schema().to_arrow())
+        schema = whole = pa.schema(dt.schema().to_arrow())
         if columns:
             schema = pa.schema([schema.field(c) for c in columns])
-        parts = list(read_tables(files, self.storage_options, columns))
+        parts = list(read_tables(files, self.storage_options, columns, schema=whole))  # null where added in place
         data = pa.concat_tables([p.cast(schema) for p in parts]) if parts else schema.empty_table()
         for k, v in (where or {}).items():
             data = data.filter(pc.equal(data[k], v))

@@ -31,6 +31,15 @@ def _schema(*groups) -> pa.Schema:
     return pa.schema([field for group in groups for field in group])
 
 
+UPDATE = _schema(
+    LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, RESULT,
+    [("action", STR), ("subjectZone", STR)],
+)
+"""The seed's entity-updates structure, with two derived columns for the notification streams
+that are not part of the published message: action (created/updated/deleted) and subjectZone
+(the zone-changes partition)."""
+
+
 SCHEMAS: dict[str, pa.Schema] = {
     # inputs, one row per valid Kafka record
     "entity_batches": _schema(LINEAGE, REQUEST, [("begun", I64), ("parts", I32), ("patches", STR)], FLAGS),
@@ -54,12 +63,9 @@ SCHEMAS: dict[str, pa.Schema] = {
     "entity_patches": _schema(
         LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, [("bucket", I32)]
     ),
-    # action (created/updated/deleted) and subjectZone (the zone-changes partition) are derived
-    # columns for the notification streams; they are not part of the published message.
-    "entity_updates": _schema(
-        LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, RESULT,
-        [("action", STR), ("subjectZone", STR)],
-    ),
+    # bucket: the entity's state bucket, non-decreasing in each file (a fold task writes its
+    # buckets in order), so its row-group statistics index a file by entity (history.py)
+    "entity_updates": pa.schema(list(UPDATE) + [pa.field("bucket", I32)]),
     "entities": _schema([("slice", STR), ("dbid", STR)], TARGET, STATE),
     "schema_updates": _schema(
         LINEAGE, REQUEST, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS[1:], RESULT
@@ -79,7 +85,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         [("slice", STR), ("dbid", STR), ("user", STR), ("device", STR), ("clientid", STR), ("appVersion", STR),
          ("firstSeen", I64), ("lastSeen", I64), ("connections", I64), ("bucket", I32)]
     ),
-    "zone_changes": None,  # set below: the entity-updates structure (the seed)
+    "zone_changes": UPDATE,  # the entity-updates structure (the seed)
     "changes_by_device": _schema(
         LINEAGE, [("dbid", STR)], TARGET,
         [("notification", STR), ("action", STR), ("ended", I64), ("device", STR), ("user", STR)],
@@ -98,8 +104,12 @@ SCHEMAS: dict[str, pa.Schema] = {
 }
 # Partial responses carry the structure of entity-updates and schema-updates (the seed), so
 # schema results (no collection/zone/entity) share the table; `stream` says which.
-SCHEMAS["partial_responses"] = pa.schema(list(SCHEMAS["entity_updates"]) + [pa.field("stream", STR)])
+SCHEMAS["partial_responses"] = pa.schema(list(UPDATE) + [pa.field("stream", STR)])
 SCHEMAS["pending_responses"] = SCHEMAS["partial_responses"]
-SCHEMAS["zone_changes"] = SCHEMAS["entity_updates"]
+
+ADDED_IN_PLACE = {"entity_updates": ("bucket",)}
+"""Columns that a table of an older release gains by a metadata commit (`DeltaRsEngine.ensure`),
+its older files reading as null there, instead of a rebuild (docs/operations.md, Upgrading):
+only columns that no reader needs, such as an index."""
 
 INPUT_TABLES = ("entity_batches", "schema_patches", "connections", "notification_acks")

@@ -157,8 +157,8 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
 def test_respond_fills_updates_partial_and_complete_responses(tmp_path, monkeypatch):
     """Status 1 results are updates, every result is a partial response, a single-part
     request's result is its complete response at once (responses: its one text), and a learned
-    one is a schema-learning row with its document as `after`, across batches, whether they come
-    in Arrow (`respond_rows`) or as dicts (`respond`); their messages are the per-row encoders'."""
+    one is a schema-learning row with its document as `after`, across batches; their messages
+    are the per-row encoders'."""
     monkeypatch.setattr(fold, "BATCH_ROWS", 2)
     tables = ("entity_updates", "partial_responses", "complete_responses", "schema_learning")
     uris = {t: str(tmp_path / t) for t in tables}
@@ -174,15 +174,16 @@ def test_respond_fills_updates_partial_and_complete_responses(tmp_path, monkeypa
                 "collection": "Contacts", "zone": "A", "entity": "e1", "parts": parts, "part": part, "begun": 4,
                 "ops": "[]", "learning": False, "includeBefore": False, "includeAfter": False, "ended": 5 + request,
                 "status": status, "error": None if status == 1 else "boom", "before": None, "after": None,
-                "action": "updated" if status == 1 else None, "subjectZone": "A", "stream": "entity-updates"}
+                "action": "updated" if status == 1 else None, "subjectZone": "A", "stream": "entity-updates",
+                "bucket": 7}
 
     results = [result(1, 1, 1, 1), result(2, 1, 1, 3), result(3, 1, 2, 1), result(3, 2, 2, 1), result(4, 1, 1, 1)]
     learned = {1: '{"name":"learned"}', 3: '{"name":"three"}'}  # by request: their schema-learning after
-    struct = out.writer("partial_responses").struct
-    for chunk in (results[:2], results[2:4]):
+    # the fold's results: its patch columns (the entity's bucket among them) and those it adds
+    struct = pa.struct(list(SCHEMAS["partial_responses"]) + [SCHEMAS["entity_updates"].field("bucket")])
+    for chunk in (results[:2], results[2:4], results[4:]):
         out.respond_rows(pa.Table.from_batches([from_rows(chunk, struct)]),
                          pa.array([learned.get(r["request"]) for r in chunk], pa.string()))
-    out.respond(results[4])
     written, report = {t: [] for t in tables}, out.report()
     for f in report:
         if f["table"] in written:

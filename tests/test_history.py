@@ -1,9 +1,13 @@
 """An entity's history replayed from its updates: versions, validity, reads as of a slice or a time."""
 
+import pyarrow as pa
 import pytest
 
 from entity_assets import core
-from entity_assets.history import Diverged, as_of, versions
+from entity_assets.assets.common import ensure_tables
+from entity_assets.history import Diverged, as_of, entity_history, versions
+from entity_assets.storage import DeltaRsEngine, FileWriter
+from entity_assets.tables import SCHEMAS
 
 
 def update(slice_: str, begun: int, request: int, ops: list[dict], action: str, ended: int | None = None) -> dict:
@@ -53,3 +57,27 @@ def test_an_update_that_does_not_apply_to_the_version_before_it_says_the_history
         versions([RENAME])  # its creation is missing
     with pytest.raises(Diverged, match="action updated"):
         versions([CREATE, {**RENAME, "action": "created"}])
+
+
+def test_a_history_reads_the_files_of_entity_updates_from_before_and_after_its_bucket_column(tmp_path):
+    engine, table = DeltaRsEngine(str(tmp_path)), "entity_updates"
+    key = ("db", "people", "z", "ann")
+    old = pa.schema([f for f in SCHEMAS[table] if f.name != "bucket"])  # a lake of an older release
+    engine.ensure(table, old)
+
+    def commit(schema, slice_, *updates):
+        writer = FileWriter(table, engine.uri(table), schema, slice_)
+        for u in updates:
+            writer.append({**u, **dict(zip(core.ENTITY_KEY, key)), "bucket": core.bucket_of(*key)})
+        engine.commit(table, schema, add=writer.close(), operation="test", slice_key=slice_)
+
+    commit(old, "0000000001", CREATE, RENAME)
+    ensure_tables(engine, [table])  # the next slice's step adds the column: one commit, no rebuild
+    assert "bucket" in engine.read(table).column_names and engine.read(table).column("bucket").null_count == 2
+    commit(SCHEMAS[table], "0000000002", DELETE)
+    commit(SCHEMAS[table], "0000000003", RECREATE)
+    history = entity_history(engine, *key)
+    assert [(v["version"], v["action"], v["slice"]) for v in history] == [
+        (1, "created", "0000000001"), (2, "updated", "0000000001"), (3, "deleted", "0000000002"),
+        (4, "created", "0000000003")]
+    assert entity_history(engine, "db", "people", "z", "bob") == []

@@ -10,7 +10,7 @@ from functools import partial
 from dagster import AssetCheckResult, Failure, MetadataValue
 
 from entity_assets.storage import DataFile, DeltaRsEngine, TableFile, repeated_deliveries
-from entity_assets.tables import SCHEMAS
+from entity_assets.tables import ADDED_IN_PLACE, SCHEMAS
 from resources import SparkResource
 
 
@@ -18,8 +18,8 @@ def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str], reads: Iterable[
     """Makes the tables a step writes and opens those it `reads`, all at once on an object store,
     where each is a few round trips."""
     writes = set(tables)
-    engine.each(lambda table: engine.ensure(table, SCHEMAS[table]) if table in writes else engine.exists(table),
-                [*tables, *reads])
+    engine.each(lambda table: engine.ensure(table, SCHEMAS[table], ADDED_IN_PLACE.get(table, ()))
+                if table in writes else engine.exists(table), [*tables, *reads])
 
 
 def collect_tasks(spark: SparkResource, tasks: list[dict], fn: Callable, rows: int | None = None) -> list:
