@@ -8,8 +8,9 @@
 
 One slice of N patches builds the state (its time is printed, not the point), then each small
 slice spreads `--slice-size` patches over as many new entities, which touches about every state
-bucket. Prints each small slice's time per step and, last, machine-readable key=value pairs with
-the median slice time and the median of each step.
+bucket. Prints each small slice's time per step, the time of `entity-assets history` of a few
+entities, and, last, machine-readable key=value pairs with the median slice time, the median of
+each step and of the histories (`history_s`).
 
 `--process-per-slice` runs each small slice as the daemon does, in a process of its own
 (`entity-assets run`) that starts its Dagster run from nothing: on its own local Spark (`local`,
@@ -96,12 +97,13 @@ def main(argv=None) -> int:
         finally:
             if server is not None:
                 server.stop()
+        history_s = _history_seconds(lake)
     print(kv_line(n=args.n, entities=entities, devices=args.devices, slice_size=args.slice_size, slices=args.slices,
                   process_per_slice=args.process_per_slice or "no", lake=args.lake, rtt_ms=args.rtt_ms,
                   state_s=round(big.s, 1), median_s=round(statistics.median(times), 2),
                   state_file_rows=build_resources()["lake"].state_file_rows,
                   rewritten_rows=round(statistics.median(rewritten)),
-                  peak_driver_mb=round(driver_peak_mb()),
+                  history_s=round(statistics.median(history_s), 3), peak_driver_mb=round(driver_peak_mb()),
                   **{f"{k}_s": round(statistics.median(v), 2) for k, v in by_step.items()}))
     return 0
 
@@ -141,6 +143,28 @@ def _run_slice(mode: str | None, server, steps) -> list[dict] | None:
         log(done.stdout[-2000:] + done.stderr[-2000:])
         return None
     return [{"success": True, "steps": {}}]  # the process's own steps are not split
+
+
+def _history_seconds(lake, n: int = 5) -> list[float]:
+    """Seconds of `entity-assets history` (`history.entity_history`) of n entities of the state:
+    each reads every slice of entity_updates, of each file the row groups its statistics admit."""
+    from entity_assets import core
+    from entity_assets.history import entity_history
+    from entity_assets.storage import read_batches
+
+    files = lake.files("entity_updates")
+    keys = next(read_batches(lake.files("entities")[0], lake.storage_options, batch_size=n,
+                             columns=list(core.ENTITY_KEY))).to_pylist()
+    times = []
+    for key in keys:
+        with Timer() as t:
+            found = entity_history(lake, *(key[c] for c in core.ENTITY_KEY))
+        times.append(t.s)
+        if not found:
+            raise RuntimeError(f"no history for {key}")
+    log(f"history of {len(keys)} entities over {sum(f.rows for f in files):,} entity_updates rows in "
+        f"{len(files)} files: median {statistics.median(times):.3f}s")
+    return times
 
 
 def _record_slice(i, seconds, runs, lake, before, by_step, rewritten) -> dict:
