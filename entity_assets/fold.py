@@ -90,7 +90,9 @@ class Outputs:
         self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
 
     def respond(self, result: dict) -> None:
-        """A processed part, as a result row (`respond_rows` of those held, per `BATCH_ROWS`)."""
+        """A processed part, as a result row (`respond_rows` of those held, per `BATCH_ROWS`): the
+        schema fold's, whose rows have the partial-responses columns (an entity update also
+        carries its bucket, which the entity fold's Arrow rows have)."""
         self._results.append(result)
         if len(self._results) >= BATCH_ROWS:
             self._respond_held()

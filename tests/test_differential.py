@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from entity_assets import history, samples
+from entity_assets import core, history, samples
 from entity_assets.learning import Summary
 from entity_assets.patch import STATUS_OK, apply_patch
 from entity_assets.slices import slice_key
+from entity_assets.storage import read_table
 
 SUBSCRIPTIONS = samples.SUBSCRIPTIONS
 ACTIONS = ("created", "updated", "deleted")
@@ -210,6 +211,11 @@ def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pip
             for key in histories}, k
     some = sorted(histories)[0]
     assert history.entity_history(pipeline.engine, DBID, *some) == histories[some]
+    # a history reads by the bucket each update carries, in order in every file
+    for f in pipeline.engine.files("entity_updates"):
+        rows = read_table(f, pipeline.engine.storage_options, [*core.ENTITY_KEY, "bucket"]).to_pylist()
+        buckets = [r["bucket"] for r in rows]
+        assert buckets == [core.bucket_of(*(r[c] for c in core.ENTITY_KEY)) for r in rows] == sorted(buckets)
 
     complete = {(r["clientid"], r["request"]): r for r in pipeline.read("complete_responses").to_pylist()}
     assert complete.keys() == model.requests.keys()
