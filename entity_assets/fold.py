@@ -444,8 +444,8 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
 
 _FOLD_READS = ("dbid", "collection", "zone", "entity", "kafka_timestamp", "begun", "ops", "includeBefore", "includeAfter",
                "learning")
-_FOLD_ADDS = ("ended", *core.RESULT_FIELDS, "subjectZone")
-_RESULT_TYPES = SCHEMAS["partial_responses"]
+_FOLD_ADDS = ("ended", *core.RESULT_FIELDS, "subjectZone", "previousSlice")
+_RESULT_TYPES = SCHEMAS["entity_updates"]
 
 RESULT_ROW_GROUPS = {"entities": "collection", "partial_responses": "parts"}
 """Row groups by value: the subscriptions in effect are read from the entity state's
@@ -494,7 +494,7 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
 
 def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: int, slice_key: str) -> None:
     """Folds one bucket's patches, sorted by entity and `core.ORDER`, over the entities `store` holds."""
-    key, state = None, core.DocState()
+    key, state, previous = None, core.DocState(), None
 
     def save():  # an entity's state row is made once, after its last patch of the slice
         if state.changed:
@@ -510,7 +510,8 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
             k = (dbid, collection, zone, entity)
             if k != key:
                 save()
-                key, state = k, core.DocState(store.get(k))
+                stored = store.get(k)
+                key, state, previous = k, core.DocState(stored), stored and stored["slice"]
             before = state.doc
             ended = core.ended_of(timestamp, begun)
             status, error, before_text, after, action = core.apply(state, ops, ended, include_before, include_after)
@@ -519,7 +520,7 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
                 subject = notify.subject_zone(collection, zone, state.doc if state.doc is not None else before)
                 if learning and state.doc is not None:
                     learn = core.learned_after(after, state.doc)
-            added.append((ended, status, error, before_text, after, action, subject))
+            added.append((ended, status, error, before_text, after, action, subject, previous))
             learned.append(learn)
         results = pa.Table.from_batches([batch])
         for name, values in zip(_FOLD_ADDS, zip(*added)):

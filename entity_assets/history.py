@@ -27,6 +27,8 @@ from entity_assets.tables import SCHEMAS
 
 COLUMNS = ["slice", "kafka_topic", "kafka_partition", "kafka_offset", *core.ORDER, "ended", "ops", "action"]
 """The `entity_updates` columns a replay reads."""
+INDEXED = [*COLUMNS, "bucket", "previousSlice"]
+"""And those `entity_history` follows from slice to slice."""
 
 
 class Diverged(Exception):
@@ -65,15 +67,31 @@ def as_of(history: list[dict], *, slice: int | None = None, time: int | None = N
 
 
 def entity_history(engine: DeltaRsEngine, dbid: str, collection: str, zone: str, entity: str) -> list[dict]:
-    """`versions` of one entity, read from every slice of `entity_updates`: of each file, only the
-    row groups that the statistics of `bucket` admit (a file's rows are in bucket order), all of
-    a file written before the column was added (`tables.ADDED_IN_PLACE`)."""
+    """`versions` of one entity, read from the slices of `entity_updates` that changed it.
+
+    Its row in `entities` names the last such slice, and each update the one before
+    (`previousSlice`), so a history reads as many slices as changed the entity, whatever the
+    lake's age, and of their files only the row groups whose `bucket` statistics admit it. Where
+    that chain breaks (updates written before the index columns were added in place, or a state
+    without its updates), it reads every slice before the break instead.
+    """
     if not engine.exists("entity_updates"):
         return []
-    key = (dbid, collection, zone, entity)
-    bucket = pc.field("bucket")
+    key, bucket = (dbid, collection, zone, entity), core.bucket_of(dbid, collection, zone, entity)
+    column = pc.field("bucket")
     where = functools.reduce(operator.and_, (pc.field(c) == v for c, v in zip(core.ENTITY_KEY, key)),
-                             (bucket == core.bucket_of(*key)) | bucket.is_null())
-    return versions(r for t in read_tables(engine.files("entity_updates"), engine.storage_options, COLUMNS, where,
-                                           SCHEMAS["entity_updates"])
-                    for r in t.to_pylist())
+                             (column == bucket) | column.is_null())
+
+    def read(files) -> list[dict]:
+        return [u for t in read_tables(files, engine.storage_options, INDEXED, where, SCHEMAS["entity_updates"])
+                for u in t.to_pylist()]
+
+    state = engine.state_rows("entities", core.ENTITY_KEY, {key}, [bucket])
+    updates, at = [], state[0]["slice"] if state else None
+    while at is not None:
+        found = read(engine.slice_files("entity_updates", [at]))
+        updates += found
+        if not found or found[0]["bucket"] is None:
+            return versions(updates + [u for u in read(engine.files("entity_updates")) if u["slice"] < at])
+        at = found[0]["previousSlice"]
+    return versions(updates if state else read(engine.files("entity_updates")))

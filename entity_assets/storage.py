@@ -808,6 +808,17 @@ class DeltaRsEngine:
                 return None
             limit *= 4
 
+    def state_rows(self, table: str, key_columns: Sequence[str], keys: set[tuple], buckets: Iterable[int]) -> list[dict]:
+        """The current rows of `keys` in a bucketed state table, whose `buckets` the caller knows:
+        only the files whose `bucket` range holds one of them are read, filtered by the key's last column."""
+        if not keys or not self.exists(table):
+            return []
+        buckets = set(buckets)
+        files = [f for f in self.files(table) if any(f.min.get("bucket", b) <= b <= f.max.get("bucket", b) for b in buckets)]
+        last = key_columns[-1]
+        return [r for t in read_tables(files, self.storage_options, None, [(last, "in", sorted({k[-1] for k in keys}))])
+                for r in t.to_pylist() if tuple(r[c] for c in key_columns) in keys]
+
     def read(self, table: str, version: int | None = None, columns: list[str] | None = None,
              where: dict | None = None) -> pa.Table:
         """Reads a small table on the driver (manifests, summaries), pruning files by stats.

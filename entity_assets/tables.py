@@ -63,9 +63,11 @@ SCHEMAS: dict[str, pa.Schema] = {
     "entity_patches": _schema(
         LINEAGE, REQUEST, TARGET, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS, [("bucket", I32)]
     ),
-    # bucket: the entity's state bucket, non-decreasing in each file (a fold task writes its
-    # buckets in order), so its row-group statistics index a file by entity (history.py)
-    "entity_updates": pa.schema(list(UPDATE) + [pa.field("bucket", I32)]),
+    # an index of each entity's updates (history.py): bucket, the entity's state bucket,
+    # non-decreasing in each file (a fold task writes its buckets in order), so that row-group
+    # statistics find an entity in a file; previousSlice, the slice of its update before this
+    # slice's (null for its first), so that a history reads only the slices that changed it
+    "entity_updates": pa.schema(list(UPDATE) + [pa.field("bucket", I32), pa.field("previousSlice", STR)]),
     "entities": _schema([("slice", STR), ("dbid", STR)], TARGET, STATE),
     "schema_updates": _schema(
         LINEAGE, REQUEST, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS[1:], RESULT
@@ -107,7 +109,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 SCHEMAS["partial_responses"] = pa.schema(list(UPDATE) + [pa.field("stream", STR)])
 SCHEMAS["pending_responses"] = SCHEMAS["partial_responses"]
 
-ADDED_IN_PLACE = {"entity_updates": ("bucket",)}
+ADDED_IN_PLACE = {"entity_updates": ("bucket", "previousSlice")}
 """Columns that a table of an older release gains by a metadata commit (`DeltaRsEngine.ensure`),
 its older files reading as null there, instead of a rebuild (docs/operations.md, Upgrading):
 only columns that no reader needs, such as an index."""

@@ -150,14 +150,11 @@ def _inboxes(engine: DeltaRsEngine, slice_key: str, changes: list[dict]) -> list
 
 
 def _state(engine: DeltaRsEngine, table: str, key: tuple[str, ...], keys: set[tuple]) -> list[dict]:
-    """The current rows of `keys` in a bucketed state table: only the files of their buckets are
-    read, filtered by the key's last column."""
-    if not keys or not engine.exists(table):
+    """The current rows of `keys` in a bucketed state table, without their bucket, in key order."""
+    if not keys:
         return []
-    buckets = set(key_buckets(pa.table({c: [k[i] for k in keys] for i, c in enumerate(key)}), key).to_pylist())
-    files = [f for f in engine.files(table) if any(f.min.get("bucket", b) <= b <= f.max.get("bucket", b) for b in buckets)]
-    found = [r for t in read_tables(files, engine.storage_options, None, [(key[-1], "in", sorted({k[-1] for k in keys}))])
-             for r in t.to_pylist() if tuple(r[c] for c in key) in keys]
+    buckets = key_buckets(pa.table({c: [k[i] for k in keys] for i, c in enumerate(key)}), key).to_pylist()
+    found = engine.state_rows(table, key, keys, buckets)
     return sorted(({k: v for k, v in r.items() if k != "bucket"} for r in found), key=lambda r: [r[c] for c in key])
 
 

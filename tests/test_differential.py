@@ -209,8 +209,16 @@ def test_the_lake_agrees_with_the_patch_engine_in_slice_and_begun_order(make_pip
         assert {key: version_of(history.as_of(h, slice=k)) for key, h in histories.items()} == {
             key: version_of(rows[key] | {"document": _json(rows[key]["document"])}) if key in rows else None
             for key in histories}, k
-    some = sorted(histories)[0]
-    assert history.entity_history(pipeline.engine, DBID, *some) == histories[some]
+    # entity_history follows an entity's slices back from its state row (each update names the
+    # slice of its entity's update before its slice's): the same versions
+    for updates in updates_of.values():
+        slices = sorted({u["slice"] for u in updates})
+        before = dict(zip(slices, [None, *slices]))
+        assert [u["previousSlice"] for u in updates] == [before[u["slice"]] for u in updates]
+    changed_most = sorted(histories, key=lambda key: (-len({v["slice"] for v in histories[key]}), key))[:10]
+    assert len({v["slice"] for v in histories[changed_most[0]]}) > 2
+    for key in changed_most:
+        assert history.entity_history(pipeline.engine, DBID, *key) == histories[key], key
     # a history reads by the bucket each update carries, in order in every file
     for f in pipeline.engine.files("entity_updates"):
         rows = read_table(f, pipeline.engine.storage_options, [*core.ENTITY_KEY, "bucket"]).to_pylist()

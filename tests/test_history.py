@@ -59,25 +59,38 @@ def test_an_update_that_does_not_apply_to_the_version_before_it_says_the_history
         versions([CREATE, {**RENAME, "action": "created"}])
 
 
-def test_a_history_reads_the_files_of_entity_updates_from_before_and_after_its_bucket_column(tmp_path):
+def test_a_history_follows_its_entity_s_slices_back_and_reads_what_came_before_the_index_whole(tmp_path, monkeypatch):
     engine, table = DeltaRsEngine(str(tmp_path)), "entity_updates"
-    key = ("db", "people", "z", "ann")
-    old = pa.schema([f for f in SCHEMAS[table] if f.name != "bucket"])  # a lake of an older release
+    ann, bob, cy = ("db", "people", "z", "ann"), ("db", "people", "z", "bob"), ("db", "people", "z", "cy")
+    index = ("bucket", "previousSlice")
+    old = pa.schema([f for f in SCHEMAS[table] if f.name not in index])  # a lake of an older release
     engine.ensure(table, old)
 
-    def commit(schema, slice_, *updates):
-        writer = FileWriter(table, engine.uri(table), schema, slice_)
-        for u in updates:
-            writer.append({**u, **dict(zip(core.ENTITY_KEY, key)), "bucket": core.bucket_of(*key)})
-        engine.commit(table, schema, add=writer.close(), operation="test", slice_key=slice_)
+    def commit(name, schema, slice_, *rows):
+        writer = FileWriter(name, engine.uri(name), schema, slice_)
+        for key, row in rows:
+            writer.append({**row, **dict(zip(core.ENTITY_KEY, key)), "bucket": core.bucket_of(*key)})
+        engine.commit(name, schema, add=writer.close(), operation="test", slice_key=slice_)
 
-    commit(old, "0000000001", CREATE, RENAME)
-    ensure_tables(engine, [table])  # the next slice's step adds the column: one commit, no rebuild
-    assert "bucket" in engine.read(table).column_names and engine.read(table).column("bucket").null_count == 2
-    commit(SCHEMAS[table], "0000000002", DELETE)
-    commit(SCHEMAS[table], "0000000003", RECREATE)
-    history = entity_history(engine, *key)
-    assert [(v["version"], v["action"], v["slice"]) for v in history] == [
+    commit(table, old, "0000000001", (ann, CREATE), (ann, RENAME))
+    ensure_tables(engine, [table, "entities"])  # the next slice's step adds the columns: one commit, no rebuild
+    assert engine.read(table, columns=list(index)).to_pylist() == [{"bucket": None, "previousSlice": None}] * 2
+    commit(table, SCHEMAS[table], "0000000002", (ann, {**DELETE, "previousSlice": "0000000001"}),
+           (bob, {**CREATE, "slice": "0000000002"}), (cy, {**CREATE, "slice": "0000000002"}))
+    commit(table, SCHEMAS[table], "0000000003", (ann, {**RECREATE, "previousSlice": "0000000002"}),
+           (cy, {**RENAME, "slice": "0000000003", "previousSlice": "0000000002"}))
+    # ann's state row names slice 3, which names 2, which names 1, written before the index: read whole;
+    # bob's names slice 4, whose updates are missing (a commit left out): every earlier slice is read
+    commit("entities", SCHEMAS["entities"], "0000000004", (ann, {"slice": "0000000003", "version": 4}),
+           (bob, {"slice": "0000000004", "version": 2}), (cy, {"slice": "0000000003", "version": 2}))
+    assert [(v["version"], v["action"], v["slice"]) for v in entity_history(engine, *ann)] == [
         (1, "created", "0000000001"), (2, "updated", "0000000001"), (3, "deleted", "0000000002"),
         (4, "created", "0000000003")]
-    assert entity_history(engine, "db", "people", "z", "bob") == []
+    assert [(v["version"], v["slice"]) for v in entity_history(engine, *bob)] == [(1, "0000000002")]
+    assert entity_history(engine, "db", "people", "z", "dan") == []
+    # a whole chain reads only the slices it names
+    every = engine.files
+    monkeypatch.setattr(engine, "files", lambda name, *a, **k: pytest.fail("read every slice") if name == table
+                        else every(name, *a, **k))
+    assert [(v["version"], v["document"], v["slice"]) for v in entity_history(engine, *cy)] == [
+        (1, {"name": "Ann"}, "0000000002"), (2, {"name": "Bea"}, "0000000003")]
