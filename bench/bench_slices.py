@@ -146,8 +146,8 @@ def _run_slice(mode: str | None, server, steps) -> list[dict] | None:
 
 
 def _history_seconds(lake, n: int = 5) -> list[float]:
-    """Seconds of `entity-assets history` (`history.entity_history`) of n entities of the state:
-    each reads every slice of entity_updates, of each file the row groups its statistics admit."""
+    """Seconds of `entity-assets history` (`history.entity_history`) of n entities of the state
+    slice, after the small slices: how a history's cost grows with the lake's slices."""
     from entity_assets import core
     from entity_assets.history import entity_history
     from entity_assets.storage import read_batches
