@@ -31,5 +31,9 @@ cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
 # Stop with Ctrl-C, or `kill <pid of this script>` (SIGTERM) when it runs in the background.
 # A background job of a non-interactive shell starts with SIGINT ignored, and `dagster dev`
 # maps SIGTERM to the SIGINT handler, so it would ignore both: reset SIGINT before the exec.
-exec .venv/bin/python -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
-    .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${PORT:-3000}"
+# It runs in $DAGSTER_HOME: from the project folder, `dagster dev` would warn that the
+# dagster.yaml there is not used, although its copy in $DAGSTER_HOME is.
+root=$PWD
+cd "$DAGSTER_HOME"
+exec "$root/.venv/bin/python" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+    "$root/.venv/bin/dagster" dev -w "$root/workspace.yaml" -h 127.0.0.1 -p "${PORT:-3000}"
