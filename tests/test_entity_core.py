@@ -214,6 +214,9 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     assert meta["partial_responses"]["entity-updates status 3"] == 2
     assert meta["partial_responses"]["rows"] == 4 and meta["partial_responses"]["pending_parts"] == 0
     assert meta["entity_updates"]["rows"] == 1 and meta["entity_patches"]["duplicates"] == 0
+    header, _, preview = meta["entity_updates"]["preview"].splitlines()  # a markdown table of the update
+    assert header == "| entity | collection | zone | part | action | ops | after |"
+    assert preview.startswith(f"| {SALLY} | Contacts | default | 1 | created | [") and '"firstName"' in preview
     checks = pipeline.checks(result)
     for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
         assert checks[name].passed is True, (name, checks)

@@ -200,9 +200,10 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
 
 
 def _preview(engine, key: str, n: int = 5) -> str:
-    cols = ["entity", "collection", "zone", "part", "action", "after"]
+    """The ops too: `after` is there only where the request asked for it (CDC sources by default do not)."""
+    cols = ["entity", "collection", "zone", "part", "action", "ops", "after"]
     files = sorted(engine.slice_files("entity_updates", [key]), key=lambda f: f.rows)
     rows = next(read_batches(files[0], engine.storage_options, batch_size=n, columns=cols)).to_pylist() if files else []
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c])[:60] for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join("–" if r[c] is None else str(r[c])[:60] for c in cols) + " |" for r in rows]
     return "\n".join(lines)
