@@ -33,6 +33,11 @@ cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
 # maps SIGTERM to the SIGINT handler, so it would ignore both: reset SIGINT before the exec.
 # It runs in $DAGSTER_HOME: from the project folder, `dagster dev` would warn that the
 # dagster.yaml there is not used, although its copy in $DAGSTER_HOME is.
+# `dagster dev` warns that `dg dev` supersedes it; dg loads projects declared in dg.toml and
+# pyproject's [tool.dg] (and needs dagster-dg-cli and its dependencies), while this location is
+# the workspace.yaml that `dagster dev`, `dagster-webserver` and `dagster-daemon` all load:
+# that one warning is filtered, nothing else.
+export PYTHONWARNINGS="ignore:Function \`dev_command\` is superseded${PYTHONWARNINGS:+,$PYTHONWARNINGS}"
 root=$PWD
 cd "$DAGSTER_HOME"
 exec "$root/.venv/bin/python" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
