@@ -37,13 +37,20 @@ def _ingestion(text: str) -> dict[str, IngestionSource]:
     return {system: IngestionSource(format=fmt) for system, fmt in _settings(text).items()}
 
 
+def _publish(text: str) -> dict:
+    """`true`, `false`, or the derived streams to publish, `stream,stream` (their seed names)."""
+    if text.strip().lower() in ("true", "false"):
+        return {"publish": text.strip().lower() == "true"}
+    return {"publish": True, "published_streams": [s.strip() for s in text.split(",") if s.strip()]}
+
+
 def build_resources() -> dict:
     """Embedded defaults (local broker, local lake, local Spark); every setting overridable by env."""
     kafka = {
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
-        "publish": _env("ENTITY_ASSETS_PUBLISH", "true").lower() == "true",
         "new_topic_config": _settings(_env("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "")),
+        **_publish(_env("ENTITY_ASSETS_PUBLISH", "true")),
     }
     if "ENTITY_ASSETS_INGESTION" in os.environ:
         kafka["ingestion"] = _ingestion(os.environ["ENTITY_ASSETS_INGESTION"])

@@ -122,7 +122,9 @@ class Outputs:
         ok = pc.equal(status, core.STATUS_OK)
         all_ok = pc.all(ok).as_py()
         complete = _where(data, single, not multipart)
-        if self.publisher is None:  # only the complete responses need the texts
+        publisher = self.publisher
+        if publisher is None or not (publisher.publishes("partial_responses") or publisher.publishes(self.updates)):
+            # only the complete responses need the texts
             texts, responses = None, encode.result_texts(complete)
         else:
             texts = encode.result_texts(data)

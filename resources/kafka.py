@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Literal
 
 from dagster import Config, ConfigurableResource
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from entity_assets import adapters
 from entity_assets.broker import DEFAULT_PORT
 from entity_assets.ingest import INPUT_STREAMS, IngestionStream, InputStream, ingestion_stream
+from entity_assets.publish import STREAMS
+
+DERIVED_STREAMS = tuple(stream.name for stream in STREAMS.values())
+"""The streams the assets publish, by their seed names (`KafkaResource.published_streams`)."""
 
 DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
 """The embedded broker (entity_assets.broker) of the demo and the scripts."""
@@ -52,6 +56,9 @@ class KafkaResource(ConfigurableResource):
     ssl_ca_location: str | None = None
     client_config: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings, passed through")
     publish: bool = Field(default=True, description="publish derived streams back to their topics")
+    published_streams: list[str] | None = Field(
+        default=None, description="with publish: only these derived streams (the seed's names, e.g. "
+                                  "['partial-responses', 'complete-responses']); None: every one")
     new_topic_partitions: int = Field(default=4, description="partitions of output topics this project creates")
     new_topic_config: dict[str, str] = Field(
         default_factory=dict, description="topic configs of output topics this project creates, e.g. retention.ms")
@@ -73,6 +80,19 @@ class KafkaResource(ConfigurableResource):
         conf.update({k: v for k, v in optional.items() if v is not None})
         conf.update(self.client_config)
         return conf
+
+    @field_validator("published_streams")
+    @classmethod
+    def _known_streams(cls, streams: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(streams or ()) - set(DERIVED_STREAMS))
+        if unknown:
+            raise ValueError(f"published_streams: no derived stream is named {', '.join(unknown)} "
+                             f"(they are {', '.join(DERIVED_STREAMS)})")
+        return streams
+
+    def publishes(self, stream: str) -> bool:
+        """Whether the derived stream `stream` (its seed name) is written to its topic."""
+        return self.publish and (self.published_streams is None or stream in self.published_streams)
 
     def topic(self, stream: str) -> str:
         return f"{self.topic_prefix}{stream}"

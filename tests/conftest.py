@@ -151,13 +151,16 @@ class Pipeline:
                  max_messages: int = 5_000_000, max_messages_per_task: int = 1000, min_interval_seconds: float = 0,
                  state_file_rows: int | None = None, driver_rows: int = 0, instance=None, prefix: str | None = None,
                  lake_root: str | None = None, storage_options: dict[str, str] | None = None,
-                 ingestion: dict | None = None, offsets_went_back: str = "report", schema_wait_slices: int = 4):
+                 ingestion: dict | None = None, offsets_went_back: str = "report", schema_wait_slices: int = 4,
+                 published_streams: list[str] | None = None):
         """`prefix`: another pipeline's, to read the same input topics (and publish to the same output
         topics); `lake_root` and `storage_options`: a lake elsewhere than under `root` (an object store);
-        `ingestion`: the Kafka resource's CDC sources, instead of its default."""
+        `ingestion`: the Kafka resource's CDC sources, instead of its default; `published_streams`: its
+        streams to publish, instead of every one."""
         base = _definitions()
         self.prefix = prefix or f"t{next(self._ids)}."
         self.kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix=self.prefix,
+                                   published_streams=published_streams,
                                    **({"ingestion": ingestion} if ingestion is not None else {}))
         self.lake = LakeResource(root=lake_root or str(root / "lake"), storage_options=storage_options or {},
                                  **({"state_file_rows": state_file_rows} if state_file_rows else {}))

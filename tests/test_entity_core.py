@@ -242,6 +242,23 @@ def test_messages_go_out_only_once_their_rows_are_committed(pipeline, monkeypatc
     assert one(messages(pipeline, "entity-updates"))["value"]["entity"] == SALLY
 
 
+def test_only_the_streams_named_are_published_and_every_table_is_written(make_pipeline):
+    """`KafkaResource.published_streams`: what client drivers follow goes out; the rest stays in the lake."""
+    pipeline = make_pipeline(published_streams=["partial-responses", "complete-responses"])
+    pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
+    [request] = pipeline.tick()
+    meta = pipeline.materializations(pipeline.run_request(request))
+
+    assert one(rows(pipeline, "entity_patches"))["entity"] == SALLY
+    assert one(rows(pipeline, "entity_updates"))["entity"] == SALLY
+    assert one(messages(pipeline, "partial-responses"))["value"]["entity"] == SALLY
+    assert one(messages(pipeline, "complete-responses"))["value"]["request"] == 2
+    assert not messages(pipeline, "entity-patches") and not messages(pipeline, "entity-updates")
+    assert [meta[t]["published"] for t in ("entity_patches", "entity_updates", "partial_responses",
+                                           "complete_responses")] == [0, 0, 1, 1]
+    assert not os.listdir(pipeline.engine.uri(common.OUTBOX_FOLDER))
+
+
 # --------------------------------------------------------------------------- 2: the seed's two-part complete response
 
 def test_two_part_batch_yields_the_seed_complete_response(pipeline):

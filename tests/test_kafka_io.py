@@ -161,3 +161,20 @@ def test_output_topics_are_created_with_the_configured_topic_settings(broker, mo
     admin = AdminClient(kafka.config())  # held: a collected client cancels its futures
     described = admin.describe_configs([resource])[resource].result(30)
     assert {k: described[k].value for k in kafka.new_topic_config} == kafka.new_topic_config
+
+
+def test_the_environment_names_the_streams_to_publish(monkeypatch):
+    """`ENTITY_ASSETS_PUBLISH`: true, false, or the derived streams by their seed names; a wrong name stops the start."""
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("ENTITY_ASSETS_PUBLISH", "partial-responses, complete-responses")
+    kafka = build_resources()["kafka"]
+    assert kafka.published_streams == ["partial-responses", "complete-responses"]
+    assert kafka.publishes("complete-responses") and not kafka.publishes("entity-updates")
+    monkeypatch.setenv("ENTITY_ASSETS_PUBLISH", "False")
+    assert not build_resources()["kafka"].publishes("complete-responses")
+    monkeypatch.setenv("ENTITY_ASSETS_PUBLISH", "true")
+    assert build_resources()["kafka"].publishes("device-notifications")
+    monkeypatch.setenv("ENTITY_ASSETS_PUBLISH", "complete-response")
+    with pytest.raises(ValueError, match="no derived stream is named complete-response .they are entity-patches"):
+        build_resources()

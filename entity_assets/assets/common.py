@@ -392,8 +392,8 @@ def merge_files(*groups: dict[str, list[DataFile]]) -> dict[str, list[DataFile]]
 # --------------------------------------------------------------------------- publishing
 
 def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
-    """Where the tasks of a step publish `tables` (None when publishing is off); creates missing
-    topics and the step's outbox folder.
+    """Where the tasks of a step publish those of `tables` that `kafka` publishes (None: none of
+    them); creates missing topics and the step's outbox folder.
 
     Topics are created and their partitions looked up once per step, not once per table; the
     tasks then spool their messages as they write (see `publish_outbox`).
@@ -402,9 +402,9 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     from entity_assets.publish import STREAMS, Publishing
     from entity_assets.storage import filesystem, is_remote
 
-    if not kafka.publish:
+    topics = {table: kafka.topic(STREAMS[table].name) for table in tables if kafka.publishes(STREAMS[table].name)}
+    if not topics:
         return None
-    topics = {table: kafka.topic(STREAMS[table].name) for table in tables}
     config = kafka.config()
     ensure_topics(config, topics.values(), kafka.new_topic_partitions, topic_config=kafka.new_topic_config)
     partitions = partition_counts(config, topics.values())
