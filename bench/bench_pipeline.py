@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", type=int, default=None, help="default 10,000 with --graph, else 0")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-publish", action="store_true", help="do not publish derived streams to Kafka")
+    parser.add_argument("--publish", metavar="STREAMS", default=None,
+                        help="publish only these derived streams, comma-separated seed names (ENTITY_ASSETS_PUBLISH)")
     parser.add_argument("--profile", metavar="PY_SPY", default=None,
                         help="path of a py-spy binary: profile the driver and the Spark Python workers during "
                              "the big slice (slows them: do not compare its rates)")
@@ -112,8 +114,10 @@ def main(argv=None) -> int:
 
     import os
 
-    if args.no_publish:
-        os.environ["ENTITY_ASSETS_PUBLISH"] = "false"
+    if args.no_publish or args.publish:
+        os.environ["ENTITY_ASSETS_PUBLISH"] = "false" if args.no_publish else args.publish
+    published = "none" if args.no_publish else "+".join(s.strip() for s in args.publish.split(",")) if args.publish \
+        else "all"
     with BenchEnv() as env:
         with Timer() as t:
             produce(env, args.n, args.entities, args.devices, learning, args.seed)
@@ -161,7 +165,8 @@ def main(argv=None) -> int:
     target = 0.5 if args.graph else 1.0
     print()
     print(f"patches            {args.n:,} over {args.entities:,} entities, 3 ops each"
-          + (f"; {args.devices:,} devices subscribed, learning on" if args.graph else ""))
+          + (f"; {args.devices:,} devices subscribed, learning on" if args.graph else "")
+          + f"; published streams: {published}")
     print(f"pipeline           {per_s:,.0f} patches/s ({run.s:.1f}s for {len(summaries)} slice run(s), Spark start "
           f"{start.s:.1f}s excluded)")
     print(f"reference fold     {reference['per_s']:,.0f} patches/s (one process, no storage; {before['per_s']:,.0f} "
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
     print(kv_line(n=args.n, per_s=round(per_s), reference_per_s=round(reference["per_s"]), ratio=round(ratio, 3),
                   reference_before_per_s=round(before["per_s"]), reference_after_per_s=round(after["per_s"]),
                   cpu_us_per_patch=round(cpu_us), reference_cpu_us_per_patch=round(reference["cpu_us"]),
-                  graph=int(args.graph), devices=args.devices, spark_start_s=round(start.s, 1),
+                  graph=int(args.graph), devices=args.devices, published=published, spark_start_s=round(start.s, 1),
                   fixed_100_s=round(fixed, 1), peak_driver_mb=round(driver_peak_mb()), peak_driver_big_mb=round(peak_big),
                   **{f"{k}_s": round(v, 1) for k, v in step_s.items()},
                   **{f"cpu_{k}_s": round(v, 1) for k, v in cpu.items()},
