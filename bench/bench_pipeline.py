@@ -96,9 +96,10 @@ def main(argv=None) -> int:
     parser.add_argument("--graph", action="store_true", help="the whole graph: subscriptions, learning, devices")
     parser.add_argument("--devices", type=int, default=None, help="default 10,000 with --graph, else 0")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--no-publish", action="store_true", help="do not publish derived streams to Kafka")
-    parser.add_argument("--publish", metavar="STREAMS", default=None,
-                        help="publish only these derived streams, comma-separated seed names (ENTITY_ASSETS_PUBLISH)")
+    publishing = parser.add_mutually_exclusive_group()
+    publishing.add_argument("--no-publish", action="store_true", help="do not publish derived streams to Kafka")
+    publishing.add_argument("--publish", metavar="STREAMS", default=None,
+                            help="publish only these derived streams, comma-separated seed names (ENTITY_ASSETS_PUBLISH)")
     parser.add_argument("--profile", metavar="PY_SPY", default=None,
                         help="path of a py-spy binary: profile the driver and the Spark Python workers during "
                              "the big slice (slows them: do not compare its rates)")

@@ -39,8 +39,9 @@ def _ingestion(text: str) -> dict[str, IngestionSource]:
 
 def _publish(text: str) -> dict:
     """`true`, `false`, or the derived streams to publish, `stream,stream` (their seed names)."""
-    if text.strip().lower() in ("true", "false"):
-        return {"publish": text.strip().lower() == "true"}
+    switch = text.strip().lower()
+    if switch in ("true", "false"):
+        return {"publish": switch == "true"}
     return {"publish": True, "published_streams": [s.strip() for s in text.split(",") if s.strip()]}
 
 
