@@ -117,8 +117,6 @@ def main(argv=None) -> int:
 
     if args.no_publish or args.publish:
         os.environ["ENTITY_ASSETS_PUBLISH"] = "false" if args.no_publish else args.publish
-    published = "none" if args.no_publish else "+".join(s.strip() for s in args.publish.split(",")) if args.publish \
-        else "all"
     with BenchEnv() as env:
         with Timer() as t:
             produce(env, args.n, args.entities, args.devices, learning, args.seed)
@@ -128,7 +126,10 @@ def main(argv=None) -> int:
         from entity_assets.cli import run_pending
         from entity_assets.definitions import build_resources
 
-        spark = build_resources()["spark"]
+        resources = build_resources()
+        kafka, spark = resources["kafka"], resources["spark"]
+        published = ("none" if not kafka.publish else "all" if kafka.published_streams is None
+                     else "+".join(kafka.published_streams) or "none")
         with Timer() as start:
             session = spark.session()
         log(f"Spark started in {start.s:.1f}s (excluded)")
