@@ -37,24 +37,34 @@ def traffic(n: int, entities: int, devices: int, learning: bool, seed: int):
     return GraphTraffic(batches, devices=devices) if devices else batches
 
 
-def reference_fold(n: int, entities: int, devices: int, learning: bool, seed: int) -> dict:
-    """The single-process baseline: parse each batch, apply each patch, serialize each update."""
+def reference_values(n: int, entities: int, devices: int, learning: bool, seed: int) -> list[str]:
+    """The entity-batches messages the reference fold reads."""
+    return [v for stream, _, v in traffic(n, entities, devices, learning, seed).records() if stream == "entity-batches"]
+
+
+def fold_values(values: list[str], *, loads=json.loads, dumps=json.dumps, on_update=None) -> dict:
+    """The single-process baseline: parse each batch, apply each patch, serialize each update.
+
+    `loads`/`dumps`: the stdlib's JSON for the reference; bench_floor.py validates with the
+    seed's model and serializes with pydantic-core, and has `on_update(batch, patch, doc)` learn
+    from each update."""
     from entity_assets.patch import apply_patch
 
-    values = [v for stream, _, v in traffic(n, entities, devices, learning, seed).records() if stream == "entity-batches"]
     state: dict[tuple, dict] = {}
     patches = 0
     started, cpu = time.perf_counter(), time.process_time()
     for value in values:
-        batch = json.loads(value)
+        batch = loads(value)
         for patch in batch["patches"]:
             key = (batch["dbid"], patch["collection"], patch["zone"], patch["entity"])
             outcome = apply_patch(state.get(key), patch["ops"])
             if outcome.status == 1:
                 state[key] = outcome.doc
-            json.dumps({"clientid": batch["clientid"], "request": batch["request"], "user": batch["user"],
-                        "dbid": batch["dbid"], "begun": batch["begun"], **patch, "status": outcome.status,
-                        "error": outcome.error, "after": outcome.doc})
+                if on_update is not None:
+                    on_update(batch, patch, outcome.doc)
+            dumps({"clientid": batch["clientid"], "request": batch["request"], "user": batch["user"],
+                   "dbid": batch["dbid"], "begun": batch["begun"], **patch, "status": outcome.status,
+                   "error": outcome.error, "after": outcome.doc})
             patches += 1
     seconds = time.perf_counter() - started
     return {"patches": patches, "seconds": seconds, "per_s": patches / seconds, "cpu_s": time.process_time() - cpu}
@@ -89,13 +99,25 @@ def _sum_cpu(parts) -> dict[str, float]:
     return total
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def traffic_parser(description: str) -> argparse.ArgumentParser:
+    """The traffic options this bench and bench_floor.py share (`traffic_args` completes them)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--n", type=int, default=1_000_000, help="patches")
     parser.add_argument("--entities", type=int, default=None, help="default n / 10")
     parser.add_argument("--graph", action="store_true", help="the whole graph: subscriptions, learning, devices")
     parser.add_argument("--devices", type=int, default=None, help="default 10,000 with --graph, else 0")
     parser.add_argument("--seed", type=int, default=7)
+    return parser
+
+
+def traffic_args(args: argparse.Namespace) -> argparse.Namespace:
+    args.entities = args.entities or max(1, args.n // 10)
+    args.devices = (10_000 if args.graph else 0) if args.devices is None else args.devices
+    return args
+
+
+def main(argv=None) -> int:
+    parser = traffic_parser(__doc__.split("\n")[0])
     publishing = parser.add_mutually_exclusive_group()
     publishing.add_argument("--no-publish", action="store_true", help="do not publish derived streams to Kafka")
     publishing.add_argument("--publish", metavar="STREAMS", default=None,
@@ -105,12 +127,10 @@ def main(argv=None) -> int:
                              "the big slice (slows them: do not compare its rates)")
     parser.add_argument("--profile-dir", default=str(Path(__file__).resolve().parent / "out" / "profile"))
     parser.add_argument("--reference-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.entities = args.entities or max(1, args.n // 10)
-    args.devices = (10_000 if args.graph else 0) if args.devices is None else args.devices
+    args = traffic_args(parser.parse_args(argv))
     learning = args.graph
     if args.reference_only:
-        print(json.dumps(reference_fold(args.n, args.entities, args.devices, learning, args.seed)))
+        print(json.dumps(fold_values(reference_values(args.n, args.entities, args.devices, learning, args.seed))))
         return 0
 
     import os

@@ -25,10 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
     (["bench_pipeline.py", "--n", "5000"], {"n", "per_s", "reference_per_s", "ratio", "peak_driver_mb", "fixed_100_s"}),
     (["bench_pipeline.py", "--n", "5000", "--graph", "--devices", "100"],
      {"n", "per_s", "reference_per_s", "ratio", "peak_driver_mb", "fixed_100_s", "graph", "devices"}),
+    (["bench_floor.py", "--n", "5000"], {"n", "reference_per_s", "ceiling", "floor_cpu_s", "publish_broker_cpu_s"}),
+    (["bench_floor.py", "--n", "5000", "--graph", "--devices", "100"], {"n", "ceiling", "graph", "devices", "published"}),
     (["bench_slices.py", "--n", "2000", "--slices", "1"], {"n", "median_s", "rewritten_rows", "peak_driver_mb"}),
     (["bench_tasks.py", "--n", "2000", "--rounds", "1"], {"n", "explode_us", "fold_us", "copy_us"}),
     (["bench_commits.py", "--n", "50", "--commits", "2"], {"n", "log_files", "engine_ms", "default_ms"}),
-], ids=["ingest", "ingest-cdc", "ingest-qlik-schema-topic", "pipeline", "pipeline-graph", "slices", "tasks", "commits"])
+], ids=["ingest", "ingest-cdc", "ingest-qlik-schema-topic", "pipeline", "pipeline-graph", "floor", "floor-graph",
+        "slices", "tasks", "commits"])
 def test_a_bench_runs_to_its_key_value_line(args, keys):
     done = subprocess.run([sys.executable, str(REPO / "bench" / args[0]), *args[1:]], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
