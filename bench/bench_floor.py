@@ -119,14 +119,13 @@ def messages(args, share: int) -> list[tuple[str, str, str, int]]:
     from entity_assets.publish import STREAMS, partition_for, request_key
 
     partitions = args.topic_partitions
-    device_actions = {}  # zone-i: device-i's actions, as samples.GraphTraffic subscribes them
-    for i in range(args.devices):
-        device_actions[f"zone-{i}"] = (f"device-{i:05d}", {"created", "updated", "deleted"} if i % 2 == 0
-                                       else {"created", "deleted"})
+    sample = traffic(args.n, args.entities, args.devices, args.graph, args.seed)
+    watching: dict[str, list[tuple[str, list[str]]]] = {}  # by zone: its subscribed devices and their actions
+    for device, zone, actions in sample.subscriptions() if args.devices else ():
+        watching.setdefault(zone, []).append((device, actions))
     out: list[tuple[str, str, str, int]] = []
     states: dict[tuple, core.DocState] = {}
-    batches = (v for stream, _, v in traffic(args.n, args.entities, args.devices, args.graph, args.seed).records()
-               if stream == "entity-batches")
+    batches = (v for stream, _, v in sample.records() if stream == "entity-batches")
     for index, value in enumerate(batches):
         batch = core.loads(value)
         parts, results = len(batch["patches"]), []
@@ -156,10 +155,11 @@ def messages(args, share: int) -> list[tuple[str, str, str, int]]:
                             partition_for(row["collection"], partitions)))
             out.append((STREAMS["zone_changes"].name, row["entity"], core.result_json(result),
                         partition_for(row["zone"], partitions)))
-            device, actions = device_actions.get(row["zone"], (None, ()))
-            if result["action"] in actions:
-                change = {**result, "notification": f"{row['entity']}:{state.version}"}
-                out.append((STREAMS["changes_by_device"].name, device, STREAMS["changes_by_device"].encode(change), -1))
+            for device, actions in watching.get(row["zone"], ()):
+                if result["action"] in actions:
+                    change = {**result, "notification": f"{row['entity']}:{state.version}:{device}"}
+                    out.append((STREAMS["changes_by_device"].name, device, STREAMS["changes_by_device"].encode(change),
+                                -1))
         if index % PRODUCERS == share:
             complete = core.complete_row(results, "0000000001")
             out.append((STREAMS["complete_responses"].name, request_key(complete), core.complete_json(complete),

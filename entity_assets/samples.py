@@ -148,6 +148,13 @@ class GraphTraffic:
     users: int = 5
     app_versions: tuple[str, ...] = ("1.0", "1.1", "2.0")
 
+    def subscriptions(self) -> Iterator[tuple[str, str, list[str]]]:
+        """(device, subject zone, actions) of each device's subscription."""
+        zones = self.batches.zones
+        for i in range(self.devices):
+            yield (f"device-{i:05d}", zones[i % len(zones)],
+                   ["created", "updated", "deleted"] if i % 2 == 0 else ["created", "deleted"])
+
     def records(self) -> Iterator[Record]:
         b = self.batches
         client = str(uuid.UUID(int=b.seed, version=4))
@@ -158,16 +165,14 @@ class GraphTraffic:
                      "ops": [{"op": "add", "path": f"{collection}/fields", "value": fields}]}
             yield ("schema-patches", b.dbid, encode(patch))
         subscriptions = []
-        for i in range(self.devices):
-            device, user = f"device-{i:05d}", f"user{i % self.users}"
+        for i, (device, zone, actions) in enumerate(self.subscriptions()):
+            user = f"user{i % self.users}"
             yield ("connections", user, encode({"dbid": b.dbid, "clientid": client, "user": user, "device": device,
                                                  "appVersion": self.app_versions[i % len(self.app_versions)],
                                                  "begun": b.begun + i}))
-            actions = ["created", "updated", "deleted"] if i % 2 == 0 else ["created", "deleted"]
             subscriptions.append({"collection": SUBSCRIPTIONS, "zone": "default", "entity": f"sub-{device}",
                                   "ops": [{"op": "add", "path": "", "value": {
-                                      "subjectZone": b.zones[i % len(b.zones)], "device": device, "user": user,
-                                      "actions": actions}}]})
+                                      "subjectZone": zone, "device": device, "user": user, "actions": actions}}]})
         # batches of 1,000 subscriptions stay under the seed's 1000 KB message limit
         for n, start in enumerate(range(0, len(subscriptions), 1000), start=2):
             batch = {"dbid": b.dbid, "clientid": client, "request": n, "user": "admin", "begun": b.begun,
