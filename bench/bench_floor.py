@@ -112,9 +112,10 @@ def read_role(args) -> Iterator[dict]:
     yield {"cpu_s": time.process_time() - cpu, "count": count}
 
 
-def messages(args, share: int) -> list[tuple[str, str, str, int]]:
+def messages(args, share: int) -> tuple[list[tuple[str, str, str, int]], list[tuple]]:
     """(topic, key, value, partition; -1: by key) of the streams this bench publishes, for every
-    batch whose index modulo PRODUCERS is `share`, made with the pipeline's encoders."""
+    batch whose index modulo PRODUCERS is `share`, made with the pipeline's encoders; and the
+    (key, value) of this share of every input record, for the store part."""
     from entity_assets import core
     from entity_assets.publish import STREAMS, partition_for, request_key
 
@@ -124,9 +125,15 @@ def messages(args, share: int) -> list[tuple[str, str, str, int]]:
     for device, zone, actions in sample.subscriptions() if args.devices else ():
         watching.setdefault(zone, []).append((device, actions))
     out: list[tuple[str, str, str, int]] = []
+    inputs: list[tuple] = []
     states: dict[tuple, core.DocState] = {}
-    batches = (v for stream, _, v in sample.records() if stream == "entity-batches")
-    for index, value in enumerate(batches):
+    index = -1  # of the entity batch
+    for record, (stream, key, value) in enumerate(sample.records()):
+        if record % PRODUCERS == share:
+            inputs.append((key, value))
+        if stream != "entity-batches":
+            continue
+        index += 1
         batch = core.loads(value)
         parts, results = len(batch["patches"]), []
         for part, patch in enumerate(batch["patches"], start=1):
@@ -164,7 +171,7 @@ def messages(args, share: int) -> list[tuple[str, str, str, int]]:
             complete = core.complete_row(results, "0000000001")
             out.append((STREAMS["complete_responses"].name, request_key(complete), core.complete_json(complete),
                         partition_for(complete["clientid"], partitions)))
-    return out
+    return out, inputs
 
 
 def publish_role(args) -> Iterator[dict]:
@@ -176,7 +183,7 @@ def publish_role(args) -> Iterator[dict]:
     from entity_assets.storage import ROW_GROUP_ROWS
 
     share = int(args.payload)
-    todo = messages(args, share)
+    todo, inputs = messages(args, share)
     producer = BatchProducer({"bootstrap.servers": args.bootstrap, **dict(kv.split("=", 1) for kv in args.producer)})
     _wait_for_go()
     cpu = time.process_time()
@@ -190,8 +197,7 @@ def publish_role(args) -> Iterator[dict]:
         keys, values = columns.setdefault(topic, ([], []))
         keys.append(key)
         values.append(value)
-    inputs = [(k, v) for _, k, v in traffic(args.n, args.entities, args.devices, args.graph, args.seed).records()]
-    columns["input"] = tuple(map(list, zip(*inputs[share::PRODUCERS])))
+    columns["input"] = tuple(map(list, zip(*inputs)))
     del todo, inputs
     tables = {topic: pa.table({"key": pa.array(keys, pa.string()), "value": pa.array(values, pa.string())})
               for topic, (keys, values) in columns.items()}
