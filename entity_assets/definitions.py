@@ -37,6 +37,13 @@ def _ingestion(text: str) -> dict[str, IngestionSource]:
     return {system: IngestionSource(format=fmt) for system, fmt in _settings(text).items()}
 
 
+def _stream_topic_config(text: str) -> dict[str, dict[str, str]]:
+    """A JSON object of each derived stream's topic configs, `{"device-notifications":
+    {"cleanup.policy": "compact"}}`; a value may be a JSON number (`"retention.ms": 86400000`)."""
+    return {stream: {key: str(value) for key, value in settings.items()}
+            for stream, settings in json.loads(text.strip() or "{}").items()}
+
+
 def _publish(text: str) -> dict:
     """`true`, `false`, or the derived streams to publish, `stream,stream` (their seed names)."""
     switch = text.strip().lower()
@@ -51,6 +58,7 @@ def build_resources() -> dict:
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
         "new_topic_config": _settings(_env("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "")),
+        "stream_topic_config": _stream_topic_config(_env("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", "")),
         **_publish(_env("ENTITY_ASSETS_PUBLISH", "true")),
     }
     if "ENTITY_ASSETS_INGESTION" in os.environ:

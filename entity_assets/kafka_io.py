@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -330,16 +330,17 @@ def partition_counts(config: dict, topics: Iterable[str], timeout: float = 30.0)
 
 
 def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout: float = 30.0,
-                  topic_config: dict[str, str] | None = None) -> list[str]:
-    """Creates the missing topics (with `topic_config`, e.g. retention); returns the names it created."""
+                  topic_configs: Mapping[str, dict[str, str]] | None = None) -> list[str]:
+    """Creates the missing topics (each with its `topic_configs` entry, e.g. retention); returns
+    the names it created."""
     admin = AdminClient(config)
     existing = set(admin.list_topics(timeout=timeout).topics)
     wanted = [t for t in dict.fromkeys(topics) if t not in existing]
     if not wanted:
         return []
-    settings = dict(topic_config or {})
-    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1, config=settings)
-                                   for t in wanted])
+    configs = topic_configs or {}
+    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1,
+                                            config=dict(configs.get(t, {}))) for t in wanted])
     for topic, future in futures.items():
         try:
             future.result(timeout)

@@ -62,6 +62,10 @@ class KafkaResource(ConfigurableResource):
     new_topic_partitions: int = Field(default=4, description="partitions of output topics this project creates")
     new_topic_config: dict[str, str] = Field(
         default_factory=dict, description="topic configs of output topics this project creates, e.g. retention.ms")
+    stream_topic_config: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="derived stream (its seed name) -> topic configs of its topic when this "
+                                          "project creates it, over new_topic_config, e.g. "
+                                          "{'device-notifications': {'cleanup.policy': 'compact'}}")
     ingestion: dict[str, IngestionSource] = Field(
         default_factory=lambda: {adapters.ANY_SYSTEM: IngestionSource()},
         description="source system ('*': any other) -> how its CDC ingestion topics become entity batches; "
@@ -81,12 +85,12 @@ class KafkaResource(ConfigurableResource):
         conf.update(self.client_config)
         return conf
 
-    @field_validator("published_streams")
+    @field_validator("published_streams", "stream_topic_config")
     @classmethod
-    def _known_streams(cls, streams: list[str] | None) -> list[str] | None:
+    def _known_streams(cls, streams, info):
         unknown = sorted(set(streams or ()) - set(DERIVED_STREAMS))
         if unknown:
-            raise ValueError(f"published_streams: no derived stream is named {', '.join(unknown)} "
+            raise ValueError(f"{info.field_name}: no derived stream is named {', '.join(unknown)} "
                              f"(they are {', '.join(DERIVED_STREAMS)})")
         return streams
 
@@ -96,6 +100,10 @@ class KafkaResource(ConfigurableResource):
 
     def topic(self, stream: str) -> str:
         return f"{self.topic_prefix}{stream}"
+
+    def new_topic_settings(self, stream: str) -> dict[str, str]:
+        """Topic configs of the derived stream `stream`'s topic, for when this project creates it."""
+        return {**self.new_topic_config, **self.stream_topic_config.get(stream, {})}
 
     def end_offsets(self, topics: list[str], timeout: float = 10.0) -> dict[tuple[str, int], int]:
         """High watermarks of every partition of `topics` that exists."""

@@ -141,7 +141,8 @@ def test_offsets_a_partition_no_longer_holds_are_never_skipped_silently(broker, 
 
 
 def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch, tmp_path):
-    """From the environment to the topic a step creates on first publish."""
+    """From the environment to the topics a step creates on first publish: the settings of every
+    output topic, and over them those of one stream (a compacted device-notifications, say)."""
     from confluent_kafka.admin import AdminClient, ConfigResource
 
     from entity_assets.assets.common import publishing
@@ -151,16 +152,34 @@ def test_output_topics_are_created_with_the_configured_topic_settings(broker, mo
     monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
     monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", "kafka-io-configured.")
     monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "retention.ms=86400000, cleanup.policy=delete")
+    monkeypatch.setenv("ENTITY_ASSETS_STREAM_TOPIC_CONFIG",
+                       '{"device-notifications": {"cleanup.policy": "compact", "min.compaction.lag.ms": 3600000}}')
     kafka = build_resources()["kafka"]
     assert kafka.new_topic_config == {"retention.ms": "86400000", "cleanup.policy": "delete"}
     engine = DeltaRsEngine(str(tmp_path / "lake"))
-    publish_to = publishing(kafka, engine, ["entity_updates"])
-    assert publish_to.topics == {"entity_updates": ("kafka-io-configured.entity-updates", 4)}
+    publish_to = publishing(kafka, engine, ["entity_updates", "device_notifications"])
+    assert publish_to.topics == {"entity_updates": ("kafka-io-configured.entity-updates", 4),
+                                 "device_notifications": ("kafka-io-configured.device-notifications", 4)}
     assert (tmp_path / "lake" / "_outbox").is_dir()
-    resource = ConfigResource("topic", "kafka-io-configured.entity-updates")
     admin = AdminClient(kafka.config())  # held: a collected client cancels its futures
-    described = admin.describe_configs([resource])[resource].result(30)
-    assert {k: described[k].value for k in kafka.new_topic_config} == kafka.new_topic_config
+    expected = {
+        "kafka-io-configured.entity-updates": {"retention.ms": "86400000", "cleanup.policy": "delete"},
+        "kafka-io-configured.device-notifications": {"retention.ms": "86400000", "cleanup.policy": "compact",
+                                                     "min.compaction.lag.ms": "3600000"},
+    }
+    for topic, settings in expected.items():
+        resource = ConfigResource("topic", topic)
+        described = admin.describe_configs([resource])[resource].result(30)
+        assert {k: described[k].value for k in settings} == settings, topic
+
+
+def test_topic_settings_name_derived_streams_by_their_seed_names(monkeypatch):
+    """A stream the project does not publish, or a table's name, stops the start with the names it knows."""
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", '{"device_notifications": {"cleanup.policy": "compact"}}')
+    with pytest.raises(ValueError, match="stream_topic_config: no derived stream is named device_notifications"):
+        build_resources()
 
 
 def test_the_environment_names_the_streams_to_publish(monkeypatch):

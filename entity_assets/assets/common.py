@@ -406,7 +406,8 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     if not topics:
         return None
     config = kafka.config()
-    ensure_topics(config, topics.values(), kafka.new_topic_partitions, topic_config=kafka.new_topic_config)
+    ensure_topics(config, topics.values(), kafka.new_topic_partitions,
+                  topic_configs={topic: kafka.new_topic_settings(STREAMS[table].name) for table, topic in topics.items()})
     partitions = partition_counts(config, topics.values())
     outbox = engine.uri(OUTBOX_FOLDER)
     if not is_remote(outbox):  # an object store has no folders to make: it would be three requests for nothing
