@@ -126,6 +126,9 @@ def main(argv=None) -> int:
                         help="path of a py-spy binary: profile the driver and the Spark Python workers during "
                              "the big slice (slows them: do not compare its rates)")
     parser.add_argument("--profile-dir", default=str(Path(__file__).resolve().parent / "out" / "profile"))
+    parser.add_argument("--cluster", metavar="BOOTSTRAP", default=None,
+                        help="a Kafka cluster's bootstrap servers instead of the embedded broker: the run's topics "
+                             "get a prefix of their own and are deleted at the end; the broker's CPU is not measured")
     parser.add_argument("--reference-only", action="store_true", help=argparse.SUPPRESS)
     args = traffic_args(parser.parse_args(argv))
     learning = args.graph
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
 
     if args.no_publish or args.publish:
         os.environ["ENTITY_ASSETS_PUBLISH"] = "false" if args.no_publish else args.publish
-    with BenchEnv() as env:
+    with BenchEnv(cluster=args.cluster) as env:
         with Timer() as t:
             produce(env, args.n, args.entities, args.devices, learning, args.seed)
         log(f"produced {args.n:,} patches ({args.devices:,} devices, learning {learning}) in {t.s:.1f}s")
@@ -211,7 +214,8 @@ def main(argv=None) -> int:
     print(kv_line(n=args.n, per_s=round(per_s), reference_per_s=round(reference["per_s"]), ratio=round(ratio, 3),
                   reference_before_per_s=round(before["per_s"]), reference_after_per_s=round(after["per_s"]),
                   cpu_us_per_patch=round(cpu_us), reference_cpu_us_per_patch=round(reference["cpu_us"]),
-                  graph=int(args.graph), devices=args.devices, published=published, spark_start_s=round(start.s, 1),
+                  graph=int(args.graph), devices=args.devices, published=published,
+                  broker="cluster" if args.cluster else "embedded", spark_start_s=round(start.s, 1),
                   fixed_100_s=round(fixed, 1), peak_driver_mb=round(driver_peak_mb()), peak_driver_big_mb=round(peak_big),
                   **{f"{k}_s": round(v, 1) for k, v in step_s.items()},
                   **{f"cpu_{k}_s": round(v, 1) for k, v in cpu.items()},

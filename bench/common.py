@@ -313,18 +313,25 @@ class BenchEnv:
     port: int = 0  # 0: a free port
     partitions: int = INPUT_PARTITIONS
     keep: bool = False
+    cluster: str | None = None
+    """Bootstrap servers of a Kafka cluster to use instead of starting the embedded broker: the
+    run's topics get a prefix of their own and are deleted at the end; the broker's CPU is not
+    this machine's to measure."""
     home: Path = field(init=False)
     broker_pid: int | None = field(init=False, default=None)
+    topic_prefix: str = field(init=False, default="")
 
     def __enter__(self) -> "BenchEnv":
         from entity_assets.broker import LocalBroker
 
         self.port = self.port or free_port()
         self.home = Path(tempfile.mkdtemp(prefix="entity-assets-bench-"))
+        if self.cluster:
+            self.topic_prefix = f"{self.home.name}."
         os.environ["ENTITY_ASSETS_HOME"] = str(self.home)
-        os.environ["ENTITY_ASSETS_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{self.port}"
+        os.environ["ENTITY_ASSETS_KAFKA_BOOTSTRAP"] = self.bootstrap
+        os.environ["ENTITY_ASSETS_TOPIC_PREFIX"] = self.topic_prefix
         os.environ.pop("ENTITY_ASSETS_LAKE", None)
-        os.environ.pop("ENTITY_ASSETS_TOPIC_PREFIX", None)
         dagster_home = self.home / "dagster"
         dagster_home.mkdir()
         shutil.copyfile(REPO / "dagster.yaml", dagster_home / "dagster.yaml")
@@ -333,9 +340,12 @@ class BenchEnv:
         # SIGTERM (e.g. a timeout) should still stop the broker through __exit__.
         self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            with Timer() as t:
-                self.broker_pid = self.broker.start()
-            log(f"broker pid {self.broker_pid} on {self.bootstrap} ready in {t.s:.1f}s (home {self.home})")
+            if self.cluster:
+                log(f"cluster {self.cluster}, topics {self.topic_prefix}* (home {self.home})")
+            else:
+                with Timer() as t:
+                    self.broker_pid = self.broker.start()
+                log(f"broker pid {self.broker_pid} on {self.bootstrap} ready in {t.s:.1f}s (home {self.home})")
             self._ensure_topics()
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -344,13 +354,25 @@ class BenchEnv:
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return self.cluster or f"127.0.0.1:{self.port}"
 
     def _ensure_topics(self) -> None:
         from entity_assets.ingest import INPUT_STREAMS
         from entity_assets.kafka_io import ensure_topics
 
-        ensure_topics({"bootstrap.servers": self.bootstrap}, list(INPUT_STREAMS), self.partitions)
+        ensure_topics({"bootstrap.servers": self.bootstrap}, [self.topic_prefix + s for s in INPUT_STREAMS],
+                      self.partitions)
+
+    def _delete_topics(self) -> None:
+        """The run's topics on the cluster (those of its prefix)."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        topics = [t for t in admin.list_topics(timeout=30).topics if t.startswith(self.topic_prefix)]
+        if topics:
+            for future in admin.delete_topics(topics, operation_timeout=30).values():
+                future.result(60)
+        log(f"deleted {len(topics)} topics {self.topic_prefix}* on {self.cluster}")
 
     def produce_batches(self, n: int, *, entities: int | None = None, ops: int = 3, seed: int = 7,
                         cdc: str | None = None, schema_topic: bool = False) -> dict:
@@ -359,6 +381,7 @@ class BenchEnv:
         a child process (generating 1M values costs a few hundred MB that must not count as the
         driver's memory); returns the child's report (`batches`: the entity_batches rows to expect)."""
         cmd = [sys.executable, str(Path(__file__).resolve()), "produce", "--bootstrap", self.bootstrap,
+               "--topic-prefix", self.topic_prefix,
                "--n", str(n), "--ops", str(ops), "--seed", str(seed), "--partitions", str(self.partitions)]
         if entities is not None:
             cmd += ["--entities", str(entities)]
@@ -370,18 +393,10 @@ class BenchEnv:
         return json.loads(out.strip().splitlines()[-1])
 
     def stop_broker(self) -> None:
-        """SIGTERM the broker by its pid and wait for it to exit (it saves its data first).
-
-        Spark stops first: its Python workers keep the producer of their last publish
-        (`kafka_io.BatchProducer`), which would retry connecting to the stopped broker (and
-        log each try) until the workers exit.
-        """
+        """SIGTERM the broker by its pid and wait for it to exit (it saves its data first)."""
         if self.broker_pid is None:
             return
-        from pyspark.sql import SparkSession
-
-        if (session := SparkSession.getActiveSession()) is not None:
-            session.stop()
+        _stop_spark()
         pid, self.broker_pid = self.broker_pid, None
         with Timer() as t:
             if self.broker.pid() == pid:
@@ -398,12 +413,24 @@ class BenchEnv:
     def __exit__(self, *exc) -> None:
         try:
             self.stop_broker()
+            if self.cluster and not self.keep:
+                _stop_spark()
+                self._delete_topics()
         finally:
             signal.signal(signal.SIGTERM, self._old_term)
             if not self.keep:
                 shutil.rmtree(self.home, ignore_errors=True)
             else:
                 log(f"kept {self.home}")
+
+
+def _stop_spark() -> None:
+    """Before the broker or the run's topics go: Spark's Python workers keep the producer of their
+    last publish (`kafka_io.BatchProducer`), which would retry (and log each try) until they exit."""
+    from pyspark.sql import SparkSession
+
+    if (session := SparkSession.getActiveSession()) is not None:
+        session.stop()
 
 
 def _raise_interrupt(signum, frame):
@@ -422,7 +449,7 @@ def _produce_main(args) -> int:
     config = {"bootstrap.servers": args.bootstrap}
     if args.cdc:
         topic = next(s for s, fmt in CDC_STREAMS.items() if fmt == args.cdc)
-        ensure_topics(config, [topic], args.partitions)
+        ensure_topics(config, [args.topic_prefix + topic], args.partitions)
         # each row: its insert, two changes, and every tenth its delete
         traffic = CdcTraffic(rows=max(1, args.n * 10 // 31), changes=2, seed=args.seed, streams=(topic,))
     else:
@@ -444,10 +471,10 @@ def _produce_main(args) -> int:
             yield key, value
 
     with Timer() as t:
-        count = produce(config, topic, records())
+        count = produce(config, args.topic_prefix + topic, records())
         if metadata:
-            ensure_topics(config, [QLIK_SCHEMA_TOPIC], 1)
-            count += produce(config, QLIK_SCHEMA_TOPIC, metadata)
+            ensure_topics(config, [args.topic_prefix + QLIK_SCHEMA_TOPIC], 1)
+            count += produce(config, args.topic_prefix + QLIK_SCHEMA_TOPIC, metadata)
     print(json.dumps({"stream": topic, "messages": count, "batches": count - registrations, "bytes": size,
                       "seconds": round(t.s, 2), "per_s": round(count / t.s), "peak_rss_mb": round(driver_peak_mb())}),
           flush=True)
@@ -459,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("produce", help="produce BatchTraffic to entity-batches")
     p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topic-prefix", default="", help="before every topic name (ENTITY_ASSETS_TOPIC_PREFIX)")
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--entities", type=int, default=None)
     p.add_argument("--ops", type=int, default=3)

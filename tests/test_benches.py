@@ -39,3 +39,20 @@ def test_a_bench_runs_to_its_key_value_line(args, keys):
     figures = dict(pair.split("=", 1) for pair in done.stdout.strip().splitlines()[-1].split())
     assert keys <= figures.keys(), sorted(figures)
     assert int(figures["n"]) - int(args[args.index("--n") + 1]) == ("qlik" in args)  # and its metadata message
+
+
+@pytest.mark.slow
+def test_the_pipeline_bench_runs_on_a_cluster_and_leaves_none_of_its_topics(broker):
+    """`--cluster`: the bench's topics on a broker it did not start (here the session's), under a
+    prefix of their own, deleted at the end; the last line says which broker it measured."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    before = set(admin.list_topics(timeout=30).topics)
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "bench_pipeline.py"), "--n", "2000",
+                           "--cluster", broker.bootstrap], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = dict(pair.split("=", 1) for pair in done.stdout.strip().splitlines()[-1].split())
+    assert figures["broker"] == "cluster" and figures["n"] == "2000"
+    assert "deleted" in done.stdout and "topics entity-assets-bench-" in done.stdout
+    assert set(admin.list_topics(timeout=30).topics) == before
