@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from dagster import Config, ConfigurableResource
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from entity_assets import adapters
 from entity_assets.broker import DEFAULT_PORT
@@ -87,7 +87,7 @@ class KafkaResource(ConfigurableResource):
 
     @field_validator("published_streams", "stream_topic_config")
     @classmethod
-    def _known_streams(cls, streams, info):
+    def _known_streams(cls, streams: list[str] | dict[str, dict[str, str]] | None, info: ValidationInfo):
         unknown = sorted(set(streams or ()) - set(DERIVED_STREAMS))
         if unknown:
             raise ValueError(f"{info.field_name}: no derived stream is named {', '.join(unknown)} "
