@@ -76,6 +76,31 @@ def cmd_broker(args) -> int:
     return 0
 
 
+def cmd_topics(args) -> int:
+    """Creates the topics the project reads and writes that the cluster lacks, with their settings,
+    and lists them: for clusters whose clients may not create topics, or to review the settings."""
+    from entity_assets.kafka_io import ensure_topics, partition_counts
+    from resources.kafka import DERIVED_STREAMS
+
+    kafka = _kafka()
+    config = kafka.config()
+    input_settings = dict(kv.split("=", 1) for kv in args.input_config)
+    inputs = {kafka.topic(s): input_settings for s in INPUT_STREAMS}
+    outputs = {kafka.topic(s): kafka.new_topic_settings(s) for s in DERIVED_STREAMS if kafka.publishes(s)}
+    created = set() if args.dry_run else {
+        *ensure_topics(config, inputs, args.partitions, topic_configs=inputs),
+        *ensure_topics(config, outputs, kafka.new_topic_partitions, topic_configs=outputs)}
+    held = partition_counts(config, [*inputs, *outputs])
+    for role, topics in (("input", inputs), ("output", outputs)):
+        for topic, settings in topics.items():
+            if topic in held and topic not in created:
+                print(f"{topic:<40} {role:<6} exists, {held[topic]} partitions")
+                continue
+            shown = ",".join(f"{k}={v}" for k, v in settings.items()) or "broker defaults"
+            print(f"{topic:<40} {role:<6} {'created' if topic in created else 'would be created'}: {shown}")
+    return 0
+
+
 def cmd_spark(args) -> int:
     from entity_assets.spark_connect import LocalSparkConnect
 
@@ -439,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     broker = sub.add_parser("broker", help="start, stop or inspect the local broker")
     broker.add_argument("action", choices=["start", "stop", "status"])
     broker.add_argument("--partitions", type=int, default=4, help="partitions of the input topics it creates")
+    topics = sub.add_parser("topics", help="create the input and output topics the cluster lacks, and list them")
+    topics.add_argument("--partitions", type=int, default=4, help="partitions of the input topics it creates "
+                        "(output topics: KafkaResource.new_topic_partitions)")
+    topics.add_argument("--input-config", action="append", default=[], metavar="KEY=VALUE",
+                        help="a topic setting of the input topics it creates (repeatable), e.g. retention.ms=-1")
+    topics.add_argument("--dry-run", action="store_true", help="list what would be created; create nothing")
     spark = sub.add_parser("spark", help="start, stop or inspect the local Spark Connect server")
     spark.add_argument("action", choices=["start", "stop", "status"])
     spark.add_argument("--spark-port", type=int, default=int(os.environ.get("ENTITY_ASSETS_SPARK_CONNECT_PORT", SPARK_CONNECT_PORT)))
@@ -486,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cdc-rows", type=int, default=100, help="rows of each sample CDC projection")
     args = parser.parse_args(argv)
     prepare_environment(args.port)
-    handler = {"broker": cmd_broker, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
+    handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
                "trace": cmd_trace, "changes": cmd_changes, "history": cmd_history,
                "demo": cmd_demo}
     return handler[args.command](args)

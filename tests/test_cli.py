@@ -111,3 +111,44 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     monkeypatch.setattr(history, "entity_history", incomplete)
     with pytest.raises(SystemExit, match="entity-assets history: update c/2/1"):
         cli.main(["history", *key])
+
+
+def test_topics_creates_what_the_cluster_lacks_with_each_topics_settings(broker, monkeypatch, tmp_path, capsys):
+    """`entity-assets topics`: a dry run creates nothing; then the input topics get the given
+    partitions and settings, each output topic its stream's settings; a second run finds them all."""
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    from entity_assets.ingest import INPUT_STREAMS
+    from entity_assets.kafka_io import partition_counts
+    from resources.kafka import DERIVED_STREAMS
+
+    prefix = "cli-topics."
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
+    monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", prefix)
+    monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "retention.ms=86400000")
+    monkeypatch.setenv("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", '{"device-notifications": {"cleanup.policy": "compact"}}')
+    config = {"bootstrap.servers": broker.bootstrap}
+    topics = [prefix + s for s in [*INPUT_STREAMS, *DERIVED_STREAMS]]
+
+    assert cli.main(["topics", "--dry-run"]) == 0
+    planned = capsys.readouterr().out
+    assert planned.count("would be created") == len(topics) and partition_counts(config, topics) == {}
+    assert f"{prefix}device-notifications" in planned and "retention.ms=86400000,cleanup.policy=compact" in planned
+
+    assert cli.main(["topics", "--partitions", "3", "--input-config", "retention.ms=-1"]) == 0
+    assert capsys.readouterr().out.count("created: ") == len(topics)
+    counts = partition_counts(config, topics)
+    assert {counts[prefix + s] for s in INPUT_STREAMS} == {3} and {counts[prefix + s] for s in DERIVED_STREAMS} == {4}
+    admin = AdminClient(config)  # held: a collected client cancels its futures
+    for stream, settings in (("entity-batches", {"retention.ms": "-1"}),
+                             ("entity-updates", {"retention.ms": "86400000"}),
+                             ("device-notifications", {"retention.ms": "86400000", "cleanup.policy": "compact"})):
+        resource = ConfigResource("topic", prefix + stream)
+        described = admin.describe_configs([resource])[resource].result(30)
+        assert {k: described[k].value for k in settings} == settings, stream
+
+    assert cli.main(["topics"]) == 0
+    again = capsys.readouterr().out
+    assert again.count("exists, ") == len(topics) and "created" not in again
