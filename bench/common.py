@@ -356,18 +356,27 @@ class BenchEnv:
     def bootstrap(self) -> str:
         return self.cluster or f"127.0.0.1:{self.port}"
 
+    def client_config(self) -> dict[str, str]:
+        """The bench's own admin clients' settings: on a cluster the Kafka resource's, so the
+        security settings the pipeline takes from the environment (KAFKA_SECURITY_PROTOCOL,
+        KAFKA_SASL_*, docs/operations.md) apply to them too."""
+        if not self.cluster:
+            return {"bootstrap.servers": self.bootstrap}
+        from entity_assets.cli import kafka_resource
+
+        return kafka_resource().config()
+
     def _ensure_topics(self) -> None:
         from entity_assets.ingest import INPUT_STREAMS
         from entity_assets.kafka_io import ensure_topics
 
-        ensure_topics({"bootstrap.servers": self.bootstrap}, [self.topic_prefix + s for s in INPUT_STREAMS],
-                      self.partitions)
+        ensure_topics(self.client_config(), [self.topic_prefix + s for s in INPUT_STREAMS], self.partitions)
 
     def _delete_topics(self) -> None:
         """The run's topics on the cluster (those of its prefix)."""
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient(self.client_config())
         topics = [t for t in admin.list_topics(timeout=30).topics if t.startswith(self.topic_prefix)]
         if topics:
             for future in admin.delete_topics(topics, operation_timeout=30).values():

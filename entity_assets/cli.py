@@ -54,10 +54,12 @@ def prepare_environment(port: int = DEFAULT_PORT) -> None:
         os.environ["DAGSTER_HOME"] = str(dagster_home)
 
 
-def _kafka():
+def kafka_resource():
+    """The Kafka resource as a run gets it: its `EnvVar`s (the SASL credentials) resolved, which
+    Dagster does for runs and sensors but not for a resource used outside them."""
     from entity_assets.definitions import build_resources
 
-    return build_resources()["kafka"]
+    return build_resources()["kafka"].process_config_and_initialize()
 
 
 def cmd_broker(args) -> int:
@@ -66,7 +68,7 @@ def cmd_broker(args) -> int:
         pid = broker.start()
         from entity_assets.kafka_io import ensure_topics
 
-        kafka = _kafka()
+        kafka = kafka_resource()
         created = ensure_topics(kafka.config(), [kafka.topic(s) for s in INPUT_STREAMS], args.partitions)
         print(f"broker on {broker.bootstrap} (pid {pid}, data {broker.data_dir}); created topics: {created or 'none'}")
     elif args.action == "stop":
@@ -82,7 +84,7 @@ def cmd_topics(args) -> int:
     from entity_assets.kafka_io import ensure_topics, partition_counts
     from resources.kafka import DERIVED_STREAMS
 
-    kafka = _kafka()
+    kafka = kafka_resource()
     config = kafka.config()
     input_settings = dict(kv.split("=", 1) for kv in args.input_config)
     inputs = {kafka.topic(s): input_settings for s in INPUT_STREAMS}
@@ -120,7 +122,7 @@ def produce_records(records, kafka=None) -> Counter:
     """Produces (stream, key, value) records to their topics; returns counts per stream."""
     from entity_assets.kafka_io import produce
 
-    kafka = kafka or _kafka()
+    kafka = kafka or kafka_resource()
     counts: Counter = Counter()
     # streamed, one producer per run of records of one stream: memory stays flat in N
     for stream, run in groupby(records, key=lambda r: r[0]):
@@ -133,7 +135,7 @@ def _cdc_topics(partitions: int = 4) -> None:
     from entity_assets import samples
     from entity_assets.kafka_io import ensure_topics
 
-    kafka = _kafka()
+    kafka = kafka_resource()
     ensure_topics(kafka.config(), [kafka.topic(s) for s in samples.CDC_STREAMS], partitions)
 
 

@@ -152,3 +152,16 @@ def test_topics_creates_what_the_cluster_lacks_with_each_topics_settings(broker,
     assert cli.main(["topics"]) == 0
     again = capsys.readouterr().out
     assert again.count("exists, ") == len(topics) and "created" not in again
+
+
+def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_variables(monkeypatch):
+    """`topics`, `produce` and `broker start` use the Kafka resource outside a run, where Dagster
+    does not resolve its `EnvVar`s: `cli.kafka_resource` must."""
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("KAFKA_SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("KAFKA_SASL_USERNAME", "pipeline")
+    monkeypatch.setenv("KAFKA_SASL_PASSWORD", "s3cret")
+    config = cli.kafka_resource().config()
+    assert {k: config[k] for k in ("security.protocol", "sasl.mechanism", "sasl.username", "sasl.password")} == {
+        "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "pipeline",
+        "sasl.password": "s3cret"}
