@@ -33,10 +33,16 @@ PRODUCER_DEFAULTS = {
 def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
                timeout: float = 10.0) -> dict[tuple[str, int], tuple[int, int]]:
     """(first offset held, high watermark) of every partition of `topics` (names, or a test of
-    the broker's names)."""
+    the broker's names). No answer raises an error naming the servers asked (the sensor's tick
+    shows it), where librdkafka's names none."""
     consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False})
     try:
-        metadata = consumer.list_topics(timeout=timeout)
+        try:
+            metadata = consumer.list_topics(timeout=timeout)
+        except KafkaException as exc:
+            raise RuntimeError(f"Kafka at {config['bootstrap.servers']} gave no metadata within {timeout:g} s "
+                               f"({exc.args[0].str()}): is the broker up, and are the bootstrap servers and "
+                               "security settings right? (docs/operations.md)") from exc
         out = {}
         for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else topics:
             meta = metadata.topics.get(topic)

@@ -506,3 +506,20 @@ def test_a_run_without_a_manifest_fails_clearly(pipeline):
     assert not result.success
     [failure] = [e for e in result.all_events if e.is_step_failure]
     assert "slice 0000000009 has no manifest" in pipeline.failure_text(failure)
+
+
+def test_a_tick_without_an_answer_from_kafka_fails_naming_the_servers_it_asked(tmp_path):
+    """librdkafka's "Failed to get metadata" names no server: the tick's error must."""
+    from dagster import DagsterInstance
+
+    from entity_assets.definitions import defs
+    from entity_assets.manifests import ManifestStore
+    from resources import KafkaResource, LakeResource, SlicingResource
+
+    sensor = defs.resolve_sensor_def("kafka_offsets_sensor")
+    resources = {"kafka": KafkaResource(bootstrap_servers="127.0.0.1:1"), "lake": LakeResource(root=str(tmp_path)),
+                 "slicing": SlicingResource()}
+    with build_sensor_context(instance=DagsterInstance.ephemeral(), resources=resources) as context:
+        with pytest.raises(RuntimeError, match=r"Kafka at 127\.0\.0\.1:1 gave no metadata"):
+            sensor(context)
+    assert ManifestStore(resources["lake"].open()).latest_seq() == 0  # nothing closed
