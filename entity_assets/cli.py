@@ -28,6 +28,7 @@ from pathlib import Path
 from entity_assets.broker import DEFAULT_PORT, LocalBroker
 from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
+from entity_assets.kafka_io import KafkaUnreachable
 from resources.lake import default_home
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,10 +120,14 @@ def cmd_spark(args) -> int:
 
 
 def produce_records(records, kafka=None) -> Counter:
-    """Produces (stream, key, value) records to their topics; returns counts per stream."""
-    from entity_assets.kafka_io import produce
+    """Produces (stream, key, value) records to their topics; returns counts per stream.
+
+    Kafka is asked for its metadata first: a producer would wait minutes for a broker that is
+    not there before it failed."""
+    from entity_assets.kafka_io import cluster_metadata, produce
 
     kafka = kafka or kafka_resource()
+    cluster_metadata(kafka.config())
     counts: Counter = Counter()
     # streamed, one producer per run of records of one stream: memory stays flat in N
     for stream, run in groupby(records, key=lambda r: r[0]):
@@ -522,7 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
                "trace": cmd_trace, "changes": cmd_changes, "history": cmd_history,
                "demo": cmd_demo}
-    return handler[args.command](args)
+    try:
+        return handler[args.command](args)
+    except KafkaUnreachable as exc:  # a setting or a broker to fix, not a bug: no traceback
+        print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -30,19 +30,28 @@ PRODUCER_DEFAULTS = {
 }
 
 
+class KafkaUnreachable(RuntimeError):
+    """Kafka gave no metadata: the broker is down, or the bootstrap servers or security settings are wrong."""
+
+
+def cluster_metadata(config: dict, timeout: float = 10.0, client: Consumer | AdminClient | None = None):
+    """`list_topics` of `client` (default: an admin client). No answer raises an error naming the
+    servers asked (a sensor tick or a command shows it), where librdkafka's names none."""
+    try:
+        return (client or AdminClient(config)).list_topics(timeout=timeout)
+    except KafkaException as exc:
+        raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no metadata within {timeout:g} s "
+                               f"({exc.args[0].str()}): is the broker up, and are the bootstrap servers and "
+                               "security settings right? (docs/operations.md)") from exc
+
+
 def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
                timeout: float = 10.0) -> dict[tuple[str, int], tuple[int, int]]:
     """(first offset held, high watermark) of every partition of `topics` (names, or a test of
-    the broker's names). No answer raises an error naming the servers asked (the sensor's tick
-    shows it), where librdkafka's names none."""
+    the broker's names)."""
     consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False})
     try:
-        try:
-            metadata = consumer.list_topics(timeout=timeout)
-        except KafkaException as exc:
-            raise RuntimeError(f"Kafka at {config['bootstrap.servers']} gave no metadata within {timeout:g} s "
-                               f"({exc.args[0].str()}): is the broker up, and are the bootstrap servers and "
-                               "security settings right? (docs/operations.md)") from exc
+        metadata = cluster_metadata(config, timeout, consumer)
         out = {}
         for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else topics:
             meta = metadata.topics.get(topic)
@@ -331,7 +340,7 @@ def produce(config: dict, topic: str, records: Iterable[tuple[bytes | str | None
 
 def partition_counts(config: dict, topics: Iterable[str], timeout: float = 30.0) -> dict[str, int]:
     """Partitions of each existing topic, from one metadata request."""
-    metadata = AdminClient(config).list_topics(timeout=timeout)
+    metadata = cluster_metadata(config, timeout)
     return {t: len(metadata.topics[t].partitions) for t in topics if t in metadata.topics}
 
 
@@ -340,7 +349,7 @@ def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout:
     """Creates the missing topics (each with its `topic_configs` entry, e.g. retention); returns
     the names it created."""
     admin = AdminClient(config)
-    existing = set(admin.list_topics(timeout=timeout).topics)
+    existing = set(cluster_metadata(config, timeout, admin).topics)
     wanted = [t for t in dict.fromkeys(topics) if t not in existing]
     if not wanted:
         return []

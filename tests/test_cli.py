@@ -165,3 +165,13 @@ def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_va
     assert {k: config[k] for k in ("security.protocol", "sasl.mechanism", "sasl.username", "sasl.password")} == {
         "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "pipeline",
         "sasl.password": "s3cret"}
+
+
+def test_a_command_without_an_answer_from_kafka_fails_fast_naming_the_servers(monkeypatch, tmp_path, capsys):
+    """A producer would wait minutes for a broker that is not there: `produce` asks for the
+    metadata first, and the error is a line, not a traceback."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))  # main would set it for good otherwise
+    assert cli.main(["produce", "seed"]) == 1
+    assert capsys.readouterr().err.startswith("entity-assets produce: Kafka at 127.0.0.1:1 gave no metadata")

@@ -513,6 +513,7 @@ def test_a_tick_without_an_answer_from_kafka_fails_naming_the_servers_it_asked(t
     from dagster import DagsterInstance
 
     from entity_assets.definitions import defs
+    from entity_assets.kafka_io import KafkaUnreachable
     from entity_assets.manifests import ManifestStore
     from resources import KafkaResource, LakeResource, SlicingResource
 
@@ -520,6 +521,6 @@ def test_a_tick_without_an_answer_from_kafka_fails_naming_the_servers_it_asked(t
     resources = {"kafka": KafkaResource(bootstrap_servers="127.0.0.1:1"), "lake": LakeResource(root=str(tmp_path)),
                  "slicing": SlicingResource()}
     with build_sensor_context(instance=DagsterInstance.ephemeral(), resources=resources) as context:
-        with pytest.raises(RuntimeError, match=r"Kafka at 127\.0\.0\.1:1 gave no metadata"):
+        with pytest.raises(KafkaUnreachable, match=r"Kafka at 127\.0\.0\.1:1 gave no metadata"):
             sensor(context)
     assert ManifestStore(resources["lake"].open()).latest_seq() == 0  # nothing closed
