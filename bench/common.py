@@ -376,8 +376,11 @@ class BenchEnv:
         """The run's topics on the cluster (those of its prefix)."""
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient(self.client_config())
-        topics = [t for t in admin.list_topics(timeout=30).topics if t.startswith(self.topic_prefix)]
+        from entity_assets.kafka_io import cluster_metadata
+
+        config = self.client_config()
+        admin = AdminClient(config)
+        topics = [t for t in cluster_metadata(config, 30, admin).topics if t.startswith(self.topic_prefix)]
         if topics:
             for future in admin.delete_topics(topics, operation_timeout=30).values():
                 future.result(60)
