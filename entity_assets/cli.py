@@ -47,7 +47,7 @@ def prepare_environment(port: int = DEFAULT_PORT) -> None:
     home = _home()
     os.environ.setdefault("ENTITY_ASSETS_HOME", str(home))
     os.environ.setdefault("ENTITY_ASSETS_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}")
-    if "DAGSTER_HOME" not in os.environ:
+    if not os.environ.get("DAGSTER_HOME"):  # set and empty is unset to Dagster
         dagster_home = home / "dagster"
         dagster_home.mkdir(parents=True, exist_ok=True)
         if (REPO / "dagster.yaml").exists():

@@ -175,3 +175,13 @@ def test_a_command_without_an_answer_from_kafka_fails_fast_naming_the_servers(mo
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))  # main would set it for good otherwise
     assert cli.main(["produce", "seed"]) == 1
     assert capsys.readouterr().err.startswith("entity-assets produce: Kafka at 127.0.0.1:1 gave no metadata")
+
+
+def test_an_empty_dagster_home_gets_the_project_homes(monkeypatch, tmp_path):
+    """Dagster takes DAGSTER_HOME set and empty for unset, and would refuse to start."""
+    monkeypatch.setenv("DAGSTER_HOME", "")
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # restored after the test, as DAGSTER_HOME
+    cli.prepare_environment()
+    assert os.environ["DAGSTER_HOME"] == str(tmp_path / "dagster")
+    assert (tmp_path / "dagster" / "dagster.yaml").exists()
