@@ -29,11 +29,24 @@ def _settings(text: str) -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in pairs}
 
 
+def _json_object(name: str, text: str) -> dict:
+    """The JSON object of environment variable `name`; an error names the variable, which the
+    code location's load error otherwise would not."""
+    try:
+        value = json.loads(text.strip() or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not JSON: {exc}") from exc
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError(f"{name} must be a JSON object of objects, not {text.strip()[:80]!r}")
+    return value
+
+
 def _ingestion(text: str) -> dict[str, IngestionSource]:
     """`system=format,...` (`*` for any other system), or a JSON object of each system's
     `IngestionSource` settings; empty: no ingestion topics are read."""
     if text.lstrip().startswith("{"):
-        return {system: IngestionSource(**settings) for system, settings in json.loads(text).items()}
+        return {system: IngestionSource(**settings)
+                for system, settings in _json_object("ENTITY_ASSETS_INGESTION", text).items()}
     return {system: IngestionSource(format=fmt) for system, fmt in _settings(text).items()}
 
 
@@ -41,7 +54,7 @@ def _stream_topic_config(text: str) -> dict[str, dict[str, str]]:
     """A JSON object of each derived stream's topic configs, `{"device-notifications":
     {"cleanup.policy": "compact"}}`; a value may be a JSON number (`"retention.ms": 86400000`)."""
     return {stream: {key: str(value) for key, value in settings.items()}
-            for stream, settings in json.loads(text.strip() or "{}").items()}
+            for stream, settings in _json_object("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", text).items()}
 
 
 def _publish(text: str) -> dict:

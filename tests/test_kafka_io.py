@@ -182,6 +182,19 @@ def test_topic_settings_name_derived_streams_by_their_seed_names(monkeypatch):
         build_resources()
 
 
+@pytest.mark.parametrize("name,text,says", [
+    ("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", '{"device-notifications": {cleanup.policy: compact}}', "is not JSON"),
+    ("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", '{"device-notifications": "compact"}', "must be a JSON object of objects"),
+    ("ENTITY_ASSETS_INGESTION", '{"crm": "debezium"}', "must be a JSON object of objects"),
+])
+def test_settings_that_are_not_json_objects_stop_the_start_naming_their_variable(monkeypatch, name, text, says):
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv(name, text)
+    with pytest.raises(ValueError, match=f"{name} {says}"):
+        build_resources()
+
+
 def test_the_environment_names_the_streams_to_publish(monkeypatch):
     """`ENTITY_ASSETS_PUBLISH`: true, false, or the derived streams by their seed names; a wrong name stops the start."""
     from entity_assets.definitions import build_resources
