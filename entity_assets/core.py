@@ -194,7 +194,7 @@ def complete_row(parts: list[dict], slice_key: str) -> dict:
         "slice": slice_key, "kafka_topic": last["kafka_topic"], "kafka_partition": last["kafka_partition"],
         "kafka_offset": last["kafka_offset"], "kafka_timestamp": last["kafka_timestamp"],
         "clientid": first["clientid"], "request": first["request"], "user": first["user"], "dbid": first["dbid"],
-        "parts": first["parts"], "begun": first["begun"], "ended": last["ended"],
+        "parts": len(parts), "begun": first["begun"], "ended": last["ended"],
         "responses": "[" + ",".join(result_json(p) for p in parts) + "]",
     }
 
@@ -238,9 +238,14 @@ def group_requests(rows: Iterable[dict]) -> Iterator[tuple[tuple, list[dict]]]:
 
 
 def split_complete(grouped: Iterable[tuple[tuple, list[dict]]], slice_key: str) -> Iterator[tuple[str, dict]]:
-    """Yields ("complete", row) for requests with every part, ("pending", part row) otherwise."""
+    """Yields ("complete", row) for requests with every part, ("pending", part row) otherwise.
+
+    Parts are distinct and none exceeds its own `parts` (validated), so as many parts as the
+    largest count any of them gives are exactly parts 1..that count: a client that gave its
+    parts different counts waits for the most it announced.
+    """
     for _, parts in grouped:
-        if len(parts) >= parts[0]["parts"]:
+        if len(parts) >= max(p["parts"] for p in parts):
             yield "complete", complete_row(sorted(parts, key=lambda r: r["part"]), slice_key)
         else:
             for p in parts:

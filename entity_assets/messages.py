@@ -104,7 +104,9 @@ Name = Annotated[str, StringConstraints(min_length=1)]
 # Every integer lands in a Delta `long` column: a larger one is bad input, not a crashed task.
 INT64_MAX = 2**63 - 1
 Long = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-Part = Annotated[int, Field(ge=1, le=INT64_MAX)]
+# The seed's `int`: part numbers land in Delta `integer` columns.
+INT32_MAX = 2**31 - 1
+Part = Annotated[int, Field(ge=1, le=INT32_MAX)]
 # Literal[1, 2, 3] would accept JSON true and 1.0 even in strict mode; a bounded strict int won't.
 Status = Annotated[int, Field(ge=1, le=3)]
 Action = Literal["created", "updated", "deleted"]
@@ -139,6 +141,22 @@ class _DbModel(_Model):
                 "db_conflict",
                 "'db' ({db}) and 'dbid' ({dbid}) differ",
                 {"db": db, "dbid": self.dbid, "field": "dbid"},  # type: ignore[attr-defined]
+            )
+        return self
+
+
+class _Part(_Model):
+    """A message that is one part of a request (its subclasses declare ``part`` and ``parts``)."""
+
+    @model_validator(mode="after")
+    def _part_within_parts(self) -> Any:
+        """A part past its request's count would make the request look complete without a part."""
+        part, parts = self.part, self.parts  # type: ignore[attr-defined]
+        if part is not None and parts is not None and part > parts:
+            raise PydanticCustomError(
+                "part_over_parts",
+                "part {part} of a request of {parts} parts",
+                {"part": part, "parts": parts, "field": "part"},
             )
         return self
 
@@ -211,7 +229,7 @@ class EntityBatch(_DbModel):
     includeAfter: bool = False
 
 
-class EntityPatch(_DbModel):
+class EntityPatch(_DbModel, _Part):
     """entity-patches: one patch of a batch, keyed by entity id."""
 
     clientid: ClientId
@@ -230,7 +248,7 @@ class EntityPatch(_DbModel):
     includeAfter: bool = False
 
 
-class _Outcome(_Model):
+class _Outcome(_Part):
     """The outcome fields shared by entity-updates and schema-updates.
 
     ``before``/``after`` are tri-state: unset = not requested (omitted on output), None = the
@@ -248,7 +266,7 @@ class EntityUpdate(EntityPatch, _Outcome):
     """entity-updates (and zone-changes): the applied patch and its outcome."""
 
 
-class SchemaPatch(_DbModel):
+class SchemaPatch(_DbModel, _Part):
     """schema-patches: one patch to a database schema, keyed by database id."""
 
     clientid: ClientId
@@ -267,7 +285,7 @@ class SchemaUpdate(SchemaPatch, _Outcome):
     """schema-updates: the applied schema patch and its outcome."""
 
 
-class SchemaLearningEntityType(_DbModel):
+class SchemaLearningEntityType(_DbModel, _Part):
     """schema-learning entity-type message.
 
     The seed's table requires ``parts`` (entity types in the schema) but its sample carries only
@@ -293,7 +311,7 @@ class SchemaLearningEntityType(_DbModel):
         return self
 
 
-class PartialResponse(_DbModel):
+class PartialResponse(_DbModel, _Part):
     """partial-responses: the seed's minimal header, plus the whole entity/schema update.
 
     Extra keys are kept as parsed (unvalidated) so the response is republished unchanged,
@@ -480,7 +498,7 @@ T = TypeVar("T", bound=BaseModel)
 
 _MAX_REASONS = 3
 # Our own errors raised at model level name their field in ctx, so the reason can point at it.
-_OWN_ERROR_TYPES = frozenset(("db_conflict", "missing"))
+_OWN_ERROR_TYPES = frozenset(("db_conflict", "missing", "part_over_parts"))
 _NOT_OBJECT_TYPES = frozenset(("model_type", "model_attributes_type", "dict_type"))
 
 

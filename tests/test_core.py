@@ -113,6 +113,18 @@ def test_incomplete_request_stays_pending():
     assert list(core.split_complete(core.group_requests([part]), "0000000001")) == [("pending", part)]
 
 
+def test_a_request_whose_parts_give_different_counts_waits_for_the_largest():
+    def part(number, parts):
+        return {**LINEAGE, "clientid": "c", "request": 1, "user": "u", "dbid": "d", "part": number,
+                "parts": parts, "begun": 0, "ended": number, "status": 1}
+
+    rows = [part(1, 2), part(2, 3)]
+    assert [kind for kind, _ in core.split_complete(core.group_requests(rows), "0000000001")] == ["pending"] * 2
+    rows.append(part(3, 3))
+    (kind, row), = core.split_complete(core.group_requests(rows), "0000000002")
+    assert kind == "complete" and row["parts"] == 3 and row["ended"] == 3
+
+
 def test_entity_type_rows_one_per_type():
     schema = {"Contacts": {"fields": {"a": {"type": "STRING"}}}, "Groups": {"fields": {}}}
     rows = core.entity_type_rows({"clientid": "c", "request": 1, "parts": 1, "part": 1}, schema)

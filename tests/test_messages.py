@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 
+import pyarrow as pa
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
@@ -32,6 +33,7 @@ from entity_assets.messages import (
     to_json,
     to_message,
 )
+from entity_assets.tables import SCHEMAS
 
 CLIENT = "c297cf20-18bd-40e2-827d-9b563ca28ccd"
 
@@ -619,6 +621,30 @@ def test_every_integer_fits_a_delta_long(model):
     assert fields
     for path, field in fields:
         assert field.get("maximum", 2**64) <= 2**63 - 1 and field.get("minimum", -(2**64)) >= -(2**63), path
+
+
+@pytest.mark.parametrize("topic", sorted(t for t in TOPIC_MODELS if t.replace("-", "_") in SCHEMAS))
+def test_every_integer_fits_the_column_of_its_table(topic):
+    """A value the model accepts but its column cannot hold would fail the whole slice's write."""
+    model, table = TOPIC_MODELS[topic], SCHEMAS[topic.replace("-", "_")]
+    schema = model.model_json_schema()
+    checked = 0
+    for path, field in _integer_fields(schema, schema.get("$defs", {})):
+        name = path.lstrip(".")
+        if name in table.names and pa.types.is_integer(column := table.field(name).type):
+            bits = column.bit_width
+            assert field.get("maximum", 2**64) <= 2 ** (bits - 1) - 1, (path, column)
+            assert field.get("minimum", -(2**64)) >= -(2 ** (bits - 1)), (path, column)
+            checked += 1
+    assert checked, topic
+
+
+def test_a_part_past_its_parts_or_beyond_an_int_is_a_dead_letter():
+    patch = json.loads(SCHEMA_PATCH)
+    err = _invalid(SchemaPatch, {**patch, "parts": 2, "part": 3})
+    assert err.code is DeadLetterCode.BAD_FORMAT and err.reason == "part: part 3 of a request of 2 parts"
+    assert _invalid(SchemaPatch, {**patch, "parts": 2**31}).reason.startswith("parts: ")
+    assert parse_message(SchemaPatch, json.dumps({**patch, "parts": 2**31 - 1})).parts == 2**31 - 1
 
 
 def test_an_integer_beyond_a_long_is_a_dead_letter():
