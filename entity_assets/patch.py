@@ -16,6 +16,11 @@ Deliberate differences from RFC 6902:
 * A document nests at most ``MAX_DEPTH`` containers (MongoDB's limit); an op
   that would nest deeper fails, so no document outgrows the JSON parsers that
   read it back, and no path outgrows the interpreter's recursion limit.
+* ``copy`` shares the copied subtree, so each copy of a whole document doubles
+  its text at no cost in memory until the document is written: thirty of them
+  in a 2 KB message would make a gigabyte. A ``copy`` fails once the document's
+  text would pass ``MAX_DOCUMENT_BYTES`` (MongoDB's limit too), measured with
+  shared subtrees counted once, so the check never walks what it guards against.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ __all__ = [
     "STATUS_NOT_FOUND",
     "STATUS_FAILED",
     "MAX_DEPTH",
+    "MAX_DOCUMENT_BYTES",
     "PatchError",
     "PatchOutcome",
     "parse_path",
@@ -40,6 +46,7 @@ STATUS_OK = 1  # patch applied
 STATUS_NOT_FOUND = 2  # entity did not exist and the patch is not a creation
 STATUS_FAILED = 3  # patch could not be applied (see error)
 MAX_DEPTH = 100  # containers on a document's deepest path, the document itself included
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024  # JSON text a copy may grow a document to
 
 
 class PatchError(Exception):
@@ -144,17 +151,61 @@ def _kind(value) -> str:
 
 
 def _nesting(value, limit: int) -> int:
-    """Containers on the deepest path of ``value`` (a scalar has 0); stops counting past ``limit``."""
+    """Containers on the deepest path of ``value`` (a scalar has 0); stops counting past ``limit``.
+
+    A subtree shared by copies is walked again only when reached at a deeper level.
+    """
     if not isinstance(value, (dict, list)):
         return 0
-    deepest, todo = 1, [(value, 1)]
+    deepest, todo, reached = 1, [(value, 1)], {}
     while todo and deepest <= limit:
         node, level = todo.pop()
         for child in node.values() if isinstance(node, dict) else node:
-            if isinstance(child, (dict, list)):
+            if isinstance(child, (dict, list)) and reached.get(id(child), 0) < level + 1:
+                reached[id(child)] = level + 1
                 deepest = max(deepest, level + 1)
                 todo.append((child, level + 1))
     return deepest
+
+
+def _text_size(value, memo: dict) -> int:
+    """About the length of ``value`` as JSON text; memo (id -> (node, size)) measures a shared
+    subtree once and keeps it alive, so its id is not reused while the memo is."""
+    if isinstance(value, str):
+        return len(value) + 2
+    if not isinstance(value, (dict, list)):
+        return 5
+    hit = memo.get(id(value))
+    if hit is not None:
+        return hit[1]
+    if isinstance(value, dict):
+        size = 2 + sum(len(key) + 4 + _text_size(child, memo) for key, child in value.items())
+    else:
+        size = 2 + sum(_text_size(child, memo) + 1 for child in value)
+    memo[id(value)] = (value, size)
+    return size
+
+
+class _Growth:
+    """What a patch's copies have grown its document to: an upper bound on its text, up to the
+    other ops' values, which the message's own size bounds."""
+
+    __slots__ = ("memo", "size")
+
+    def __init__(self) -> None:
+        self.memo: dict = {}
+        self.size: int | None = None
+
+    def copy(self, doc, tokens: tuple[str, ...], value) -> None:
+        added = _text_size(value, self.memo)
+        if not tokens:
+            self.size = added
+        else:
+            if self.size is None:
+                self.size = _text_size(doc, self.memo)
+            self.size += added + len(tokens[-1]) + 4
+        if self.size > MAX_DOCUMENT_BYTES:
+            raise _Fail(f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON")
 
 
 def _within_depth(tokens: tuple[str, ...], value) -> None:
@@ -294,7 +345,7 @@ def _value(op: dict):
     return op["value"]
 
 
-def _apply_one(doc, op):
+def _apply_one(doc, op, growth: _Growth):
     if not isinstance(op, dict):
         raise _Fail(f"an op must be an object, got {_kind(op)}")
     name = op.get("op")
@@ -320,6 +371,7 @@ def _apply_one(doc, op):
     value = _get(doc, src)
     _within_depth(path, value)
     if name == "copy":
+        growth.copy(doc, path, value)
         return _add(doc, path, value)
     # move
     if path == src:
@@ -339,9 +391,10 @@ def apply_ops(doc, ops: list[dict]):
     """
     if not isinstance(ops, list):
         raise PatchError(-1, ops, f"a patch must be an array of ops, got {_kind(ops)}")
+    growth = _Growth()
     for index, op in enumerate(ops):
         try:
-            doc = _apply_one(doc, op)
+            doc = _apply_one(doc, op, growth)
         except _Fail as exc:
             raise PatchError(index, op, str(exc)) from None
     return doc

@@ -7,6 +7,7 @@ import pytest
 
 from entity_assets.patch import (
     MAX_DEPTH,
+    MAX_DOCUMENT_BYTES,
     STATUS_FAILED,
     STATUS_NOT_FOUND,
     STATUS_OK,
@@ -504,3 +505,38 @@ def test_documents_up_to_the_depth_limit_apply():
                            {"op": "copy", "from": "v", "path": "w"}])
     assert out.status == STATUS_OK
     assert json.loads(json.dumps(out.doc)) == out.doc
+
+
+def test_copies_that_double_a_document_fail_at_the_size_limit_without_writing_it_out():
+    """Each copy of the whole document shares it: 40 of them would be a terabyte of text."""
+    doc = {"x": "y" * 100}
+    out = apply_patch(doc, [{"op": "copy", "from": "", "path": f"/k{i}"} for i in range(40)])
+    assert out.status == STATUS_FAILED and out.doc is doc
+    assert f"over {MAX_DOCUMENT_BYTES} bytes" in out.error and out.error.startswith("op 17 ")
+    # across patches too: each measures the document it starts from
+    for i in range(40):
+        out = apply_patch(doc, [{"op": "copy", "from": "", "path": f"/k{i}"}])
+        if out.status != STATUS_OK:
+            break
+        doc = out.doc
+    assert i == 17 and out.status == STATUS_FAILED and len(json.dumps(doc)) <= MAX_DOCUMENT_BYTES
+
+
+def test_copies_of_one_subtree_into_many_places_count_each_place():
+    doc = {"big": {"s": "x" * 100_000}}
+    ops = [{"op": "copy", "from": "/big", "path": f"/c{i}"} for i in range(200)]
+    out = apply_patch(doc, ops)
+    assert out.status == STATUS_FAILED and out.error.startswith("op 166 ")
+    assert apply_patch(doc, ops[:150]).status == STATUS_OK
+
+
+def test_the_depth_check_walks_a_shared_subtree_once():
+    """A document of copies of copies is a chain of shared nodes; walking it as a tree never ends."""
+    doc = {"a": {"v": 1}}
+    for i in range(60):
+        doc = apply_patch(doc, [{"op": "copy", "from": "/a", "path": "/a/l"},
+                                {"op": "copy", "from": "/a", "path": "/a/r"}]).doc
+        if i < 10:
+            assert doc["a"]["l"] is doc["a"]["r"]["l"]  # shared, not copied
+    out = apply_patch(doc, [{"op": "copy", "from": "/a", "path": "/b"}])
+    assert out.status == STATUS_FAILED
