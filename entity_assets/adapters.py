@@ -37,7 +37,6 @@ from pydantic_core import from_json
 
 from entity_assets import messages as m
 from entity_assets import qlik
-from entity_assets.core import dumps
 
 FORMATS = ("db2", "goldengate", "debezium", "qlik")
 AUTO = "auto"
@@ -152,7 +151,7 @@ UPSERT, DELETE = "upsert", "delete"
 def _json(raw: bytes, what: str) -> Any:
     m.check_size(raw, what)
     try:
-        return _unwrapped(from_json(raw))
+        return _unwrapped(from_json(raw, allow_inf_nan=False))
     except ValueError as exc:
         raise m.InvalidMessage(m.DeadLetterCode.MALFORMED_JSON, f"{what}: {exc}") from None
 
@@ -220,9 +219,9 @@ def entity_id(raw: bytes | None) -> str:
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: the primary key has no fields")
         parts = []
         for name, value in key.items():
-            if value is None or isinstance(value, dict | list):
-                raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.{name}: a key value must be a string, "
-                                                                     "number or boolean")
+            if value is None or value == "" or isinstance(value, dict | list):
+                raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.{name}: a key value must be a non-empty "
+                                                                     "string, a number or a boolean")
             parts.append(key_text(value))
         return "_".join(parts)
     if isinstance(key, str) and key:
@@ -234,7 +233,7 @@ def entity_id(raw: bytes | None) -> str:
 
 
 def key_text(value) -> str:
-    return value if isinstance(value, str) else dumps(value)
+    return value if isinstance(value, str) else m.value_json(value)
 
 
 def ops(kind: str, row: dict | None, *, merge: bool = False) -> list[dict]:
@@ -268,5 +267,5 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
     patch = {"collection": collection, "zone": source.zone or source.system, "entity": entity,
              "ops": ops(kind, row, merge=source.updates == "merge")}
     return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,
-            max(timestamp, 0), 1, dumps([patch]), source.learning, source.includeBefore,
+            max(timestamp, 0), 1, m.value_json([patch]), source.learning, source.includeBefore,
             source.includeAfter)

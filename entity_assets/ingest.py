@@ -18,7 +18,6 @@ from pydantic import BaseModel
 
 from entity_assets import adapters, qlik
 from entity_assets import messages as m
-from entity_assets.core import dumps
 from entity_assets.kafka_io import RecordsExpired, read_range
 from entity_assets.slices import OffsetRange, slice_key as slice_key_of, slice_seq
 from entity_assets.storage import SLICE, FileWriter
@@ -26,12 +25,12 @@ from entity_assets.tables import SCHEMAS
 
 
 def _batch_values(b: m.EntityBatch) -> tuple:
-    return (b.clientid, b.request, b.user, b.dbid, b.begun, len(b.patches), dumps(b.patches), b.learning,
+    return (b.clientid, b.request, b.user, b.dbid, b.begun, len(b.patches), m.value_json(b.patches), b.learning,
             b.includeBefore, b.includeAfter)
 
 
 def _schema_patch_values(p: m.SchemaPatch) -> tuple:
-    return (p.clientid, p.request, p.user, p.dbid, p.parts, p.part, p.begun, dumps(p.ops), p.includeBefore,
+    return (p.clientid, p.request, p.user, p.dbid, p.parts, p.part, p.begun, m.value_json(p.ops), p.includeBefore,
             p.includeAfter)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "InvalidMessage",
     "check_size",
     "parse_message",
+    "value_json",
     "parse_value",
     "to_message",
     "to_json",
@@ -576,12 +577,41 @@ def parse_message(model: type[T], raw: bytes | bytearray | memoryview | str | No
     elif type(raw) is str:
         raw = raw.encode()
     check_size(raw)
+    if b"NaN" in raw or b"Infinity" in raw:
+        _json_constants(raw)
     try:
         return model.__pydantic_validator__.validate_json(raw)  # type: ignore[return-value]
     except ValidationError as exc:
         raise _classify(exc) from None
     except Exception as exc:  # never let one record kill a slice
         raise InvalidMessage(DeadLetterCode.UNEXPECTED, f"{type(exc).__name__}: {exc}"[:300]) from exc
+
+
+def _json_constants(raw: bytes) -> None:
+    """GENERR007 for NaN and Infinity, which pydantic-core reads as floats (most often the words
+    are inside strings, and this second, strict parse finds nothing)."""
+    try:
+        pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        try:
+            pydantic_core.from_json(raw)
+        except ValueError:
+            return  # malformed anyway: the validation says where
+        raise InvalidMessage(DeadLetterCode.MALFORMED_JSON, f"NaN or Infinity, which JSON does not have: {exc}") from None
+
+
+def value_json(value: Any) -> str:
+    """An input's JSON values as text for the lake: GENERR001 for a number past a double
+    (`1e400`), which parses as Infinity and would be written as that bare word, no JSON."""
+    text = pydantic_core.to_json(value).decode()
+    if "NaN" in text or "Infinity" in text:
+        try:
+            pydantic_core.from_json(text, allow_inf_nan=False)
+        except ValueError:
+            raise InvalidMessage(
+                DeadLetterCode.BAD_FORMAT, "a number beyond the range of a double (such as 1e400), or NaN"
+            ) from None
+    return text
 
 
 def parse_value(model: type[T], value: Any) -> T:

@@ -151,6 +151,11 @@ def test_topic_names():
     ("db2", None, enc(ROW), DeadLetterCode.BAD_FORMAT, "key: the record has no key"),
     ("db2", enc({}), enc(ROW), DeadLetterCode.BAD_FORMAT, "key: the primary key has no fields"),
     ("db2", enc({"ID": None}), enc(ROW), DeadLetterCode.BAD_FORMAT, "key.ID: a key value must be"),
+    ("db2", enc({"ID": ""}), enc(ROW), DeadLetterCode.BAD_FORMAT, "key.ID: a key value must be a non-empty"),
+    ("db2", b'{"ID": 1e400}', enc(ROW), DeadLetterCode.BAD_FORMAT, "beyond the range of a double"),
+    ("db2", b"1", b'{"USER_ID": NaN}', DeadLetterCode.MALFORMED_JSON, "value:"),
+    ("db2", b"1", b'{"USER_ID": 1e400}', DeadLetterCode.BAD_FORMAT, "beyond the range of a double"),
+    ("debezium", b"1", b'{"op": "c", "after": {"A": -Infinity}}', DeadLetterCode.MALFORMED_JSON, "value:"),
     ("db2", b"\xff\xfe", enc(ROW), DeadLetterCode.BAD_FORMAT, "key: neither JSON nor UTF-8"),
     ("db2", b"1", b'{"a": "' + b"x" * 1_000_001 + b'"}', DeadLetterCode.OVERSIZE, "value is 1000010 bytes"),
 ])

@@ -378,6 +378,9 @@ BAD = {
     # valid JSON, but no Delta long holds it: a dead letter, not a task crashed converting the row
     "bad/huge-int": (samples.encode(_batch(request=2**70)), "GENERR001", ["request", "less than or equal"]),
     "bad/oversize": (OVERSIZE, "EA-OVERSIZE", ["1000000"]),
+    # not JSON, though pydantic-core reads it; and JSON that no double holds, which it reads as Infinity
+    "bad/nan": (samples.encode(_batch()).replace(b'"Sally"', b"NaN"), "GENERR007", ["NaN"]),
+    "bad/beyond-double": (samples.encode(_batch()).replace(b'"Sally"', b"1e400"), "GENERR001", ["double"]),
 }
 
 

@@ -32,6 +32,7 @@ from entity_assets.messages import (
     parse_message,
     to_json,
     to_message,
+    value_json,
 )
 from entity_assets.tables import SCHEMAS
 
@@ -645,6 +646,27 @@ def test_a_part_past_its_parts_or_beyond_an_int_is_a_dead_letter():
     assert err.code is DeadLetterCode.BAD_FORMAT and err.reason == "part: part 3 of a request of 2 parts"
     assert _invalid(SchemaPatch, {**patch, "parts": 2**31}).reason.startswith("parts: ")
     assert parse_message(SchemaPatch, json.dumps({**patch, "parts": 2**31 - 1})).parts == 2**31 - 1
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_malformed_json(value):
+    raw = ENTITY_BATCH.replace('"Sally"', value)
+    assert raw != ENTITY_BATCH
+    assert _invalid(EntityBatch, raw.encode()).code is DeadLetterCode.MALFORMED_JSON
+
+
+def test_the_words_nan_and_infinity_inside_strings_are_text():
+    batch = parse_message(EntityBatch, ENTITY_BATCH.replace('"Sally"', '"NaN Infinity"').encode())
+    assert "NaN Infinity" in value_json(batch.patches)
+
+
+def test_a_number_beyond_a_double_is_no_value_for_the_lake():
+    """pydantic-core reads 1e400 as Infinity: valid JSON in, no JSON out."""
+    batch = parse_message(EntityBatch, ENTITY_BATCH.replace('"Sally"', "1e400").encode())
+    with pytest.raises(InvalidMessage) as caught:
+        value_json(batch.patches)
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "beyond the range of a double" in caught.value.reason
+    assert value_json([1e308, -1.5]) == "[1e+308,-1.5]"
 
 
 def test_an_integer_beyond_a_long_is_a_dead_letter():

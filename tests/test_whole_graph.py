@@ -131,6 +131,10 @@ BAD = [
      "GENERR001", "device"),
     ("notification-acks", DEVICE, samples.encode({"db": DB, "user": "jsmith", "device": DEVICE, "begun": 1415747100000}),
      "GENERR001", "notifications"),
+    # a part count the seed's `int` cannot hold: it once passed validation and failed the slice's ingest
+    ("schema-patches", DB, samples.encode({**samples.SEED_SCHEMA_PATCH, "parts": 2**31}), "GENERR001", "parts"),
+    ("schema-patches", DB, samples.encode({**samples.SEED_SCHEMA_PATCH, "parts": 2, "part": 3}), "GENERR001",
+     "part 3 of a request of 2 parts"),
 ]
 
 
@@ -142,23 +146,23 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
                                                              "upTo": 1415747100000, "begun": 1415747100000}))
     bad = [(s, k, v) for s, k, v, _, _ in BAD]
     r1 = run_slice(pipeline, [bad[0], ("schema-patches", DB, samples.encode(DECLARE)), bad[1],
-                              connection("jsmith", DEVICE, "1.0", 1415747000000), bad[2], good_ack], K1)
+                              connection("jsmith", DEVICE, "1.0", 1415747000000), bad[2], good_ack, *bad[3:]], K1)
 
     # 9. bad records become dead letters with their codes and streams; the rest of the slice goes on
     dead = rows(pipeline, "dead_letters")
     assert sorted((d["stream"], d["code"]) for d in dead) == sorted((s, c) for s, _, _, c, _ in BAD)
-    expected = {s: (k, v, word) for s, k, v, _, word in BAD}
+    expected = {v: (s, k, word) for s, k, v, _, word in BAD}
     for d in dead:
-        key, value, word = expected[d["stream"]]
-        assert d["kafka_key"] == key.encode() and d["value"] == value
+        stream, key, word = expected[d["value"]]
+        assert d["stream"] == stream and d["kafka_key"] == key.encode()
         assert d["kafka_topic"] == pipeline.topic(d["stream"]) and d["slice"] == K1
         assert word in d["reason"], d["reason"]
     assert [r["request"] for r in rows(pipeline, "schema_updates", K1)] == [1]
     assert json.loads(rows(pipeline, "schemas")[0]["document"]) == SEED_SCHEMA_BEFORE
     assert [(r["device"], r["upTo"]) for r in rows(pipeline, "notification_acks")] == [(DEVICE, 1415747100000)]
     meta1 = pipeline.materializations(r1)
-    assert meta1["dead_letters"]["rows"] == 3
-    assert meta1["schema_patches"]["dead_letters"] == 3  # the slice's count
+    assert meta1["dead_letters"]["rows"] == len(BAD)
+    assert meta1["schema_patches"]["dead_letters"] == len(BAD)  # the slice's count
     assert meta1["devices"]["app_versions"] == {"1.0": 1}
 
     # ---- slice 2: the seed's homePhone patch, learning entities, more connections
