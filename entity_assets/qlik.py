@@ -176,9 +176,57 @@ def _avro(raw: bytes, schema, what: str) -> Any:
 
 def _schema(text: str, what: str):
     try:
-        return fastavro.parse_schema(json.loads(text))
+        parsed = fastavro.parse_schema(json.loads(text))
     except Exception as exc:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: not an Avro schema ({exc})"[:300]) from None
+    named = parsed.get("__named_schemas", {}) if isinstance(parsed, dict) else {}
+    if any(_takes_no_bytes(items, named) for items in _array_items(parsed, named)):
+        # a 5-byte block count would make 10^12 items out of nothing: memory, not a dead letter
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: an array of items that take no bytes "
+                                                            "(null, a record without fields)")
+    return parsed
+
+
+def _takes_no_bytes(schema, named: dict, seen: frozenset = frozenset()) -> bool:
+    """Whether Avro encodes a value of `schema` in no bytes at all."""
+    if isinstance(schema, str):
+        if schema in named and schema not in seen:
+            return _takes_no_bytes(named[schema], named, seen | {schema})
+        return schema == "null"
+    if isinstance(schema, list):
+        return False  # a union writes its branch's index
+    kind = schema["type"]
+    if kind in ("record", "error"):
+        return all(_takes_no_bytes(f["type"], named, seen | {schema["name"]}) for f in schema["fields"])
+    if kind == "fixed":
+        return schema["size"] == 0
+    return kind not in ("array", "map", "enum") and _takes_no_bytes(kind, named, seen)
+
+
+def _array_items(schema, named: dict, seen: set | None = None):
+    """The item schemas of every array in `schema`, named types walked once."""
+    seen = set() if seen is None else seen
+    if isinstance(schema, str):
+        if schema in named and schema not in seen:
+            seen.add(schema)
+            yield from _array_items(named[schema], named, seen)
+        return
+    if isinstance(schema, list):
+        for branch in schema:
+            yield from _array_items(branch, named, seen)
+        return
+    kind = schema["type"]
+    if kind in ("record", "error"):
+        seen.add(schema["name"])
+        for field in schema["fields"]:
+            yield from _array_items(field["type"], named, seen)
+    elif kind == "array":
+        yield schema["items"]
+        yield from _array_items(schema["items"], named, seen)
+    elif kind == "map":
+        yield from _array_items(schema["values"], named, seen)
+    elif not isinstance(kind, str) or kind in named:
+        yield from _array_items(kind, named, seen)
 
 
 class Decoder:

@@ -142,3 +142,27 @@ def test_bad_envelopes(raw, reason):
     with pytest.raises(InvalidMessage) as caught:
         qlik.Decoder({SID: registered()}).decode(raw)
     assert caught.value.code is DeadLetterCode.BAD_FORMAT and reason in caught.value.reason, caught.value.reason
+
+
+# A metadata envelope whose own schema is an array of nulls, and a block count of 10^8: decoded, a
+# list of 10^8 Nones (800 MB); with a record of no fields and 10^12, memory until the worker dies.
+ZERO_BYTE_ITEMS = (b'atMSG\x04MD\x00\x00\x02\xda\x01{"type": "record", "name": "M", "fields": [{"name": "schemaId", '
+                   b'"type": {"type": "array", "items": "null"}}]}\n\x80\x84\xaf_\x00')
+
+
+@pytest.mark.parametrize("items", [
+    '"null"',
+    '{"type": "record", "name": "E", "fields": [{"name": "x", "type": "null"}]}',
+    '{"type": "fixed", "name": "F", "size": 0}',
+])
+def test_an_array_of_items_that_take_no_bytes_is_refused_before_decoding(items):
+    with pytest.raises(InvalidMessage) as caught:
+        qlik.Decoder({}).decode(ZERO_BYTE_ITEMS)
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "items that take no bytes" in caught.value.reason
+    schema = {"type": "record", "name": "R", "fields": [
+        {"name": "ok", "type": {"type": "array", "items": ["null", "int"]}},
+        {"name": "nested", "type": {"type": "map", "values": {"type": "array", "items": json.loads(items)}}}]}
+    with pytest.raises(InvalidMessage, match="items that take no bytes"):
+        qlik._schema(json.dumps(schema), "dataSchema")
+    schema["fields"].pop()
+    assert qlik._schema(json.dumps(schema), "dataSchema")
