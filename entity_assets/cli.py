@@ -25,13 +25,20 @@ from dataclasses import asdict
 from itertools import groupby
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from entity_assets.broker import DEFAULT_PORT, LocalBroker
 from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import KafkaUnreachable
+from entity_assets.local_service import PortInUse
 from resources.lake import default_home
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class UsageError(Exception):
+    """Arguments or input files the user can fix: said on one line, status 2, no traceback."""
 
 
 def _home() -> Path:
@@ -82,11 +89,14 @@ def cmd_broker(args) -> int:
 def cmd_topics(args) -> int:
     """Creates the topics the project reads and writes that the cluster lacks, with their settings,
     and lists them: for clusters whose clients may not create topics, or to review the settings."""
-    from entity_assets.kafka_io import ensure_topics, partition_counts
+    from entity_assets.kafka_io import cluster_metadata, ensure_topics, partition_counts
     from resources.kafka import DERIVED_STREAMS
 
+    if bad := [kv for kv in args.input_config if "=" not in kv]:
+        raise UsageError(f"--input-config {bad[0]}: give KEY=VALUE, e.g. retention.ms=-1")
     kafka = kafka_resource()
     config = kafka.config()
+    cluster_metadata(config)  # no answer: the error at once, as `produce` gives it
     input_settings = dict(kv.split("=", 1) for kv in args.input_config)
     inputs = {kafka.topic(s): input_settings for s in INPUT_STREAMS}
     outputs = {kafka.topic(s): kafka.new_topic_settings(s) for s in DERIVED_STREAMS if kafka.publishes(s)}
@@ -94,13 +104,14 @@ def cmd_topics(args) -> int:
         *ensure_topics(config, inputs, args.partitions, topic_configs=inputs),
         *ensure_topics(config, outputs, kafka.new_topic_partitions, topic_configs=outputs)}
     held = partition_counts(config, [*inputs, *outputs])
-    for role, topics in (("input", inputs), ("output", outputs)):
+    for role, topics, partitions in (("input", inputs, args.partitions), ("output", outputs, kafka.new_topic_partitions)):
         for topic, settings in topics.items():
             if topic in held and topic not in created:
                 print(f"{topic:<40} {role:<6} exists, {held[topic]} partitions")
                 continue
             shown = ",".join(f"{k}={v}" for k, v in settings.items()) or "broker defaults"
-            print(f"{topic:<40} {role:<6} {'created' if topic in created else 'would be created'}: {shown}")
+            print(f"{topic:<40} {role:<6} {'created' if topic in created else 'would be created'}: "
+                  f"{partitions} partitions, {shown}")
     return 0
 
 
@@ -119,15 +130,20 @@ def cmd_spark(args) -> int:
     return 0
 
 
-def produce_records(records, kafka=None) -> Counter:
+def produce_records(records, kafka=None, streams: set[str] | None = None) -> Counter:
     """Produces (stream, key, value) records to their topics; returns counts per stream.
 
     Kafka is asked for its metadata first: a producer would wait minutes for a broker that is
-    not there before it failed."""
+    not there before it failed. `streams`, when given, must all have their topic already: a
+    misspelt one would be created by a broker that creates topics on first use, and never read."""
     from entity_assets.kafka_io import cluster_metadata, produce
 
     kafka = kafka or kafka_resource()
-    cluster_metadata(kafka.config())
+    held = cluster_metadata(kafka.config()).topics
+    if missing := sorted(kafka.topic(s) for s in streams or () if kafka.topic(s) not in held):
+        raise UsageError(f"no topic {', '.join(missing)} on the cluster: give an input stream "
+                         f"({', '.join(INPUT_STREAMS)}) or an ingestion topic that exists "
+                         "(`entity-assets topics` creates the input topics)")
     counts: Counter = Counter()
     # streamed, one producer per run of records of one stream: memory stays flat in N
     for stream, run in groupby(records, key=lambda r: r[0]):
@@ -144,6 +160,24 @@ def _cdc_topics(partitions: int = 4) -> None:
     ensure_topics(kafka.config(), [kafka.topic(s) for s in samples.CDC_STREAMS], partitions)
 
 
+def _file_records(path: str):
+    """(stream, key, value) of each line of a JSON-lines file of {topic, key, value}."""
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                    value = r["value"] if isinstance(r["value"], str) else json.dumps(r["value"])
+                    yield r["topic"], r.get("key"), value.encode()
+                except (ValueError, TypeError, KeyError) as exc:
+                    what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+                    raise UsageError(f"{path}:{number}: {what} (each line: {{topic, key, value}})") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: {exc.strerror}") from None
+
+
 def cmd_produce(args) -> int:
     from entity_assets import samples
 
@@ -151,14 +185,11 @@ def cmd_produce(args) -> int:
         _cdc_topics()
         counts = produce_records(samples.CdcTraffic(rows=args.rows, seed=args.seed).records())
     elif args.source == "file":
-        def records():
-            with open(args.path) as f:
-                for line in f:
-                    if line.strip():
-                        r = json.loads(line)
-                        value = r["value"] if isinstance(r["value"], str) else json.dumps(r["value"])
-                        yield r["topic"], r.get("key"), value.encode()
-        counts = produce_records(records())
+        if not args.path:
+            raise UsageError("produce file needs a path: JSON lines of {topic, key, value}")
+        # read twice, so that a bad line or topic stops it before anything is produced
+        counts = produce_records(_file_records(args.path),
+                                 streams={stream for stream, _, _ in _file_records(args.path)})
     elif args.source == "seed":
         counts = produce_records(samples.seed_records())
     else:
@@ -321,8 +352,8 @@ def cmd_run(args) -> int:
             print("--assets needs --slices: pending slices run through the whole graph", file=sys.stderr)
             return 2
         return _run_all(lambda: run_pending(max_messages=args.max_messages))
-    first, _, last = args.slices.partition("..")
-    if not (first.isdigit() and (last or first).isdigit()):
+    first, dots, last = args.slices.partition("..")
+    if not (first.isdigit() and (last.isdigit() if dots else True)):
         print(f"--slices {args.slices}: give slice numbers, FIRST or FIRST..LAST", file=sys.stderr)
         return 2
     assets = [a.strip() for a in args.assets.split(",")] if args.assets else None
@@ -466,7 +497,8 @@ def cmd_demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="entity-assets", description=__doc__.split("\n")[0])
-    parser.add_argument("--port", type=int, default=int(os.environ.get("ENTITY_ASSETS_BROKER_PORT", DEFAULT_PORT)))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("ENTITY_ASSETS_BROKER_PORT", DEFAULT_PORT)),
+                        help="the local broker's port (before the command; ENTITY_ASSETS_BROKER_PORT)")
     sub = parser.add_subparsers(dest="command", required=True)
     broker = sub.add_parser("broker", help="start, stop or inspect the local broker")
     broker.add_argument("action", choices=["start", "stop", "status"])
@@ -529,9 +561,15 @@ def main(argv: list[str] | None = None) -> int:
                "demo": cmd_demo}
     try:
         return handler[args.command](args)
-    except KafkaUnreachable as exc:  # a setting or a broker to fix, not a bug: no traceback
+    except (KafkaUnreachable, PortInUse) as exc:  # a setting or a broker to fix, not a bug: no traceback
         print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
         return 1
+    except UsageError as exc:
+        print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:  # a resource's setting from the environment (ENTITY_ASSETS_*)
+        print(f"entity-assets {args.command}: a setting is not valid: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import ClassVar
 
 
+class PortInUse(RuntimeError):
+    """Another process listens on the service's port: the operator's to stop, or to pick another."""
+
+
 @dataclass(frozen=True)
 class LocalService:
     data_dir: Path
@@ -71,7 +75,7 @@ class LocalService:
             self.wait_ready(timeout)
             return running
         if self.listening():  # ours would not bind, and a probe would take the other for it
-            raise RuntimeError(f"{self.address} is in use by a process that {self.pid_file} does not name: "
+            raise PortInUse(f"{self.address} is in use by a process that {self.pid_file} does not name: "
                                f"stop it, or give this {self.name} another port")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:  # the child keeps its own descriptor

@@ -185,7 +185,8 @@ def format_trail(trail: Trail) -> str:
     """The trail as text: a line per row, per state row as it is now, and per notified device."""
     head = f"{trail.topic}:{trail.partition}:{trail.offset}"
     if trail.slice is None:
-        return f"{head}: in no slice yet (the sensor has not closed a slice over this offset)"
+        return (f"{head}: in no slice (the sensor has not closed one over this offset yet, or the topic has no "
+                "such partition or offset)")
     lines = [f"{head}: slice {trail.slice}" + (f", applied in slice {trail.applied} (it waited for its schema)"
                                                 if trail.applied else "")]
     width = len("device_notifications")  # the longest name of a line

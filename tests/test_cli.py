@@ -67,7 +67,7 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     assert f"entity_batches        clientid={record['clientid']} request={record['request']}" in out
     assert "entity_updates" in out and "partial_responses" in out and "entities              now: collection=" in out
     assert cli.main(["trace", f"entity-batches:{record['kafka_partition']}:{10 ** 9}"]) == 1
-    assert "in no slice yet" in capsys.readouterr().out
+    assert "in no slice (the sensor has not closed one over this offset yet" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="is not TOPIC:PARTITION:OFFSET"):
         cli.main(["trace", "entity-batches:0"])
     # the demo's hint: a record that reached devices, whose trail ends at their inboxes
@@ -135,6 +135,7 @@ def test_topics_creates_what_the_cluster_lacks_with_each_topics_settings(broker,
     assert cli.main(["topics", "--dry-run"]) == 0
     planned = capsys.readouterr().out
     assert planned.count("would be created") == len(topics) and partition_counts(config, topics) == {}
+    assert planned.count("would be created: 4 partitions, ") == len(topics)
     assert f"{prefix}device-notifications" in planned and "retention.ms=86400000,cleanup.policy=compact" in planned
 
     assert cli.main(["topics", "--partitions", "3", "--input-config", "retention.ms=-1"]) == 0
@@ -185,3 +186,53 @@ def test_an_empty_dagster_home_gets_the_project_homes(monkeypatch, tmp_path):
     cli.prepare_environment()
     assert os.environ["DAGSTER_HOME"] == str(tmp_path / "dagster")
     assert (tmp_path / "dagster" / "dagster.yaml").exists()
+
+
+def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(broker, monkeypatch, tmp_path, capsys):
+    """A bad line, a missing file or a topic the cluster lacks is said on one line, status 2, and
+    nothing is produced: a broker that creates topics on first use would make a misspelt one."""
+    from entity_assets.kafka_io import partition_counts
+
+    prefix = "cli-file."
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
+    monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", prefix)
+    config = {"bootstrap.servers": broker.bootstrap}
+    assert cli.main(["topics"]) == 0
+    capsys.readouterr()
+    good = json.dumps({"topic": "connections", "key": "jsmith", "value": samples.SEED_CONNECTION})
+    path = tmp_path / "records.jsonl"
+    for lines, said in ([good, '{"topic": "connections", "key": "k"}'], f"{path}:2: no 'value'"), \
+                       ([good, "{not json"], f"{path}:2: "), \
+                       ([good, good.replace('"connections"', '"conections"')], f"no topic {prefix}conections on"):
+        path.write_text("\n".join(lines) + "\n")
+        assert cli.main(["produce", "file", str(path)]) == 2
+        assert capsys.readouterr().err.startswith(f"entity-assets produce: {said}")
+    assert partition_counts(config, [f"{prefix}conections"]) == {}
+    assert cli.main(["produce", "file", str(tmp_path / "missing.jsonl")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+    assert cli.main(["produce", "file"]) == 2
+    path.write_text(good + "\n")
+    assert cli.main(["produce", "file", str(path)]) == 0
+    assert capsys.readouterr().out == "produced 1 to connections\n"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["topics", "--dry-run", "--input-config", "foo"], "--input-config foo: give KEY=VALUE"),
+    (["run", "--slices", "1.."], "--slices 1..: give slice numbers"),
+])
+def test_arguments_the_user_can_fix_are_a_line_and_status_2(argv, said, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    assert cli.main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_PUBLISH", "partial-respones")
+    assert cli.main(["topics", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("entity-assets topics: a setting is not valid") and "partial-respones" in err

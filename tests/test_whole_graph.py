@@ -524,7 +524,7 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         run_config={"ops": {"trace_record": {"config": {"record": "entity-batches:0:999999"}}}},
         instance=pipeline.instance, raise_on_error=False)
     [failure] = [e for e in missing.all_events if e.is_step_failure]
-    assert "in no slice yet" in pipeline.failure_text(failure)
+    assert "in no slice (the sensor has not closed one" in pipeline.failure_text(failure)
 
     # 5. a re-run of slice 2 (replayed against the state of slice 1) yields the same notification ids
     again = pipeline.run(K2)
