@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -34,14 +35,36 @@ class KafkaUnreachable(RuntimeError):
     """Kafka gave no metadata: the broker is down, or the bootstrap servers or security settings are wrong."""
 
 
+class _LastError(logging.Handler):
+    """Keeps the last error librdkafka logged for one client, instead of the line per reconnect
+    (ten a second) that it prints to stderr by default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
+            self.last = record.getMessage().split("]: ", 1)[-1]
+
+
 def cluster_metadata(config: dict, timeout: float = 10.0, client: Consumer | AdminClient | None = None):
     """`list_topics` of `client` (default: an admin client). No answer raises an error naming the
-    servers asked (a sensor tick or a command shows it), where librdkafka's names none."""
+    servers asked (a sensor tick or a command shows it), where librdkafka's names none; with no
+    `client`, the error also gives the cause librdkafka last logged (refused, TLS, SASL)."""
+    cause = None
+    if client is None:
+        cause, logger = _LastError(), logging.Logger("entity_assets.kafka_metadata")  # unregistered: freed after
+        logger.addHandler(cause)
+        client = AdminClient({**config, "logger": logger})
     try:
-        return (client or AdminClient(config)).list_topics(timeout=timeout)
+        return client.list_topics(timeout=timeout)
     except KafkaException as exc:
+        if cause is not None:
+            client.poll(0)  # serves the logged lines to the handler
+        detail = f"{exc.args[0].str()}" + (f"; {cause.last}" if cause is not None and cause.last else "")
         raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no metadata within {timeout:g} s "
-                               f"({exc.args[0].str()}): is the broker up, and are the bootstrap servers and "
+                               f"({detail}): is the broker up, and are the bootstrap servers and "
                                "security settings right? (docs/operations.md)") from exc
 
 
