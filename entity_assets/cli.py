@@ -437,11 +437,16 @@ def cmd_history(args) -> int:
                   f"v{v['version']}  slice {v['slice']}  valid {v['valid_from']}..{v['valid_to'] or ''}  {v['action']} "
                   f"by {v['clientid']}/{v['request']}/{v['part']}  "
                   + ("(deleted)" if v["deleted"] else json.dumps(v["document"], ensure_ascii=False)))
-        return 0 if history else 1
-    found = as_of(history, slice=args.slice, time=args.at)
-    if found is not None:
-        print(json.dumps(found, ensure_ascii=False) if args.json else json.dumps(found["document"], ensure_ascii=False))
-    return 0 if found is not None else 1
+    else:
+        found = as_of(history, slice=args.slice, time=args.at)
+        if found is not None:
+            print(json.dumps(found, ensure_ascii=False) if args.json else
+                  json.dumps(found["document"], ensure_ascii=False))
+            return 0
+    if not history:  # silence would not tell a mistyped key from an entity not there yet
+        print(f"entity-assets history: no version of {args.dbid}/{args.collection}/{args.zone}/{args.entity} in "
+              "entity_updates (the key's four parts are case-sensitive)", file=sys.stderr)
+    return 0 if history and (args.slice is None and args.at is None) else 1
 
 
 def _a_notifying_record() -> str | None:

@@ -98,7 +98,9 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     assert cli.main(["history", *key, "--slice", str(slices)]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(entity["document"])
     assert cli.main(["history", *key, "--at", str(versions[0]["valid_from"] - 1)]) == 1
+    assert capsys.readouterr().err == ""  # the entity is there, only not yet then
     assert cli.main(["history", *key[:3], "no-such-entity"]) == 1
+    assert "history: no version of " in capsys.readouterr().err
     # the demo's hint: the entity of the most versions
     hint = cli._an_entity_of_many_versions().split(" ")
     assert cli.main(["history", *hint]) == 0
