@@ -519,7 +519,7 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
             status, error, before_text, after, action = core.apply(state, ops, ended, include_before, include_after)
             subject = learn = None
             if status == core.STATUS_OK:
-                subject = notify.subject_zone(collection, zone, state.doc if state.doc is not None else before)
+                subject = notify.subject_zone(collection, zone, state.doc, before)
                 if learning and state.doc is not None:
                     learn = core.learned_after(after, state.doc)
             added.append((ended, status, error, before_text, after, action, subject, previous))
@@ -627,13 +627,13 @@ FAN_OUT_COLUMNS = list(dict.fromkeys([*_CHANGE_COLUMNS, *notify.RECIPIENT_INPUTS
 
 
 def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                 subscriptions: list[tuple[str, str, str]], publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Input: the slice's zone changes; subscriptions: (dbid, entity, document JSON) in effect.
+                 subscriptions: list[tuple[str, str, str, str]], publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
+    """Input: the slice's zone changes; subscriptions: (dbid, zone, entity, document JSON) in effect.
 
     A change's rows are its columns, taken once per device to notify, with the device's own.
     """
     index = notify.SubscriptionIndex(
-        (dbid, entity, sub) for dbid, entity, doc in subscriptions
+        (dbid, zone, entity, sub) for dbid, zone, entity, doc in subscriptions
         if (sub := notify.parse_subscription(core.loads(doc))) is not None
     )
     # a row group per device_inboxes bucket: each task of device_notifications reads its own (inbox_events)
@@ -678,6 +678,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
             for row in events:
                 if row["kind"] == "a-notify":
                     inbox.add(row["notification"], row["ended"])
+                    inbox.dbid, inbox.user = row["dbid"], row["user"]  # whom the device was last notified for
                     dirty = True
                 else:
                     ids = json.loads(row["notifications"]) if row["notifications"] else None

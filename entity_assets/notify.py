@@ -23,6 +23,7 @@ __all__ = [
     "action_of",
     "subject_zone",
     "parse_subscription",
+    "subscription_error",
     "notification_id",
     "SubscriptionIndex",
     "recipients",
@@ -58,25 +59,39 @@ def parse_subscription(document: dict[str, Any] | None) -> ZoneSubscription | No
 
     Never raises: a malformed subscription is user data, and must not stop a slice.
     """
+    return _subscription(document)[0]
+
+
+def subscription_error(document: dict[str, Any] | None) -> str | None:
+    """Why a ``$zoneSubscription`` document notifies nobody (None when it is a subscription)."""
+    return _subscription(document)[1]
+
+
+def _subscription(document) -> tuple[ZoneSubscription | None, str | None]:
     if not isinstance(document, dict):
-        return None
+        return None, "the document is not an object"
     try:
-        return ZoneSubscription.model_validate(document)
-    except (ValidationError, ValueError, TypeError):
-        return None
+        return ZoneSubscription.model_validate(document), None
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        return None, f"{'.'.join(map(str, first['loc'])) or 'document'}: {first['msg']}"
+    except (ValueError, TypeError) as exc:
+        return None, str(exc)
 
 
-def subject_zone(collection: str, zone: str, document: dict[str, Any] | None) -> str:
+def subject_zone(collection: str, zone: str, after: dict[str, Any] | None,
+                 before: dict[str, Any] | None = None) -> str:
     """The zone-changes partition of a change: a subscription's ``subjectZone``, else ``zone``.
 
-    For subscriptions pass the ``after`` document, or ``before`` for a deletion, so the whole life
-    of a subscription lands in the zone it watches. A missing/invalid document falls back to the
-    entity's own zone (there is no subject zone to honour).
+    A subscription's change lands in the zone it watches after the change, or, when it is deleted
+    or no longer a subscription, in the zone it watched before, so that zone's partition sees it
+    go. With neither, the entity's own zone (there is no subject zone to honour).
     """
     if collection == SUBSCRIPTIONS:
-        sub = parse_subscription(document)
-        if sub is not None:
-            return sub.subjectZone
+        for document in (after, before):
+            sub = parse_subscription(document)
+            if sub is not None:
+                return sub.subjectZone
     return zone
 
 
@@ -108,16 +123,17 @@ def notification_id(
 class SubscriptionIndex:
     """Subscriptions in effect, indexed by (dbid, subjectZone).
 
-    Built from (dbid, subscription entity id, subscription) triples; a later triple with the same
-    (dbid, entity id) replaces the earlier one, so a stream of successive versions can be fed in.
+    Built from (dbid, zone, entity, subscription): a subscription entity's key (entity ids are
+    unique within a zone, not a database) and what it describes. A later one with the same key
+    replaces the earlier, so a stream of successive versions can be fed in.
     """
 
-    def __init__(self, subscriptions: Iterable[tuple[str, str, ZoneSubscription]]) -> None:
-        by_entity: dict[tuple[str, str], ZoneSubscription] = {}
-        for dbid, entity, sub in subscriptions:
-            by_entity[(dbid, entity)] = sub
+    def __init__(self, subscriptions: Iterable[tuple[str, str, str, ZoneSubscription]]) -> None:
+        by_entity: dict[tuple[str, str, str], ZoneSubscription] = {}
+        for dbid, zone, entity, sub in subscriptions:
+            by_entity[(dbid, zone, entity)] = sub
         self._by_zone: dict[tuple[str, str], list[ZoneSubscription]] = {}
-        for (dbid, _entity), sub in by_entity.items():
+        for (dbid, _zone, _entity), sub in by_entity.items():
             self._by_zone.setdefault((dbid, sub.subjectZone), []).append(sub)
         self._size = len(by_entity)
         self._devices: dict[tuple[str, str, str, str], list[tuple[str, str]]] = {}

@@ -17,6 +17,7 @@ from entity_assets.notify import (
     recipients,
     notification_id,
     parse_subscription,
+    subscription_error,
     seen,
     subject_zone,
 )
@@ -34,7 +35,7 @@ def sub(zone: str, device: str, actions: list[str], user: str = "jsmith", collec
 
 
 def index_of(*docs: dict, dbid: str = DB) -> SubscriptionIndex:
-    return SubscriptionIndex((dbid, f"sub-{i}", ZoneSubscription.model_validate(d)) for i, d in enumerate(docs))
+    return SubscriptionIndex((dbid, "subs", f"sub-{i}", ZoneSubscription.model_validate(d)) for i, d in enumerate(docs))
 
 
 def change(action: str, *, collection: str = "Contacts", zone: str = "A", request: int = 1, part: int = 1, **kw) -> dict:
@@ -71,6 +72,10 @@ def test_subscription_change_is_partitioned_by_subject_zone():
     assert subject_zone("Contacts", "B", doc) == "B"  # only $zoneSubscription entities are redirected
     assert subject_zone(SUBSCRIPTIONS, "subs-zone", None) == "subs-zone"
     assert subject_zone(SUBSCRIPTIONS, "subs-zone", {"device": "d"}) == "subs-zone"
+    # deleted, or no longer a subscription: the zone it watched sees it go
+    assert subject_zone(SUBSCRIPTIONS, "subs-zone", None, doc) == "A"
+    assert subject_zone(SUBSCRIPTIONS, "subs-zone", {"device": "d"}, doc) == "A"
+    assert subject_zone(SUBSCRIPTIONS, "subs-zone", sub("B", "device1", ["created"]), doc) == "B"
 
 
 # ---------------------------------------------------------------- subscriptions
@@ -92,6 +97,18 @@ def test_parse_subscription_defaults_and_invalid():
         {"subjectZone": 7, "device": "d", "user": "u"},
     ):
         assert parse_subscription(bad) is None, bad
+        assert subscription_error(bad), bad
+    assert subscription_error({"subjectZone": "A", "device": "d"}) == "user: Field required"
+    assert subscription_error(sub("A", "d", ["created"])) is None
+
+
+def test_subscriptions_of_one_id_in_two_zones_are_two_subscriptions():
+    """Entity ids are unique within a zone: keyed by id alone, one subscription hid the other."""
+    index = SubscriptionIndex([(DB, "X", "sub-1", ZoneSubscription.model_validate(sub("A", "d1", ["created"]))),
+                               (DB, "Y", "sub-1", ZoneSubscription.model_validate(sub("B", "d2", ["created"])))])
+    assert len(index) == 2
+    assert index.devices_for(DB, "Contacts", "A", "created") == [("d1", "jsmith")]
+    assert index.devices_for(DB, "Contacts", "B", "created") == [("d2", "jsmith")]
 
 
 def test_devices_for_sorted_unique(seed_index):
@@ -106,7 +123,7 @@ def test_devices_for_sorted_unique(seed_index):
 def test_later_version_of_a_subscription_replaces_earlier():
     first = ZoneSubscription.model_validate(sub("A", "d", ["created"]))
     moved = ZoneSubscription.model_validate(sub("B", "d", ["created"]))
-    index = SubscriptionIndex([(DB, "s1", first), (DB, "s1", moved)])
+    index = SubscriptionIndex([(DB, "subs", "s1", first), (DB, "subs", "s1", moved)])
     assert len(index) == 1
     assert index.devices_for(DB, "X", "A", "created") == []
     assert index.devices_for(DB, "X", "B", "created") == [("d", "jsmith")]
@@ -151,7 +168,7 @@ def test_failed_update_notifies_nobody(seed_index):
 
 def test_invalid_subscription_document_is_ignored():
     docs = [sub("A", "good", ["created"]), {"subjectZone": "A", "device": "bad"}, None, {"actions": "created"}]
-    valid = [(DB, f"s{i}", s) for i, d in enumerate(docs) if (s := parse_subscription(d)) is not None]
+    valid = [(DB, "subs", f"s{i}", s) for i, d in enumerate(docs) if (s := parse_subscription(d)) is not None]
     index = SubscriptionIndex(valid)
     assert [device for device, _, _ in fan_out(change("created"), index)] == ["good"]
 

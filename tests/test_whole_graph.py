@@ -346,8 +346,10 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         batch(2, 1415747086100, [contact(ENTITY_B, "B", created)]),
     ], K1)
     # ---- slice 2: an entity of zone A is created, updated and deleted; device3 subscribes to zone B
+    broken = {"collection": samples.SUBSCRIPTIONS, "zone": "default", "entity": "sub-broken",  # no user: no subscription
+              "ops": [{"op": "add", "path": "", "value": {"subjectZone": "A", "device": "device9"}}]}
     r2 = run_slice(pipeline, [
-        batch(3, 1415747087000, [subscribe("device3")]),
+        batch(3, 1415747087000, [subscribe("device3"), broken]),
         batch(4, FUTURE + 1, [contact(ENTITY_A, "A", created)]),
         batch(5, FUTURE + 2, [contact(ENTITY_A, "A", [{"op": "replace", "path": "firstName", "value": "Bea"}])]),
         batch(6, FUTURE + 3, [contact(ENTITY_A, "A", [{"op": "remove", "path": ""}])]),
@@ -360,15 +362,17 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     assert zone_rows(K1) == [(ENTITY_B, "B", "B", "created"), ("sub-device1", "default", "A", "created"),
                              ("sub-device2", "default", "A", "created")]
     assert zone_rows(K2) == [(ENTITY_A, "A", "A", "created"), (ENTITY_A, "A", "A", "deleted"),
-                             (ENTITY_A, "A", "A", "updated"), ("sub-device3", "default", "B", "created")]
+                             (ENTITY_A, "A", "A", "updated"), ("sub-broken", "default", "default", "created"),
+                             ("sub-device3", "default", "B", "created")]
     assert pipeline.materializations(r1)["zone_changes"]["zones"] == {"A": 2, "B": 1}
-    assert pipeline.materializations(r2)["zone_changes"]["zones"] == {"A": 3, "B": 1}
-    subject = {ENTITY_A: "A", ENTITY_B: "B", **{f"sub-{d}": z for d, (_, z, _) in ZONE_SUBSCRIBERS.items()}}
+    assert pipeline.materializations(r2)["zone_changes"]["zones"] == {"A": 3, "B": 1, "default": 1}
+    subject = {ENTITY_A: "A", ENTITY_B: "B", "sub-broken": "default",
+               **{f"sub-{d}": z for d, (_, z, _) in ZONE_SUBSCRIBERS.items()}}
     n = partitions_of(pipeline, "zone-changes")
     assert partition_for("A", n) != partition_for("default", n)  # so the subscriptions' partition is telling
     zone_messages = messages_on(pipeline, "zone-changes")
     assert Counter(m["key"] for m in zone_messages) == {ENTITY_A: 3, ENTITY_B: 1, "sub-device1": 1,
-                                                        "sub-device2": 1, "sub-device3": 1}
+                                                        "sub-device2": 1, "sub-device3": 1, "sub-broken": 1}
     for m in zone_messages:  # keyed by entity, partitioned by (subject) zone, the entity-updates structure
         assert m["partition"] == partition_for(subject[m["key"]], n), m
         assert m["value"]["entity"] == m["key"] and m["value"]["status"] == 1
@@ -390,6 +394,13 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
                                                             request_of[r["action"]], 1)
     assert len({r["notification"] for r in changes}) == 5
     ids = {(r["device"], r["action"]): r["notification"] for r in changes}
+    # the subscription without a user notifies nobody, and the check says so with its key and why
+    assert pipeline.checks(r1)["subscriptions_are_valid"].passed is True
+    check = pipeline.checks(r2)["subscriptions_are_valid"]
+    assert check.passed is False and check.severity == AssetCheckSeverity.WARN
+    assert check.metadata["first"].value == {f"{DB}/default/sub-broken": "user: Field required"}
+    assert pipeline.materializations(r2)["changes_by_device"]["invalid_subscriptions"] == 1
+    assert pipeline.materializations(r2)["changes_by_device"]["subscriptions"] == 3
 
     by_device = messages_on(pipeline, "changes-by-device")
     n = partitions_of(pipeline, "changes-by-device")
@@ -457,8 +468,9 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(storage, "read_tables", lambda files, *args: read.append(len(files)) or read_tables(files, *args))
         assert changed(K2) == [(ENTITY_B, K3, False)] and read == [1]  # one bucket file was rewritten by slice 3
-        assert changed(K1) == [(ENTITY_A, K2, True), (ENTITY_B, K3, False), ("sub-device3", K2, False)]
-    assert len(changed(None)) == len(rows(pipeline, "entities")) == 5
+        assert changed(K1) == [(ENTITY_A, K2, True), (ENTITY_B, K3, False), ("sub-broken", K2, False),
+                               ("sub-device3", K2, False)]
+    assert len(changed(None)) == len(rows(pipeline, "entities")) == 6
 
     # row-level lineage: the update of slice 2 (request 5), from its Kafka record down to device2's inbox,
     # whose notification of it no ack of slice 3 covered
@@ -600,8 +612,8 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
                          ("kind", pa.string()), ("notification", pa.string()), ("ended", pa.int64()),
                          ("notifications", pa.string()), ("upTo", pa.int64()), ("bucket", pa.int32())])
 
-    def event(device, kind, notification=None, ended=0, up_to=None):
-        return {"dbid": DB, "user": "alice", "device": device, "kind": kind, "notification": notification,
+    def event(device, kind, notification=None, ended=0, up_to=None, user="alice"):
+        return {"dbid": DB, "user": user, "device": device, "kind": kind, "notification": notification,
                 "ended": ended, "notifications": None, "upTo": up_to, "bucket": zlib.crc32(device.encode()) % 32}
 
     def task(events, key, state_files):
@@ -612,7 +624,8 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
                 [f["path"] for f in report if f["table"] == fold.REPLACED + "device_inboxes"])
 
     assert [event(d, "")["bucket"] for d in ("device1", "device4")] == [6, 9]
-    [first], _ = task([event("device1", "a-notify", "n1", 1), event("device1", "a-notify", "n2", 2)], K1, {})
+    # a device shared by two users: its inbox names whom it was last notified for
+    [first], _ = task([event("device1", "a-notify", "n1", 1), event("device1", "a-notify", "n2", 2, user="bob")], K1, {})
     stored = TableFile(path=first["path"], uri=f"{uris['device_inboxes']}/{first['path']}", size=first["size"],
                        rows=first["rows"])
     written, replaced = task([event("device1", "b-ack", up_to=1), event("device4", "b-ack", up_to=samples.ACK_ALL)], K2,
@@ -621,8 +634,8 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
     assert [json.loads(f["stats"])["minValues"]["bucket"] for f in written] == [6]
     assert replaced == [stored.uri]
     stored = pq.read_table(f"{uris['device_inboxes']}/{written[0]['path']}").to_pylist()
-    assert [(r["device"], r["bucket"], list(json.loads(r["document"])["pending"])) for r in stored] == [
-        ("device1", 6, ["n2"])]
+    assert [(r["device"], r["user"], r["bucket"], list(json.loads(r["document"])["pending"])) for r in stored] == [
+        ("device1", "bob", 6, ["n2"])]
 
 
 def test_a_small_slice_runs_the_whole_graph_without_a_spark_session_nor_spool_files(make_pipeline, monkeypatch):

@@ -1,8 +1,17 @@
 """Zones and devices: zone changes, per-device change summaries and notification counts."""
 
-from dagster import AssetCheckSpec, AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
 
-from entity_assets import fold
+from entity_assets import core, fold, notify
 from entity_assets.assets.common import (
     commit_stream,
     ensure_tables,
@@ -46,15 +55,24 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
         zones=MetadataValue.json(dict(zones[:TOP_ZONES]))))
 
 
+INVALID_SHOWN = 20
+"""The invalid subscriptions a check names: the count says how many there are."""
+
+
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["zone_changes", "entities"], group_name="notifications",
        kinds=KINDS,
-       description="One change summary per subscribed device per change (created/updated/deleted), keyed by device.")
+       description="One change summary per subscribed device per change (created/updated/deleted), keyed by device.",
+       check_specs=[AssetCheckSpec("subscriptions_are_valid", asset="changes_by_device",
+                                   description="every $zoneSubscription entity describes a subscription")])
 def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                       kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     """Subscriptions in effect are the $zoneSubscription entities as of the end of this slice.
 
-    So a subscription created in a slice already receives the changes of that slice that
-    follow it in the entity state, and every change of later slices.
+    So a subscription created in a slice already receives every change of that slice, those
+    before it too, and a subscription deleted or narrowed in a slice none of that slice's
+    changes it no longer covers. A $zoneSubscription entity that describes no subscription (a
+    field missing, an unknown action) is applied as any entity and notifies nobody: the check
+    warns with its key and why.
     """
     engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["changes_by_device"], reads=["zone_changes", "entities"])
@@ -64,13 +82,21 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     # state files hold a row group per collection: the others are skipped by their statistics
     state = read_row_groups(engine.files("entities", version), "collection", SUBSCRIPTIONS,
                             engine.storage_options)
-    subscriptions = [(r["dbid"], r["entity"], r["document"]) for r in to_rows(state)
+    subscriptions = [(r["dbid"], r["zone"], r["entity"], r["document"]) for r in to_rows(state)
                      if not r["deleted"]] if state.num_rows else []
+    invalid = {f"{dbid}/{zone}/{entity}": error for dbid, zone, entity, document in subscriptions
+               if (error := notify.subscription_error(core.loads(document)))}
     summary, _ = write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
                                "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions,
                                columns=fold.FAN_OUT_COLUMNS)
-    return MaterializeResult(metadata=_metadata(engine, "changes_by_device", summary,
-                                                subscriptions=MetadataValue.int(len(subscriptions))))
+    shown = dict(sorted(invalid.items())[:INVALID_SHOWN])
+    return MaterializeResult(
+        metadata=_metadata(engine, "changes_by_device", summary,
+                           subscriptions=MetadataValue.int(len(subscriptions) - len(invalid)),
+                           invalid_subscriptions=MetadataValue.int(len(invalid))),
+        check_results=[AssetCheckResult(check_name="subscriptions_are_valid", passed=not invalid,
+                                        severity=AssetCheckSeverity.WARN,
+                                        metadata={"invalid": len(invalid), "first": MetadataValue.json(shown)})])
 
 
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["changes_by_device", "notification_acks"],
