@@ -113,6 +113,16 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
                 assert ui.poll() is None, (tmp_path / "ui.log").read_text()[-3000:]
                 return False
         _wait(serving, 120, "the webserver")
+
+        def location_loaded():  # the webserver serves before its code server has loaded the location
+            entries = _graphql(port, "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus "
+                                     "locationOrLoadError { __typename ... on PythonError { message } } } } } }",
+                               {})["workspaceOrError"]["locationEntries"]
+            [entry] = [e for e in entries if e["name"] == LOCATION["repositoryLocationName"]]
+            loaded = entry["locationOrLoadError"] or {}
+            assert loaded.get("__typename") != "PythonError", loaded.get("message")
+            return entry["loadStatus"] == "LOADED" and loaded.get("__typename") == "RepositoryLocation"
+        _wait(location_loaded, 180, "the code location")
         instance = DagsterInstance.from_config(str(home / "dagster"))
 
         # The sensor's first tick closes three slices and requests their runs at once.
