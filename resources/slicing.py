@@ -13,11 +13,11 @@ from entity_assets.slices import SlicePolicy
 class SlicingResource(ConfigurableResource):
     """How offsets become slices. See docs/slices.md for how to size these."""
 
-    min_interval_seconds: float = Field(default=900.0, description="minimum time between two slices")
-    max_messages: int = Field(default=5_000_000, description="upper bound of messages in one slice")
-    max_messages_per_task: int = Field(default=200_000, description="Kafka records one Spark task reads")
+    min_interval_seconds: float = Field(default=900.0, ge=0, description="minimum time between two slices")
+    max_messages: int = Field(default=5_000_000, gt=0, description="upper bound of messages in one slice")
+    max_messages_per_task: int = Field(default=200_000, gt=0, description="Kafka records one Spark task reads")
     dedupe_window_slices: int = Field(
-        default=4, description="earlier slices searched for redelivered requests (an hour at the default interval)")
+        default=4, ge=0, description="earlier slices searched for redelivered requests (an hour at the default interval)")
     schema_wait_slices: int = Field(
         default=4, ge=0, description="slices a Qlik data message waits for its schema's metadata message before it is "
                                      "also a dead letter (EA-SCHEMA-UNKNOWN); the slice that registers it applies it")

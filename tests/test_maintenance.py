@@ -120,3 +120,14 @@ def test_the_log_keeps_the_commit_of_a_table_s_last_slice_which_the_next_slice_l
     assert engine.version_after("dead_letters", "0000000002", "replace_slice") is None
     assert engine.version_after("dead_letters", "0000000003", "replace_slice") == 5
     assert engine.read("dead_letters").num_rows == 3
+    # a re-run of slice 3 (or a rebuild) finds slice 2 done: the log no longer reaches back to it
+    assert engine.reached("dead_letters", "0000000002", "replace_slice")
+    assert engine.reached("dead_letters", "0000000001", "replace_slice")  # slice 1's re-run, version 4, is held
+    assert engine.reached("dead_letters", "0000000003", "replace_slice")
+    assert not engine.reached("dead_letters", "0000000004", "replace_slice")
+    assert not engine.reached("dead_letters", "0000000002", "apply")
+    # while the log is whole, a later slice's commit does not stand for an earlier one's
+    other = DeltaRsEngine(str(tmp_path / "other"))
+    other.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(other, "dead_letters", "0000000002", 1),
+                        "0000000002")
+    assert not other.reached("dead_letters", "0000000001", "replace_slice")

@@ -165,3 +165,15 @@ def test_cursor_and_manifest_agree_on_the_next_start():
     [nxt] = plan(positions, {A0: 12, A1: 4}, next_seq=seq + 1, last_closed_at=closed_at, interval=0)
     assert nxt.seq == 2
     assert {(r.topic, r.partition): r.start for r in nxt.ranges} == s.positions()
+
+
+@pytest.mark.parametrize("setting", [{"max_messages": 0}, {"max_messages": -5}, {"max_messages_per_task": 0},
+                                     {"min_interval_seconds": -1}, {"dedupe_window_slices": -1}])
+def test_slice_sizes_that_would_hang_or_mean_nothing_are_refused(setting):
+    """max_messages 0 made the sensor's planning loop forever."""
+    from pydantic import ValidationError
+
+    from resources import SlicingResource
+
+    with pytest.raises(ValidationError):
+        SlicingResource(**setting)

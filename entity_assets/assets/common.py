@@ -177,7 +177,7 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     from entity_assets.slices import slice_key as key_of, slice_seq
 
     seq = slice_seq(slice_key)
-    if seq > 1 and engine.version_after(table, key_of(seq - 1), "replace_slice") is None:
+    if seq > 1 and not engine.reached(table, key_of(seq - 1), "replace_slice"):
         raise OutOfOrder(f"slice {slice_key}: {table} holds no slice {key_of(seq - 1)}, so redeliveries cannot "
                          f"be found; slice {key_of(seq - 1)} is missing: materialize the slices in order")
     files = engine.slice_files(table, [slice_key])

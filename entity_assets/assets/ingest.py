@@ -113,7 +113,7 @@ def _registry_before(engine, slice_key: str) -> dict:
     """The Qlik schemas registered before the slice. The slice before must be ingested: its
     metadata messages, and its data messages still waiting for theirs, are read from the lake."""
     seq = slice_seq(slice_key)
-    if seq > 1 and engine.version_after("entity_batches", key_of(seq - 1), "replace_slice") is None:
+    if seq > 1 and not engine.reached("entity_batches", key_of(seq - 1), "replace_slice"):
         raise OutOfOrder(f"slice {slice_key} reads the Qlik schemas that the slices before it registered (to decode "
                          f"its ingestion topics' data messages, or to end their waits) and slice {key_of(seq - 1)} "
                          "is not ingested: materialize the slices in order")
@@ -147,7 +147,7 @@ def _due_waits(engine, kafka: KafkaResource, slice_key: str, wait: int) -> list:
     if ending is None or ending == slice_key:  # with no wait, this one: its committed files are a run's it replaces
         return []
     due = engine.slice_files("schema_waits", [ending])
-    if not due and engine.version_after("entity_batches", ending, "replace_slice") is None:
+    if not due and not engine.reached("entity_batches", ending, "replace_slice"):
         streams = (kafka.input_stream(r.topic) for r in ManifestStore(engine).get(ending).ranges if r.count > 0)
         if any(s is not None and s.may_hold_envelopes for s in streams):
             raise OutOfOrder(f"slice {slice_key} ends the waits for their schema of slice {ending}'s Qlik data "
