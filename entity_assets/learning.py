@@ -36,6 +36,7 @@ __all__ = [
     "infer",
     "disagreements",
     "entity_types",
+    "escape",
 ]
 
 TYPES = ("STRING", "INTEGER", "DOUBLE", "BOOLEAN", "DOCUMENT", "ARRAY", "NULL")
@@ -334,7 +335,8 @@ def infer(summary: Summary, declared: dict | None = None) -> dict:
 # ---------------------------------------------------------------- disagreements
 
 
-def _escape(name: str) -> str:
+def escape(name: str) -> str:
+    """A name as a JSON Pointer token (RFC 6901): its `/` cannot be taken for a separator."""
     return name.replace("~", "~0").replace("/", "~1")
 
 
@@ -347,7 +349,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
     for name, f in level.fields.items():
         if f.present == 0:
             continue
-        path = prefix + _escape(name)
+        path = prefix + escape(name)
         spec = (declared or {}).get(name)
         if spec is None:
             detail = f"observed in {f.present} of {total} documents as {_counts(f.types)}"
@@ -381,7 +383,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
             missing = total - (f.present if f is not None else 0)
             if missing > 0:
                 out.append({
-                    "path": prefix + _escape(name),
+                    "path": prefix + escape(name),
                     "kind": "required_missing",
                     "detail": f"missing in {missing} of {total} documents",
                 })

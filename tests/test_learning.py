@@ -12,6 +12,7 @@ from entity_assets.learning import (
     Summary,
     disagreements,
     entity_types,
+    escape,
     infer,
     normalize_type,
     type_of,
@@ -359,3 +360,17 @@ def test_determinism():
     assert disagreements(s1, CONTACTS) == disagreements(s2, CONTACTS)
     d = disagreements(s1, CONTACTS)
     assert d == sorted(d, key=lambda x: (x["path"], x["kind"]))
+
+
+def test_the_check_shows_a_bounded_report_and_counts_it_all():
+    """A document used as a map makes a disagreement per key: the event log keeps every slice's metadata."""
+    from entity_assets.assets.schemas import SHOWN, _declared_schema_check
+
+    report = {f"db/{escape('a/b')}{i}": [{"path": f"k{j}", "kind": "undeclared"} for j in range(SHOWN + 5)]
+              for i in range(SHOWN + 3)}
+    check = _declared_schema_check(report)
+    shown = check.metadata["disagreements"].value
+    assert len(shown) == SHOWN and {len(issues) for issues in shown.values()} == {SHOWN}
+    assert check.metadata["collections_disagreeing"].value == SHOWN + 3
+    assert check.metadata["disagreement_count"].value == (SHOWN + 3) * (SHOWN + 5)
+    assert "db/a~1b0" in shown  # the collection "a/b0" of database "db", not collection "b0" of "db/a"

@@ -18,7 +18,7 @@ from entity_assets import fold
 from entity_assets.assets.common import (
     collect_tasks, commit_state, ensure_tables, file_tasks, state_as_of, table_metadata, task_slots,
 )
-from entity_assets.learning import Summary, disagreements, entity_types, infer
+from entity_assets.learning import Summary, disagreements, entity_types, escape, infer
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.storage import FileWriter
 from entity_assets.tables import SCHEMAS
@@ -69,7 +69,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
         decl = declared.get((dbid, collection))
         issues = disagreements(summary, decl) if summary.observed else []
         if issues:
-            report[f"{dbid}/{collection}"] = issues
+            report[f"{escape(dbid)}/{escape(collection)}"] = issues
         rows.append({"slice": key, "dbid": dbid, "collection": collection, "observed": summary.observed,
                      "declared": None if decl is None else json.dumps(decl, sort_keys=True),
                      "learned": json.dumps(infer(summary, decl), sort_keys=True), "summary": summary.to_json(),
@@ -90,6 +90,12 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     yield _declared_schema_check(report)
 
 
+SHOWN = 50
+"""Collections, and disagreements of each, that the check's metadata shows: a document used as a
+map makes a field per key, and the event log keeps the metadata of every slice. The
+learned_schemas rows keep every disagreement."""
+
+
 def _declared_schema_check(report: dict[str, list[dict]]) -> AssetCheckResult:
     """A warning, not a failure: it reports what clients sent, which the pipeline learned all the
     same. The counts are numbers so that the UI plots them slice by slice."""
@@ -98,4 +104,5 @@ def _declared_schema_check(report: dict[str, list[dict]]) -> AssetCheckResult:
         severity=AssetCheckSeverity.WARN,
         metadata={"collections_disagreeing": MetadataValue.int(len(report)),
                   "disagreement_count": MetadataValue.int(sum(len(issues) for issues in report.values())),
-                  "disagreements": MetadataValue.json(report)})
+                  "disagreements": MetadataValue.json({name: issues[:SHOWN]
+                                                       for name, issues in sorted(report.items())[:SHOWN]})})
