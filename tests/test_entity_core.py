@@ -242,6 +242,33 @@ def test_messages_go_out_only_once_their_rows_are_committed(pipeline, monkeypatc
     assert one(messages(pipeline, "entity-updates"))["value"]["entity"] == SALLY
 
 
+def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_again(pipeline, monkeypatch):
+    """A step commits, then publishes: with the broker down, slice 1 is applied but its messages
+    are not out, and slice 2, queued already, would put the entity's next patch on Kafka first."""
+    sally = samples.SEED_ENTITY_BATCH["patches"][0]
+    later = batch(7, [patch(SALLY, [{"op": "replace", "path": "firstName", "value": "Sal"}],
+                            collection=sally["collection"], zone=sally["zone"])], begun=1415747090000)
+    pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
+    [r1] = pipeline.tick()
+    pipeline.produce([record(later)])
+    [r2] = pipeline.tick()
+
+    def broker_down(spark, files, publish_to):
+        raise RuntimeError("the broker is down")
+
+    with monkeypatch.context() as down:
+        down.setattr(common, "publish_outbox", broker_down)
+        assert not pipeline.run_request(r1, raise_on_error=False).success  # entity_patches committed, not published
+    refused = pipeline.run_request(r2, raise_on_error=False)
+    [failure] = [e for e in refused.all_events if e.is_step_failure]
+    assert failure.step_key == "entity_patches"
+    assert f"the entity_patches messages of slice {K1} are not published" in pipeline.failure_text(failure)
+    assert not messages(pipeline, "entity-patches")
+
+    assert pipeline.run_request(r1).success and pipeline.run_request(r2).success
+    assert [m["value"]["request"] for m in messages(pipeline, "entity-patches")] == [2, 7]  # one key: one partition
+
+
 def test_only_the_streams_named_are_published_and_every_table_is_written(make_pipeline):
     """`KafkaResource.published_streams`: what client drivers follow goes out; the rest stays in the lake."""
     pipeline = make_pipeline(published_streams=["partial-responses", "complete-responses"])

@@ -107,6 +107,7 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     """
     from entity_assets.fold import over_files
 
+    require_published(engine, table, slice_key)
     publish_to = publishing(kafka, engine, [table])
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
                  storage_options=engine.storage_options, publishing=publish_to, **body_args)
@@ -125,6 +126,7 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
     counts = pop_counts(files) + (counts or Counter())
     summary = commit_slice(engine, [table], files, slice_key)[table]
     summary["published"] = publish_outbox(spark, files, publish_to)[table]
+    record_published(engine, table, slice_key)
     return summary, counts
 
 
@@ -415,6 +417,37 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
         fs.create_dir(path, recursive=True)
     return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()}, outbox,
                       engine.storage_options, held_by=os.getpid())
+
+
+PUBLISH = "publish"
+"""The commit operation that records a slice's messages of a stream published (none, when the
+stream is not published): the next slice publishes only after it (`require_published`)."""
+
+
+def require_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None:
+    """Refuses slice N until `table`'s stream has published slice N-1 (a step commits before it
+    publishes, so a slice whose publishing failed is applied: the next one, queued already, would
+    put a key's later messages on Kafka first). A slice that an older release wrote, which
+    records no publish, or that is older than the log's retention, is taken as published."""
+    from entity_assets.slices import slice_key as key_of, slice_seq
+
+    seq = slice_seq(slice_key)
+    if seq == 1 or not engine.exists(table):
+        return
+    before = key_of(seq - 1)
+    if engine.version_after(table, before, PUBLISH) is not None:
+        return
+    written = engine.commit_after(table, before, "replace_slice")
+    if written is None and engine.reached(table, before, "replace_slice"):
+        return  # older than what the log holds
+    if written is not None and "entity_assets.publish_recorded" not in written:
+        return  # an older release's
+    raise OutOfOrder(f"slice {slice_key}: the {table} messages of slice {before} are not published (its run failed "
+                     f"or has not run): run slice {before} first, so that a key's messages reach Kafka in order")
+
+
+def record_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None:
+    engine.commit(table, SCHEMAS[table], add=[], operation=PUBLISH, slice_key=slice_key)
 
 
 OUTBOX_FOLDER = "_outbox"

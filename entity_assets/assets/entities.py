@@ -26,8 +26,10 @@ from entity_assets.assets.common import (
     pop_counts,
     publish_outbox,
     publishing,
+    record_published,
     redeliveries,
     replace_slice,
+    require_published,
     run_buckets,
     run_tasks,
     state_as_of,
@@ -118,6 +120,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, APPLY_TABLES, reads=["entity_patches", "schema_patches"])
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
+    require_published(engine, "entity_updates", key)
     publish_to = publishing(kafka, engine, PUBLISHED)
 
     # entities: each task folds whole buckets, reading their row groups of the slice's patches
@@ -166,6 +169,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
         last["pending_responses"] = partial(commit_state, engine, "pending_responses", key, new_pending, pending)
     summary["complete_responses"] = commit_at_once(engine, last)["complete_responses"]
     published = publish_outbox(spark, files, publish_to)
+    record_published(engine, "entity_updates", key)  # the step's streams go out together
 
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
 

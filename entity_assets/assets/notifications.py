@@ -18,6 +18,7 @@ from entity_assets.assets.common import (
     fold_buckets,
     one_row_per_key,
     publishing,
+    require_published,
     table_metadata,
     write_stream,
 )
@@ -113,6 +114,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                   reads=["changes_by_device", "notification_acks"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
+    require_published(engine, "device_notifications", key)
     publish_to = publishing(kafka, engine, ["device_notifications"])
     files, inboxes = fold_buckets(spark, {"changes_by_device": note_files, "notification_acks": ack_files},
                                   fold.inbox_events, fold.inbox_task, key_columns=("device",),
