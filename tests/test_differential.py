@@ -435,13 +435,13 @@ def test_zone_fan_out_and_inboxes_agree_with_a_model_of_the_subscriptions(make_p
     assert Counter(action for *_, action in expected_notes.values()).keys() == set(ACTIONS)
     assert any(0 in counts.values() for _, counts in expected_messages)
     updates = {(r["clientid"], r["request"], r["part"]): r for r in pipeline.read("entity_updates").to_pylist()}
-    # zone_changes: every update, subscriptions under the zone they subscribe to
+    # zone_changes: every update, subscriptions under the zone they subscribe to after the change,
+    # else (deleted, or no longer a subscription) the zone they subscribed to before
     zone_changes = {(r["clientid"], r["request"], r["part"]): r for r in pipeline.read("zone_changes").to_pylist()}
     assert zone_changes.keys() == {k for k, r in model.results.items() if r["status"] == STATUS_OK}
     for k, row in zone_changes.items():
         if row["collection"] == SUBSCRIPTIONS:
-            doc = model.results[k]["before" if model.results[k]["action"] == "deleted" else "after"]
-            sub = subscription_of(doc)
+            sub = subscription_of(model.results[k]["after"]) or subscription_of(model.results[k]["before"])
             assert row["subjectZone"] == (sub["subjectZone"] if sub else row["zone"]), k
         else:
             assert row["subjectZone"] == row["zone"], k
