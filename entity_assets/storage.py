@@ -815,6 +815,12 @@ class DeltaRsEngine:
                 later = later or entry["entity_assets.slice"] > slice_key
         return first_version > 0 and later
 
+    def slices_done(self, table: str, operation: str) -> Iterator[str]:
+        """The slice keys of the commits of `operation` that the log holds, newest first."""
+        for entry in self._history(table):
+            if entry.get("entity_assets.operation") == operation and "entity_assets.slice" in entry:
+                yield entry["entity_assets.slice"]
+
     def _history(self, table: str) -> Iterator[dict]:
         """Commit infos newest first, read in growing pages: the commits a step asks for are
         recent, and a table's whole history grows with its age (~70 ms at 1,000 commits)."""
