@@ -627,15 +627,13 @@ FAN_OUT_COLUMNS = list(dict.fromkeys([*_CHANGE_COLUMNS, *notify.RECIPIENT_INPUTS
 
 
 def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                 subscriptions: list[tuple[str, str, str, str]], publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Input: the slice's zone changes; subscriptions: (dbid, zone, entity, document JSON) in effect.
+                 subscriptions: list[tuple[str, str, str, notify.ZoneSubscription]],
+                 publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
+    """Input: the slice's zone changes; subscriptions: (dbid, zone, entity, subscription) in effect.
 
     A change's rows are its columns, taken once per device to notify, with the device's own.
     """
-    index = notify.SubscriptionIndex(
-        (dbid, zone, entity, sub) for dbid, zone, entity, doc in subscriptions
-        if (sub := notify.parse_subscription(core.loads(doc))) is not None
-    )
+    index = notify.SubscriptionIndex(subscriptions)
     # a row group per device_inboxes bucket: each task of device_notifications reads its own (inbox_events)
     out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"changes_by_device": "bucket"})
     types = SCHEMAS["changes_by_device"]

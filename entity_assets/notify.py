@@ -23,7 +23,7 @@ __all__ = [
     "action_of",
     "subject_zone",
     "parse_subscription",
-    "subscription_error",
+    "read_subscription",
     "notification_id",
     "SubscriptionIndex",
     "recipients",
@@ -59,15 +59,11 @@ def parse_subscription(document: dict[str, Any] | None) -> ZoneSubscription | No
 
     Never raises: a malformed subscription is user data, and must not stop a slice.
     """
-    return _subscription(document)[0]
+    return read_subscription(document)[0]
 
 
-def subscription_error(document: dict[str, Any] | None) -> str | None:
-    """Why a ``$zoneSubscription`` document notifies nobody (None when it is a subscription)."""
-    return _subscription(document)[1]
-
-
-def _subscription(document) -> tuple[ZoneSubscription | None, str | None]:
+def read_subscription(document) -> tuple[ZoneSubscription | None, str | None]:
+    """The subscription a ``$zoneSubscription`` document describes, or why it describes none."""
     if not isinstance(document, dict):
         return None, "the document is not an object"
     try:

@@ -125,7 +125,7 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
     """changes_by_device files hold a row group per device_inboxes bucket, so the tasks of
     device_notifications together read the slice's notifications once."""
     devices = [f"device{i}" for i in range(40)]
-    subscriptions = [("db", "subs", f"sub{i}", core.dumps({"subjectZone": "A", "device": d, "user": "u1"}))
+    subscriptions = [("db", "subs", f"sub{i}", notify.parse_subscription({"subjectZone": "A", "device": d, "user": "u1"}))
                      for i, d in enumerate(devices)]
     change = {"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": 3,
               "kafka_timestamp": 9, "clientid": "c", "request": 1, "part": 1, "dbid": "db", "collection": "Contacts",

@@ -17,7 +17,7 @@ from entity_assets.notify import (
     recipients,
     notification_id,
     parse_subscription,
-    subscription_error,
+    read_subscription,
     seen,
     subject_zone,
 )
@@ -97,9 +97,9 @@ def test_parse_subscription_defaults_and_invalid():
         {"subjectZone": 7, "device": "d", "user": "u"},
     ):
         assert parse_subscription(bad) is None, bad
-        assert subscription_error(bad), bad
-    assert subscription_error({"subjectZone": "A", "device": "d"}) == "user: Field required"
-    assert subscription_error(sub("A", "d", ["created"])) is None
+        assert read_subscription(bad)[1], bad
+    assert read_subscription({"subjectZone": "A", "device": "d"}) == (None, "user: Field required")
+    assert read_subscription(sub("A", "d", ["created"]))[1] is None
 
 
 def test_subscriptions_of_one_id_in_two_zones_are_two_subscriptions():

@@ -83,17 +83,18 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     # state files hold a row group per collection: the others are skipped by their statistics
     state = read_row_groups(engine.files("entities", version), "collection", SUBSCRIPTIONS,
                             engine.storage_options)
-    subscriptions = [(r["dbid"], r["zone"], r["entity"], r["document"]) for r in to_rows(state)
-                     if not r["deleted"]] if state.num_rows else []
-    invalid = {f"{dbid}/{zone}/{entity}": error for dbid, zone, entity, document in subscriptions
-               if (error := notify.subscription_error(core.loads(document)))}
+    # read once here: the tasks get the subscriptions, not the documents to parse each again
+    read = [(r["dbid"], r["zone"], r["entity"], *notify.read_subscription(core.loads(r["document"])))
+            for r in to_rows(state) if not r["deleted"]] if state.num_rows else []
+    subscriptions = [(dbid, zone, entity, sub) for dbid, zone, entity, sub, _ in read if sub is not None]
+    invalid = {f"{dbid}/{zone}/{entity}": error for dbid, zone, entity, _, error in read if error}
     summary, _ = write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
                                "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions,
                                columns=fold.FAN_OUT_COLUMNS)
     shown = dict(sorted(invalid.items())[:INVALID_SHOWN])
     return MaterializeResult(
         metadata=_metadata(engine, "changes_by_device", summary,
-                           subscriptions=MetadataValue.int(len(subscriptions) - len(invalid)),
+                           subscriptions=MetadataValue.int(len(subscriptions)),
                            invalid_subscriptions=MetadataValue.int(len(invalid))),
         check_results=[AssetCheckResult(check_name="subscriptions_are_valid", passed=not invalid,
                                         severity=AssetCheckSeverity.WARN,
