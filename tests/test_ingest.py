@@ -360,6 +360,40 @@ def test_records_kafka_no_longer_holds_are_dead_letters_and_a_re_run_keeps_the_l
     assert "complete_responses" in meta and pipeline.read("entity_updates").num_rows == updates
 
 
+def test_a_re_run_after_a_failed_commit_keeps_the_tables_committed_and_fills_the_others(pipeline, delete_records_before,
+                                                                                       monkeypatch):
+    """A first run that failed between its tables' commits, then retention: the tables it committed
+    keep their rows (their only copy); the others take what Kafka still holds, with a dead letter
+    for each span gone, instead of staying empty."""
+    from entity_assets.storage import DeltaRsEngine
+
+    pipeline.produce(traffic(40, seed=9) + [("connections", "jsmith", samples.encode(samples.SEED_CONNECTION))])
+    [r1] = pipeline.tick()
+    commit = DeltaRsEngine.replace_slice
+
+    def connections_fail(self, table, *args, **kwargs):
+        if table == "connections":
+            raise OSError("the store went away")
+        return commit(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaRsEngine, "replace_slice", connections_fail)
+    assert not pipeline.run_request(r1, assets=ingest_only(pipeline), raise_on_error=False).success
+    monkeypatch.setattr(DeltaRsEngine, "replace_slice", commit)
+    assert pipeline.read("entity_batches").num_rows == 40
+    assert not pipeline.engine.reached("connections", K1, "replace_slice")
+
+    batches = [r for r in pipeline.manifest(K1).ranges if r.count and r.topic == pipeline.topic(STREAM)]
+    delete_records_before(pipeline.kafka.config(), {(r.topic, r.partition): r.end for r in batches})
+    again = pipeline.run(K1, assets=ingest_only(pipeline))
+    meta = pipeline.materializations(again)
+    assert "kept" in meta["entity_batches"] and meta["entity_batches"]["rows"] == 40
+    assert "kept" not in meta["connections"] and meta["connections"]["rows"] == 1
+    assert pipeline.read("connections").column("user").to_pylist() == ["jsmith"]
+    dead = pipeline.read("dead_letters").to_pylist()
+    assert sorted((d["kafka_partition"], d["code"]) for d in dead) == sorted((r.partition, "EA-EXPIRED") for r in batches)
+    assert meta["dead_letters"]["rows"] == len(batches)
+
+
 # --------------------------------------------------------------------------- bad input
 
 def _batch(**changes) -> dict:

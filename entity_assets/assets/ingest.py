@@ -76,8 +76,8 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
         storage_options=engine.storage_options,
     )
     files = run_tasks(spark, tasks, fn, manifest.messages)
-    if pop_counts(files)["expired"] and any((before := _slice_rows(engine, manifest.key)).values()):
-        yield from _keep(context, engine, manifest.key, files, before)
+    if pop_counts(files)["expired"] and (kept := _committed(engine, manifest.key)):
+        yield from _keep(context, engine, manifest.key, files, kept)
         return
     resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing, due)
     if resolved:
@@ -197,28 +197,38 @@ def _discard(engine, files: dict) -> None:
             fs.delete_file(f"{root}/{f.path}")
 
 
-def _slice_rows(engine, slice_key: str) -> dict[str, int]:
-    """Rows of the slice in each table, as committed: none before its first ingest."""
-    return {table: sum(f.rows for f in engine.slice_files(table, [slice_key])) for table in TABLES}
+def _committed(engine, slice_key: str) -> list[str]:
+    """The tables that a run of the slice committed before (all of them, or the first ones of a
+    run that failed between its commits)."""
+    return [table for table in TABLES if engine.reached(table, slice_key, "replace_slice")]
 
 
-def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, rows: dict[str, int]):
-    """A re-run of an ingested slice whose records Kafka no longer all holds (retention): its
-    rows in the lake (`rows` of them per table) are their only copy, so they stay as they are and
-    the steps after this one run on them."""
+def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, kept: list[str]):
+    """A re-run of an ingested slice whose records Kafka no longer all holds (retention): the rows
+    of `kept`, the tables a run committed before, are their only copy, so they stay as they are and
+    the steps after this one run on them. The other tables (a run that failed between its commits)
+    take what Kafka still holds, and a dead letter for each span gone."""
     letters = [r["reason"] for f in files.get("dead_letters", [])
                for r in read_table(f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options).to_pylist()
                if r["code"] == DeadLetterCode.EXPIRED.value]
-    _discard(engine, files)
+    files.setdefault("schema_waits", []).extend(files.pop(HELD, []))  # they wait, as in a slice with no new schema
+    _discard(engine, {table: files.pop(table, []) for table in kept})
+    summary = commit_slice(engine, [t for t in TABLES if t not in kept], files, slice_key)
     context.log.warning(f"slice {slice_key} was ingested before, and Kafka no longer holds all of its records "
-                        f"({'; '.join(letters[:3])}{'; ...' if len(letters) > 3 else ''}): its rows in the lake, their "
-                        "only copy, are kept as they are")
+                        f"({'; '.join(letters[:3])}{'; ...' if len(letters) > 3 else ''}): its rows in "
+                        f"{', '.join(kept)}, their only copy, are kept as they are"
+                        + (f"; {', '.join(summary)} had no commit of the slice and take what Kafka still holds"
+                           if summary else ""))
+    for table in kept:
+        rows = sum(f.rows for f in engine.slice_files(table, [slice_key]))
+        summary[table] = {"rows": rows, "version": engine.version(table)}
     for table in TABLES:
-        yield MaterializeResult(asset_key=table, metadata={
-            **table_metadata(engine, table, {"rows": rows[table], "version": engine.version(table)}),
-            "kept": MetadataValue.text(f"records expired from Kafka: the rows ingested before are kept "
-                                       f"({len(letters)} span(s) of offsets gone)")})
-    yield _dead_letters_check(engine, slice_key, rows["dead_letters"])
+        meta = table_metadata(engine, table, summary[table])
+        if table in kept:
+            meta["kept"] = MetadataValue.text(f"records expired from Kafka: the rows ingested before are kept "
+                                              f"({len(letters)} span(s) of offsets gone)")
+        yield MaterializeResult(asset_key=table, metadata=meta)
+    yield _dead_letters_check(engine, slice_key, summary["dead_letters"]["rows"])
 
 
 def _dead_letters_check(engine, slice_key: str, dead: int) -> AssetCheckResult:
