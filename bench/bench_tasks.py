@@ -65,7 +65,8 @@ def one_round(root: Path, batches: pa.Table, n: int) -> dict[str, float]:
     spent = {}
 
     start = cpu_s()
-    [report] = fold.explode_task(iter(batches.to_batches(max_chunksize=20_000)), redelivered=frozenset(), **common)
+    [report] = fold.explode_task(iter(batches.to_batches(max_chunksize=20_000)), redelivered=frozenset(),
+                                 **{**common, "publishing": None})  # the fold publishes entity-patches
     spent["explode"] = cpu_s() - start
     patches = [f"{uris['entity_patches']}/{r['path']}" for r in report.to_pylist() if r["table"] == "entity_patches"]
 

@@ -86,6 +86,13 @@ class Outputs:
             if self.publisher is not None:
                 self.publisher.send_rows(table, rows, texts)
 
+    def publish_rows(self, table: str, rows: pa.Table) -> None:
+        """Spools the messages of rows that an earlier step wrote (entity_patches: the fold publishes
+        them in the order it applies them, where the step that wrote them had a key's rows in
+        several tasks)."""
+        if rows.num_rows and self.publisher is not None:
+            self.publisher.send_rows(table, rows)
+
     def _write_batched(self, table: str) -> None:
         self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
 
@@ -525,6 +532,7 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
             added.append((ended, status, error, before_text, after, action, subject, previous))
             learned.append(learn)
         results = pa.Table.from_batches([batch])
+        out.publish_rows("entity_patches", results)
         for name, values in zip(_FOLD_ADDS, zip(*added)):
             results = results.append_column(name, pa.array(values, _RESULT_TYPES.field(name).type))
         results = results.append_column("stream", pa.repeat(pa.scalar("entity-updates"), batch.num_rows))

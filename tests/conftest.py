@@ -300,6 +300,17 @@ class Pipeline:
         return out
 
     @staticmethod
+    def observations(result) -> dict[str, dict[str, Any]]:
+        """Asset key -> {metadata name: plain value} of the observations one in-process run logged
+        (apply_patches': the entity-patches messages it published)."""
+        out = {}
+        for event in result.get_asset_observation_events():
+            observation = event.event_specific_data.asset_observation
+            out[observation.asset_key.to_user_string()] = {k: getattr(v, "value", v)
+                                                            for k, v in observation.metadata.items()}
+        return out
+
+    @staticmethod
     def checks(result) -> dict[str, Any]:
         """Check name -> its evaluation (`passed`, `metadata`) in one in-process run."""
         return {e.check_name: e for e in result.get_asset_check_evaluations()}

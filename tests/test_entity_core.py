@@ -20,7 +20,7 @@ import pytest
 from confluent_kafka import Producer
 
 from entity_assets import samples
-from entity_assets.assets import common
+from entity_assets.assets import common, entities
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
@@ -221,13 +221,13 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
         assert checks[name].passed is True, (name, checks)
     assert meta["entity_updates"]["published"] == 1 and meta["partial_responses"]["published"] == 4
+    assert pipeline.observations(result)["entity_patches"]["published"] == 4  # by apply_patches, in fold order
     assert not os.listdir(pipeline.engine.uri(common.OUTBOX_FOLDER))  # published spools are deleted
 
 
 def test_messages_go_out_only_once_their_rows_are_committed(pipeline, monkeypatch):
-    """A step that fails before its commit publishes nothing; its re-run publishes everything once."""
-    from entity_assets.assets import entities
-
+    """A step that fails before its commit publishes nothing (apply_patches publishes entity-patches
+    too); its re-run publishes everything once."""
     pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
     [request] = pipeline.tick()
 
@@ -236,10 +236,11 @@ def test_messages_go_out_only_once_their_rows_are_committed(pipeline, monkeypatc
 
     monkeypatch.setattr(entities, "replace_slice", failing_commit)
     assert not pipeline.run_request(request, raise_on_error=False).success
-    assert messages(pipeline, "entity-patches") and not messages(pipeline, "entity-updates")
+    assert not messages(pipeline, "entity-patches") and not messages(pipeline, "entity-updates")
     monkeypatch.undo()
     assert pipeline.run_request(request).success
     assert one(messages(pipeline, "entity-updates"))["value"]["entity"] == SALLY
+    assert one(messages(pipeline, "entity-patches"))["value"]["entity"] == SALLY
 
 
 def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_again(pipeline, monkeypatch):
@@ -257,12 +258,12 @@ def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_agai
         raise RuntimeError("the broker is down")
 
     with monkeypatch.context() as down:
-        down.setattr(common, "publish_outbox", broker_down)
-        assert not pipeline.run_request(r1, raise_on_error=False).success  # entity_patches committed, not published
+        down.setattr(entities, "publish_outbox", broker_down)
+        assert not pipeline.run_request(r1, raise_on_error=False).success  # applied, not published
     refused = pipeline.run_request(r2, raise_on_error=False)
     [failure] = [e for e in refused.all_events if e.is_step_failure]
-    assert failure.step_key == "entity_patches"
-    assert f"the entity_patches messages of slice {K1} are not published" in pipeline.failure_text(failure)
+    assert failure.step_key == "apply_patches"
+    assert f"the entity_updates messages of slice {K1} are not published" in pipeline.failure_text(failure)
     assert not messages(pipeline, "entity-patches")
 
     assert pipeline.run_request(r1).success and pipeline.run_request(r2).success
@@ -274,15 +275,17 @@ def test_only_the_streams_named_are_published_and_every_table_is_written(make_pi
     pipeline = make_pipeline(published_streams=["partial-responses", "complete-responses"])
     pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
     [request] = pipeline.tick()
-    meta = pipeline.materializations(pipeline.run_request(request))
+    result = pipeline.run_request(request)
+    meta = pipeline.materializations(result)
 
     assert one(rows(pipeline, "entity_patches"))["entity"] == SALLY
     assert one(rows(pipeline, "entity_updates"))["entity"] == SALLY
     assert one(messages(pipeline, "partial-responses"))["value"]["entity"] == SALLY
     assert one(messages(pipeline, "complete-responses"))["value"]["request"] == 2
     assert not messages(pipeline, "entity-patches") and not messages(pipeline, "entity-updates")
-    assert [meta[t]["published"] for t in ("entity_patches", "entity_updates", "partial_responses",
-                                           "complete_responses")] == [0, 0, 1, 1]
+    assert pipeline.observations(result)["entity_patches"]["published"] == 0
+    assert [meta[t]["published"] for t in ("entity_updates", "partial_responses",
+                                           "complete_responses")] == [0, 1, 1]
     assert not os.listdir(pipeline.engine.uri(common.OUTBOX_FOLDER))
 
 
@@ -372,6 +375,10 @@ def test_an_entitys_patches_apply_in_begun_order_not_offset_order(pipeline):
     assert [r["action"] for r in updates] == ["created", "updated", "updated", "updated"]
     # the entity's last change is the last patch in (begun, ...) order, not the last record produced
     assert state["ended"] == one([r for r in updates if r["clientid"] == high and r["request"] == 2])["ended"]
+    # its patches (read by tasks of different input files) and its updates reach Kafka in that order too
+    for stream in ("entity-patches", "entity-updates"):
+        assert [(m["value"]["clientid"], m["value"]["request"]) for m in messages(pipeline, stream)] == [
+            (high, 1), (low, 1), (low, 2), (high, 2)], stream
 
 
 # --------------------------------------------------------------------------- 4-8: across slices

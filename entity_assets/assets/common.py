@@ -101,18 +101,26 @@ def task_slots(spark: SparkResource, rows: int) -> int:
 
 
 def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str, slice_key: str, body: Callable,
-                 **body_args) -> tuple[dict, Counter]:
+                 published: bool = True, **body_args) -> tuple[dict, Counter]:
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
     writes and publishes `table`, committed here as the slice's rows (see `commit_stream`).
+
+    `published` False: a later step publishes the table's stream (entity_patches: the fold, in
+    the order it applies them, where these tasks split a key's rows by input file).
     """
     from entity_assets.fold import over_files
 
-    require_published(engine, table, slice_key)
-    publish_to = publishing(kafka, engine, [table])
+    publish_to = None
+    if published:
+        require_published(engine, table, slice_key)
+        publish_to = publishing(kafka, engine, [table])
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
                  storage_options=engine.storage_options, publishing=publish_to, **body_args)
     rows = sum(f.rows for f in files)
     written = run_tasks(spark, file_tasks(files, slicing.max_messages_per_task, task_slots(spark, rows)), fn, rows)
+    if not published:
+        counts = pop_counts(written)
+        return commit_slice(engine, [table], written, slice_key)[table], counts
     return commit_stream(spark, engine, table, written, slice_key, publish_to)
 
 

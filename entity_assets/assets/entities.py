@@ -6,6 +6,7 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetObservation,
     AssetSpec,
     MaterializeResult,
     MetadataValue,
@@ -50,7 +51,8 @@ KINDS = {"spark", "delta", "kafka"}
     deps=["entity_batches"],
     group_name="entities",
     kinds=KINDS,
-    description="One patch per entity of each batch (part is 1-based in batch order); keyed and partitioned by entity id.",
+    description="One patch per entity of each batch (part is 1-based in batch order); keyed and partitioned by entity "
+                "id. apply_patches publishes them, in the order it applies them (an observation counts them).",
 )
 def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                    kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
@@ -66,15 +68,17 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"),
                                            slicing.dedupe_window_slices)
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
-                                   "entity_patches", key, fold.explode_task, redelivered=redelivered)
+                                   "entity_patches", key, fold.explode_task, published=False, redelivered=redelivered)
     meta = table_metadata(engine, "entity_patches", summary)
-    meta.update(batches=batches_in, duplicates=counts["redelivered"], published=summary["published"])
+    meta.update(batches=batches_in, duplicates=counts["redelivered"])
     return MaterializeResult(metadata=meta)
 
 
 STREAM_TABLES = ("entity_updates", "schema_updates", "partial_responses", "schema_learning")
 STATE_TABLES = ("entities", "schemas", "pending_responses")
-PUBLISHED = ("entity_updates", "schema_updates", "schema_learning", "partial_responses", "complete_responses")
+PUBLISHED = ("entity_patches", "entity_updates", "schema_updates", "schema_learning", "partial_responses",
+             "complete_responses")
+"""The streams apply_patches publishes: entity-patches too, each entity's in the order the fold applies them."""
 APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
 
 
@@ -170,6 +174,8 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     summary["complete_responses"] = commit_at_once(engine, last)["complete_responses"]
     published = publish_outbox(spark, files, publish_to)
     record_published(engine, "entity_updates", key)  # the step's streams go out together
+    context.log_event(AssetObservation(asset_key="entity_patches", partition=key,
+                                       metadata={"published": MetadataValue.int(published["entity_patches"])}))
 
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
 
