@@ -87,9 +87,9 @@ class Outputs:
                 self.publisher.send_rows(table, rows, texts)
 
     def publish_rows(self, table: str, rows: pa.Table) -> None:
-        """Spools the messages of rows that an earlier step wrote (entity_patches: the fold publishes
-        them in the order it applies them, where the step that wrote them had a key's rows in
-        several tasks)."""
+        """Spools the messages of rows that an earlier step wrote, whose tasks split a key's rows:
+        the fold publishes entity_patches in the order it applies them, the inbox fold
+        changes_by_device in each device's order."""
         if rows.num_rows and self.publisher is not None:
             self.publisher.send_rows(table, rows)
 
@@ -375,7 +375,10 @@ def connection_rows(table: str, file: TableFile, storage_options, buckets: list[
 
 INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device", pa.string()),
                           ("kind", pa.string()), ("notification", pa.string()), ("ended", pa.int64()),
-                          ("notifications", pa.string()), ("upTo", pa.int64())])
+                          ("notifications", pa.string()), ("upTo", pa.int64()), ("collection", pa.string()),
+                          ("zone", pa.string()), ("entity", pa.string()), ("action", pa.string())])
+NOTIFY, ACK = "a-notify", "b-ack"
+"""Kinds of inbox events: a device's new notifications sort before its acks."""
 
 
 def inbox_events(table: str, file: TableFile, storage_options, buckets: list[int]) -> pa.Table:
@@ -385,14 +388,14 @@ def inbox_events(table: str, file: TableFile, storage_options, buckets: list[int
     changes_by_device files hold a row group per inbox bucket (`fan_out_task`): a task decodes
     only its buckets' rows, so the step reads the slice's notifications once, whatever its tasks.
     """
-    if table == "changes_by_device":
-        data = read_table(file, storage_options, ["dbid", "user", "device", "notification", "ended"],
-                          filters=[("bucket", "in", buckets)])
-        kind = "a-notify"
+    if table == "changes_by_device":  # with what its change summary says, which the task publishes
+        data = read_table(file, storage_options, ["dbid", "user", "device", "notification", "ended", "collection",
+                                                  "zone", "entity", "action"], filters=[("bucket", "in", buckets)])
+        kind = NOTIFY
     else:
         data = read_table(file, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo"])
         data = data.rename_columns(["dbid", "user", "device", "ended", "notifications", "upTo"])
-        kind = "b-ack"
+        kind = ACK
     columns = {name: data.column(name) if name in data.column_names else pa.nulls(data.num_rows, INBOX_EVENTS.field(name).type)
                for name in INBOX_EVENTS.names}
     columns["kind"] = pa.array([kind] * data.num_rows, pa.string())
@@ -666,13 +669,17 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
 def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
                state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Input: notifications and acks of the slice, sorted by (bucket, device, kind, ended).
+    """Input: notifications and acks of the slice, sorted by (bucket, device, kind, ended, notification).
 
-    A device's new notifications apply before its acks (kind "a-notify" < "b-ack").
+    A device's new notifications apply before its acks (kind NOTIFY < ACK). The task also
+    publishes the change summaries (changes-by-device), each device's in the order of their
+    `ended`: the fan-out's tasks split a device's summaries by zone-changes file.
     """
     out = Outputs(slice_key, uris, storage_options, publishing)
     store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options,
                         state_file_rows)
+    if out.publisher is not None and out.publisher.publishes("changes_by_device"):
+        batches = _summaries_published(out, batches)
     for bucket, rows, keys in _buckets(batches, ("device",)):
         store.switch(bucket, keys)
         for device, events in groupby(rows, key=lambda r: r["device"]):
@@ -682,7 +689,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                      else notify.DeviceInbox(events[0]["dbid"], events[0]["user"], device))
             dirty = False
             for row in events:
-                if row["kind"] == "a-notify":
+                if row["kind"] == NOTIFY:
                     inbox.add(row["notification"], row["ended"])
                     inbox.dbid, inbox.user = row["dbid"], row["user"]  # whom the device was last notified for
                     dirty = True
@@ -696,6 +703,14 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                                       "ended": inbox.ended, "bucket": bucket})
     out.close_state("device_inboxes", store)
     yield _arrow(out.report())
+
+
+def _summaries_published(out: Outputs, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The inbox events, once their change summaries (NOTIFY rows) are spooled, in their order."""
+    for batch in batches:
+        rows = pa.Table.from_batches([batch])
+        out.publish_rows("changes_by_device", rows.filter(pc.equal(rows.column("kind"), NOTIFY)))
+        yield batch
 
 
 def devices_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,

@@ -105,10 +105,12 @@ def test_inbox_events_put_notifications_and_acks_in_one_layout(tmp_path):
                               [note["bucket"]])
     acks = fold.inbox_events("notification_acks", _write(tmp_path / "a.parquet", [ack], "notification_acks"), None, [])
     assert notes.schema == acks.schema == fold.INBOX_EVENTS
-    assert notes.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": "a-notify", "notification": "n1",
-                                  "ended": 5, "notifications": None, "upTo": None}]
-    assert acks.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": "b-ack", "notification": None,
-                                 "ended": 7, "notifications": '["n1"]', "upTo": None}]
+    assert notes.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": fold.NOTIFY, "notification": "n1",
+                                  "ended": 5, "notifications": None, "upTo": None, "collection": "Contacts",
+                                  "zone": "A", "entity": "e1", "action": "created"}]  # what its message says
+    assert acks.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": fold.ACK, "notification": None,
+                                 "ended": 7, "notifications": '["n1"]', "upTo": None, "collection": None,
+                                 "zone": None, "entity": None, "action": None}]
 
 
 def test_multipart_parts_skip_single_part_results(tmp_path):

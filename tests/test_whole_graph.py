@@ -561,6 +561,18 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     assert notifications(K4) == {"device3": ("carol", 0, FUTURE + 10, FUTURE + 10)}
 
 
+def test_a_device_hears_of_a_slice_s_changes_in_the_order_they_ended(pipeline):
+    """The fan-out's tasks split a device's change summaries by zone-changes file (so by entity
+    bucket); device_notifications publishes them, each device's sorted by `ended`."""
+    run_slice(pipeline, [batch(1, 1415747086000, [subscribe("device2")])], K1)
+    entities = [f"a-contact-{i:02}" for i in range(24)]
+    run_slice(pipeline, [batch(10 + i, FUTURE + i, [contact(e, "A", [{"op": "add", "path": "n", "value": i}])])
+                         for i, e in enumerate(entities)], K2)
+    heard = [m["value"] for m in messages_on(pipeline, "changes-by-device") if m["key"] == "device2"]
+    assert [m["entity"] for m in heard] == entities
+    assert [m["ended"] for m in heard] == [FUTURE + i for i in range(24)]
+
+
 def test_app_version_counts_come_from_the_commit_before_or_from_an_older_lake_s_state(tmp_path):
     """Each devices commit records the counts of the state it makes; a lake written before that
     (no counts on its commits), or whose commit left the log, has them counted from the state's
@@ -657,6 +669,7 @@ def test_a_small_slice_runs_the_whole_graph_without_a_spark_session_nor_spool_fi
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=200, entities=40, learning=True), devices=10)
     result = run_slice(pipeline, list(traffic.records()), K1)
     assert all(rows(pipeline, t) for t in ("entity_updates", "learned_schemas", "devices", "changes_by_device"))
-    for table, stream in (("entity_updates", "entity-updates"), ("changes_by_device", "changes-by-device")):
-        assert len(messages_on(pipeline, stream)) == len(rows(pipeline, table)) == \
-            pipeline.materializations(result)[table]["published"]
+    assert len(messages_on(pipeline, "entity-updates")) == len(rows(pipeline, "entity_updates")) == \
+        pipeline.materializations(result)["entity_updates"]["published"]
+    assert len(messages_on(pipeline, "changes-by-device")) == len(rows(pipeline, "changes_by_device")) == \
+        pipeline.observations(result)["changes_by_device"]["published"]  # by device_notifications

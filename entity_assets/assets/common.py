@@ -105,8 +105,9 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
     writes and publishes `table`, committed here as the slice's rows (see `commit_stream`).
 
-    `published` False: a later step publishes the table's stream (entity_patches: the fold, in
-    the order it applies them, where these tasks split a key's rows by input file).
+    `published` False: a later step publishes the table's stream, in each key's order, where
+    these tasks split a key's rows by input file (entity_patches: the fold; changes_by_device:
+    the inbox fold).
     """
     from entity_assets.fold import over_files
 
@@ -128,12 +129,14 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
                   publish_to, counts: Counter | None = None) -> tuple[dict, Counter]:
     """Commits the slice's rows of a published table from its tasks' report, then publishes them.
 
-    Returns the commit summary (with `published`) and the tasks' other counters, `counts`
-    (counters taken from the report already) included.
+    Returns the commit summary (with `published`, and `published_by_table` for a step that
+    publishes an earlier step's stream too) and the tasks' other counters, `counts` (counters
+    taken from the report already) included.
     """
     counts = pop_counts(files) + (counts or Counter())
     summary = commit_slice(engine, [table], files, slice_key)[table]
-    summary["published"] = publish_outbox(spark, files, publish_to)[table]
+    published = publish_outbox(spark, files, publish_to)
+    summary["published"], summary["published_by_table"] = published[table], published
     record_published(engine, table, slice_key)
     return summary, counts
 

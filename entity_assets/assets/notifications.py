@@ -5,6 +5,7 @@ from dagster import (
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetObservation,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -62,7 +63,9 @@ INVALID_SHOWN = 20
 
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["zone_changes", "entities"], group_name="notifications",
        kinds=KINDS,
-       description="One change summary per subscribed device per change (created/updated/deleted), keyed by device.",
+       description="One change summary per subscribed device per change (created/updated/deleted), keyed by device. "
+                   "device_notifications publishes them, each device's in the order of their `ended` (an "
+                   "observation counts them).",
        check_specs=[AssetCheckSpec("subscriptions_are_valid", asset="changes_by_device",
                                    description="every $zoneSubscription entity describes a subscription")])
 def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
@@ -89,13 +92,13 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     subscriptions = [(dbid, zone, entity, sub) for dbid, zone, entity, sub, _ in read if sub is not None]
     invalid = {f"{dbid}/{zone}/{entity}": error for dbid, zone, entity, _, error in read if error}
     summary, _ = write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
-                               "changes_by_device", key, fold.fan_out_task, subscriptions=subscriptions,
-                               columns=fold.FAN_OUT_COLUMNS)
+                               "changes_by_device", key, fold.fan_out_task, published=False,
+                               subscriptions=subscriptions, columns=fold.FAN_OUT_COLUMNS)
     shown = dict(sorted(invalid.items())[:INVALID_SHOWN])
+    meta = table_metadata(engine, "changes_by_device", summary)
+    meta.update(subscriptions=MetadataValue.int(len(subscriptions)), invalid_subscriptions=MetadataValue.int(len(invalid)))
     return MaterializeResult(
-        metadata=_metadata(engine, "changes_by_device", summary,
-                           subscriptions=MetadataValue.int(len(subscriptions)),
-                           invalid_subscriptions=MetadataValue.int(len(invalid))),
+        metadata=meta,
         check_results=[AssetCheckResult(check_name="subscriptions_are_valid", passed=not invalid,
                                         severity=AssetCheckSeverity.WARN,
                                         metadata={"invalid": len(invalid), "first": MetadataValue.json(shown)})])
@@ -109,14 +112,15 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
                                    description="the device_inboxes state holds no device twice")])
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                          kafka: KafkaResource) -> MaterializeResult:
-    """Device inboxes are bucketed state; acks of a slice apply after its new notifications."""
+    """Device inboxes are bucketed state; acks of a slice apply after its new notifications. Its
+    tasks have each device's change summaries in order, so they publish changes-by-device too."""
     engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["device_notifications", "device_inboxes"],
                   reads=["changes_by_device", "notification_acks"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
     require_published(engine, "device_notifications", key)
-    publish_to = publishing(kafka, engine, ["device_notifications"])
+    publish_to = publishing(kafka, engine, ["changes_by_device", "device_notifications"])
     files, inboxes = fold_buckets(spark, {"changes_by_device": note_files, "notification_acks": ack_files},
                                   fold.inbox_events, fold.inbox_task, key_columns=("device",),
                                   order=("device", "kind", "ended", "notification"), engine=engine,
@@ -124,6 +128,8 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                                   state_file_rows=lake.state_file_rows,
                                   publishing=publish_to)
     summary, counts = commit_stream(spark, engine, "device_notifications", files, key, publish_to, inboxes["counts"])
+    context.log_event(AssetObservation(asset_key="changes_by_device", partition=key, metadata={
+        "published": MetadataValue.int(summary["published_by_table"]["changes_by_device"])}))
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
