@@ -46,10 +46,14 @@ class Outputs:
     """
 
     def __init__(self, slice_key: str, uris: dict[str, str], storage_options, publishing: Publishing | None = None,
-                 row_groups_by: dict[str, str] | None = None, updates: str | None = None):
-        """`updates`: the table of the status 1 results that `respond` takes (entity_updates or schema_updates)."""
+                 row_groups_by: dict[str, str] | None = None, updates: str | None = None,
+                 whole_keys: dict[str, str] | None = None):
+        """`updates`: the table of the status 1 results that `respond` takes (entity_updates or
+        schema_updates); `whole_keys`: per table, the key column whose rows a file never splits
+        (`FileWriter`)."""
         self.slice_key, self.uris, self.storage_options = slice_key, uris, storage_options
         self.row_groups_by = row_groups_by or {}
+        self.whole_keys = whole_keys or {}
         self.writers: dict[str, FileWriter] = {}
         self.publisher = Publisher(publishing) if publishing and publishing.topics else None
         self.counts: dict[str, int] = {}
@@ -64,7 +68,8 @@ class Outputs:
             stats = ("slice", "bucket") if "bucket" in SCHEMAS[table].names else ("slice",)
             w = self.writers[table] = FileWriter(table, self.uris[table], SCHEMAS[table], self.slice_key,
                                                  stats_columns=stats, storage_options=self.storage_options,
-                                                 row_groups_by=self.row_groups_by.get(table))
+                                                 row_groups_by=self.row_groups_by.get(table),
+                                                 whole_keys=self.whole_keys.get(table))
         return w
 
     def emit(self, table: str, row: dict) -> None:
@@ -465,6 +470,10 @@ RESULT_ROW_GROUPS = {"entities": "collection", "partial_responses": "parts"}
 the partial_responses row groups of `parts` > 1, the others skipped by their statistics."""
 
 
+UPDATES_WHOLE = {"entity_updates": "entity"}
+"""An entity's updates stay in one file: zone_changes' tasks split the files, and publish each
+entity's zone changes in the order of its updates."""
+
 PREFETCH_BYTES = 64 << 20
 """State file bytes a task reads ahead of its fold at most (`prefetch_depth`)."""
 
@@ -487,7 +496,7 @@ def fold_task(tasks: Iterator[dict], *, slice_key: str, uris: dict[str, str], st
     ahead = prefetch_depth(uris["entities"], state_files)
     for task in tasks:
         out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS,
-                      updates="entity_updates")
+                      updates="entity_updates", whole_keys=UPDATES_WHOLE)
         store = BucketStore(out.writer("entities"), core.ENTITY_KEY, state_files, write_state, storage_options,
                             state_file_rows)
         slice_patches = RowGroups(patch_files, "bucket", storage_options)  # each footer read once per task

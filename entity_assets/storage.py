@@ -263,10 +263,15 @@ class FileWriter:
         storage_options: dict[str, str] | None = None,
         max_rows: int = 250_000,
         row_groups_by: str | None = None,
+        whole_keys: str | None = None,
     ):
+        """`whole_keys`: a column whose runs of equal values (a key's rows, appended together in
+        Arrow) a file never splits: a later step that reads the files in several tasks then has
+        each key's rows in one, in order (`_roll`)."""
         self.table, self.schema, self.slice_key = table, schema, slice_key
         self.stats_columns = tuple(stats_columns)
         self.row_groups_by = row_groups_by
+        self.whole_keys = whole_keys
         self.max_rows = max_rows
         self._fs, self._root = filesystem(table_uri, storage_options)
         self._remote = is_remote(table_uri)
@@ -291,7 +296,7 @@ class FileWriter:
         self._tables.append(self._conform(data))
         self._table_rows += data.num_rows
         if len(self._rows) + self._table_rows >= self.max_rows:
-            self.flush()
+            self._roll()
 
     def write_table(self, data: pa.Table, rows: Sequence[dict] = (), tag: str | None = None) -> None:
         """Writes an Arrow table (already holding the slice column), then `rows`, as one file.
@@ -317,6 +322,23 @@ class FileWriter:
             data = pa.concat_tables(self._tables)
             self._rows, self._tables, self._table_rows = [], [], 0
             self._write(data)
+
+    def _roll(self) -> None:
+        """Writes the buffered rows as a file, but with `whole_keys` the rows of the last key,
+        which the next rows may continue, stay for the next file (all of them, when one key
+        fills the buffer). Dict rows (`append`) are written as they are."""
+        if self.whole_keys is None or self._rows:
+            self.flush()
+            return
+        data = pa.concat_tables(self._tables)
+        keys = data.column(self.whole_keys)
+        others = pc.indices_nonzero(pc.not_equal(keys, keys[-1]).combine_chunks())
+        if not len(others):
+            self.flush()
+            return
+        cut = others[-1].as_py() + 1
+        self._tables, self._table_rows = [data.slice(cut)], data.num_rows - cut
+        self._write(data.slice(0, cut))
 
     def close(self) -> list[DataFile]:
         """The files written, in the order written, once every upload has ended (its error raised here)."""

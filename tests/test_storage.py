@@ -66,6 +66,26 @@ def test_arrow_rows_are_buffered_into_bounded_files_like_dict_rows(tmp_path):
     assert [r["entity"] for r in rows[-2:]] == ["e29", "e99"]  # Arrow rows, then the dicts
 
 
+def test_a_file_bound_never_splits_a_key_s_rows_when_the_writer_keeps_keys_whole(tmp_path):
+    """entity_updates files keep an entity's updates together: zone_changes' tasks split the files
+    and publish each entity's zone changes in file order."""
+    writer = FileWriter("entity_updates", str(tmp_path), SCHEMAS["entity_updates"], KEY, max_rows=5,
+                        whole_keys="entity")
+
+    def rows(*entities):
+        return pa.Table.from_pylist([{"slice": KEY, "entity": e, "request": i} for i, e in enumerate(entities)],
+                                    SCHEMAS["entity_updates"])
+
+    writer.append_table(rows("a", "a", "b", "b", "b"))  # at the bound: b may go on, so it stays
+    writer.append_table(rows("b", "c", "c"))
+    writer.append_table(rows(*"dddddd"))  # c is cut before d, which stays: a key is split only when it fills the buffer alone
+    writer.append_table(rows("e"))
+    files = writer.close()
+    written = [[r["entity"] for r in read_table(str(tmp_path / f.path)).to_pylist()] for f in files]
+    assert written == [["a", "a"], ["b", "b", "b", "b"], ["c", "c"], ["d"] * 6, ["e"]]
+    assert all(not set(x) & set(y) for i, x in enumerate(written) for y in written[i + 1:])
+
+
 def test_footer_bounds_cover_every_row_group_of_the_slice(tmp_path):
     engine = DeltaRsEngine(str(tmp_path))
     engine.ensure("entity_updates", SCHEMAS["entity_updates"])
