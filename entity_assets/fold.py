@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from entity_assets import core, encode, notify, shards
-from entity_assets.publish import Publisher, Publishing
+from entity_assets.publish import UNDELIVERABLE, Publisher, Publishing
 from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, files_ahead, from_rows, is_remote,
                                    key_string, key_strings, prefetched, read_files, read_table, read_tables, to_rows)
 from entity_assets.tables import SCHEMAS
@@ -169,8 +169,12 @@ class Outputs:
         for w in self.writers.values():  # every table's last file on its way before any is waited for
             w.flush()
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
-        spool = self.publisher.close() if self.publisher is not None else None
-        return files + ([spool] if spool else []) + self.replaced + [
+        spool, undeliverable = None, []
+        if self.publisher is not None:
+            spool, undeliverable = self.publisher.close(), self.publisher.undeliverable_report()
+            for table, n in self.publisher.undeliverable.items():
+                self.count(UNDELIVERABLE + table, n)
+        return files + ([spool] if spool else []) + undeliverable + self.replaced + [
             {"table": COUNTER + name, "path": "", "size": 0, "rows": n, "stats": ""} for name, n in self.counts.items()]
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from entity_assets.slices import OffsetRange
 from entity_assets.storage import one_array
@@ -359,6 +359,31 @@ def produce(config: dict, topic: str, records: Iterable[tuple[bytes | str | None
     for key, value in records:
         producer.send(topic, key, value)
     return producer.close().get(topic, 0)
+
+
+KAFKA_MAX_MESSAGE_BYTES = 1_048_588
+"""Kafka's default `max.message.bytes` of a topic: assumed of a topic whose settings the
+cluster does not describe (no DescribeConfigs right)."""
+BATCH_FRAMING = 512
+"""Bytes of a record batch besides its one record's key and value, with room to spare."""
+
+
+def message_limits(config: dict, topics: Iterable[str], timeout: float = 10.0) -> dict[str, int]:
+    """The largest record (key and value bytes) each topic takes: its `max.message.bytes`, which
+    the broker holds a whole batch to, and the producer's `message.max.bytes`, less a batch's framing."""
+    producer_limit = int({**PRODUCER_DEFAULTS, **config}["message.max.bytes"])
+    resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
+    admin = AdminClient(config)  # held until the answers are in: a client freed before ends its requests
+    futures = admin.describe_configs(resources, request_timeout=timeout) if resources else {}
+    limits = {}
+    for resource, future in futures.items():
+        try:
+            entry = future.result(timeout).get("max.message.bytes")
+            topic_limit = int(entry.value) if entry is not None and entry.value else KAFKA_MAX_MESSAGE_BYTES
+        except KafkaException:
+            topic_limit = KAFKA_MAX_MESSAGE_BYTES
+        limits[resource.name] = min(topic_limit, producer_limit) - BATCH_FRAMING
+    return limits
 
 
 def partition_counts(config: dict, topics: Iterable[str], timeout: float = 30.0) -> dict[str, int]:

@@ -23,13 +23,18 @@ import pyarrow.compute as pc
 
 from entity_assets import core, encode
 from entity_assets.kafka_io import BatchProducer, Spool, replay_into
-from entity_assets.storage import filesystem
+from entity_assets.storage import filesystem, one_array
 
 SPOOL_READ_BUFFER = 4 << 20
 """Bytes read from a spool at a time."""
 
 OUTBOX = "outbox:"
 """Report rows with this table name are a task's spool file (path: its URI, rows: its messages)."""
+UNDELIVERABLE = "undeliverable:"
+"""Report rows with this table name are a message too large for its topic, which no spool holds
+(stats: its stream, key, bytes and the topic's limit); counters `undeliverable:<table>` count them."""
+EXAMPLES = 20
+"""Messages too large that a task reports by key: its counters count them all."""
 
 
 def murmur2(data: bytes) -> int:
@@ -150,6 +155,8 @@ class Publishing:
     outbox: str
     storage_options: dict | None = None
     held_by: int | None = None
+    limits: dict[str, int] = field(default_factory=dict)
+    """Per table, the largest message (key and value bytes) its topic takes (`kafka_io.message_limits`)."""
     held: dict[str, pa.Buffer] = field(default_factory=dict, compare=False, repr=False)
 
     def __getstate__(self) -> dict:
@@ -168,6 +175,8 @@ class Publisher:
         self.spool: Spool | None = None  # on first use: a task with nothing to send writes no file
         self.uri = ""
         self._memory: pa.BufferOutputStream | None = None
+        self.undeliverable: dict[str, int] = {}
+        self.examples: list[dict] = []
 
     def _spool(self) -> Spool:
         if self.spool is None:
@@ -192,10 +201,29 @@ class Publisher:
         if target is None:
             return
         topic, partitions, stream = target
-        keys = stream.keys(rows)
+        keys, texts = one_array(stream.keys(rows)), stream.texts(rows) if texts is None else texts
+        limit = self.publishing.limits.get(table)
+        if limit is not None:
+            sizes = pc.fill_null(pc.add(pc.binary_length(texts), pc.fill_null(pc.binary_length(keys), 0)), 0)
+            if pc.max(sizes).as_py() > limit:
+                fits = pc.less_equal(sizes, limit)
+                self._undeliverable(table, stream, keys.filter(pc.invert(fits)), sizes.filter(pc.invert(fits)), limit)
+                rows, keys, texts = rows.filter(fits), keys.filter(fits), texts.filter(fits)
         by = None if stream.partition_by is None else [partition_for(v, partitions)
                                                         for v in rows.column(stream.partition_by).to_pylist()]
-        self._spool().send_batch(topic, keys, stream.texts(rows) if texts is None else texts, by)
+        self._spool().send_batch(topic, keys, texts, by)
+
+    def _undeliverable(self, table: str, stream: Stream, keys: pa.Array, sizes: pa.Array, limit: int) -> None:
+        """Messages too large for their topic: the broker would refuse them (and with them the
+        step, at every run of the slice), so they stay in the lake only, counted and named."""
+        self.undeliverable[table] = self.undeliverable.get(table, 0) + len(keys)
+        for key, size in list(zip(keys.to_pylist(), sizes.to_pylist()))[:EXAMPLES - len(self.examples)]:
+            self.examples.append({"stream": stream.name, "key": key, "bytes": size, "limit": limit})
+
+    def undeliverable_report(self) -> list[dict]:
+        """Report rows of the messages too large (see UNDELIVERABLE), with their counters' names."""
+        return [{"table": UNDELIVERABLE, "path": "", "size": 0, "rows": 1, "stats": json.dumps(e)}
+                for e in self.examples]
 
     def close(self) -> dict | None:
         """The report row of the spool written (see OUTBOX), None when nothing was sent."""

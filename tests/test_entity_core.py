@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import string
 import time
 from collections import Counter
 
 import pyarrow.compute as pc
 import pytest
 from confluent_kafka import Producer
+from dagster import AssetCheckSeverity
 
 from entity_assets import samples
 from entity_assets.assets import common, entities
@@ -268,6 +271,40 @@ def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_agai
 
     assert pipeline.run_request(r1).success and pipeline.run_request(r2).success
     assert [m["value"]["request"] for m in messages(pipeline, "entity-patches")] == [2, 7]  # one key: one partition
+
+
+def test_a_message_too_large_for_its_topic_stays_in_the_lake_and_the_slices_go_on(pipeline):
+    """The broker refuses a message over its topic's max.message.bytes, which used to fail the step
+    at every run of the slice and hold back the slices after it. Such a message is not sent: its
+    row is committed, and a warning counts and names it."""
+    from entity_assets.kafka_io import BATCH_FRAMING, ensure_topics
+
+    updates = pipeline.topic("entity-updates")
+    ensure_topics(pipeline.kafka.config(), [updates], pipeline.kafka.new_topic_partitions,
+                  topic_configs={updates: {"max.message.bytes": "3000"}})
+    noise = "".join(random.Random(1).choices(string.ascii_letters + string.digits, k=5000))  # zstd cannot shrink
+    big = [{"op": "add", "path": "notes", "value": noise}]  # it below 3000 bytes: the broker would refuse it
+    pipeline.produce([record(batch(2, [patch(SALLY, SALLY_OPS), patch(WILLIAM, big)], begun=BEGUN))])
+    [r1] = pipeline.tick()
+    result = pipeline.run_request(r1)
+    assert {r["entity"] for r in rows(pipeline, "entity_updates")} == {SALLY, WILLIAM}
+    assert [m["value"]["entity"] for m in messages(pipeline, "entity-updates")] == [SALLY]
+    assert {m["value"]["entity"] for m in messages(pipeline, "entity-patches")} == {SALLY, WILLIAM}  # 1 MB: it fits
+    [check] = [e for e in result.get_asset_check_evaluations()
+               if e.check_name == "messages_fit_their_topics" and e.asset_key.to_user_string() == "entity_updates"]
+    assert check.passed is False and check.severity == AssetCheckSeverity.WARN
+    assert check.metadata["by_stream"].value == {"entity-updates": 1}
+    [named] = check.metadata["first"].value
+    assert named["stream"] == "entity-updates" and named["key"] == WILLIAM and named["limit"] == 3000 - BATCH_FRAMING
+    assert named["bytes"] > 10_000  # the ops and the after
+    assert pipeline.materializations(result)["entity_updates"]["published"] == 1
+
+    pipeline.produce([record(batch(3, [patch(SALLY, [{"op": "replace", "path": "firstName", "value": "Sal"}])],
+                                   begun=BEGUN + 1))])
+    [r2] = pipeline.tick()
+    assert all(e.passed for e in pipeline.run_request(r2).get_asset_check_evaluations()
+               if e.check_name == "messages_fit_their_topics")
+    assert [m["value"]["request"] for m in messages(pipeline, "entity-updates")] == [2, 3]
 
 
 def test_only_the_streams_named_are_published_and_every_table_is_written(make_pipeline):

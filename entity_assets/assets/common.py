@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
 
-from dagster import AssetCheckResult, Failure, MetadataValue
+from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Failure, MetadataValue
 
 from entity_assets.storage import DataFile, DeltaRsEngine, TableFile, repeated_deliveries
 from entity_assets.tables import ADDED_IN_PLACE, SCHEMAS
@@ -129,14 +130,16 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
                   publish_to, counts: Counter | None = None) -> tuple[dict, Counter]:
     """Commits the slice's rows of a published table from its tasks' report, then publishes them.
 
-    Returns the commit summary (with `published`, and `published_by_table` for a step that
-    publishes an earlier step's stream too) and the tasks' other counters, `counts` (counters
-    taken from the report already) included.
+    Returns the commit summary (with `published`, `published_by_table` for a step that
+    publishes an earlier step's stream too, and the `undeliverable` messages the tasks named)
+    and the tasks' other counters, `counts` (counters taken from the report already) included.
     """
     counts = pop_counts(files) + (counts or Counter())
+    undeliverable = pop_undeliverable(files)
     summary = commit_slice(engine, [table], files, slice_key)[table]
     published = publish_outbox(spark, files, publish_to)
     summary["published"], summary["published_by_table"] = published[table], published
+    summary["undeliverable"] = undeliverable
     record_published(engine, table, slice_key)
     return summary, counts
 
@@ -408,10 +411,11 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     """Where the tasks of a step publish those of `tables` that `kafka` publishes (None: none of
     them); creates missing topics and the step's outbox folder.
 
-    Topics are created and their partitions looked up once per step, not once per table; the
-    tasks then spool their messages as they write (see `publish_outbox`).
+    Topics are created and their partitions and message limits looked up once per step, not
+    once per table; the tasks then spool their messages as they write (see `publish_outbox`),
+    all but those too large for their topic (`undeliverable_check`).
     """
-    from entity_assets.kafka_io import ensure_topics, partition_counts
+    from entity_assets.kafka_io import ensure_topics, message_limits, partition_counts
     from entity_assets.publish import STREAMS, Publishing
     from entity_assets.storage import filesystem, is_remote
 
@@ -421,13 +425,51 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     config = kafka.config()
     ensure_topics(config, topics.values(), kafka.new_topic_partitions,
                   topic_configs={topic: kafka.new_topic_settings(STREAMS[table].name) for table, topic in topics.items()})
-    partitions = partition_counts(config, topics.values())
+    partitions, limits = partition_counts(config, topics.values()), message_limits(config, topics.values())
     outbox = engine.uri(OUTBOX_FOLDER)
     if not is_remote(outbox):  # an object store has no folders to make: it would be three requests for nothing
         fs, path = filesystem(outbox, engine.storage_options)
         fs.create_dir(path, recursive=True)
+    if (smallest := min(limits.values())) < BATCH_BYTES:  # the broker holds a whole batch to a topic's limit
+        config = {**config, "batch.size": smallest}
     return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()}, outbox,
-                      engine.storage_options, held_by=os.getpid())
+                      engine.storage_options, held_by=os.getpid(),
+                      limits={table: limits[topic] for table, topic in topics.items()})
+
+
+BATCH_BYTES = 1_000_000
+"""librdkafka's default `batch.size`, kept where every topic of a step takes batches that large."""
+UNDELIVERED_SHOWN = 20
+"""Messages too large that a check names: its metadata counts them all."""
+
+
+def pop_undeliverable(files: dict[str, list[DataFile]]) -> list[dict]:
+    """The messages too large for their topic that the tasks named (publish.UNDELIVERABLE),
+    removed from the report."""
+    from entity_assets.publish import UNDELIVERABLE
+
+    return [json.loads(f.stats) for f in files.pop(UNDELIVERABLE, [])]
+
+
+def undeliverable_check(asset_key: str, counts: Counter, examples: list[dict]) -> AssetCheckResult:
+    """A warning, not a failure: a message over its topic's `max.message.bytes` would fail the step
+    at every run of the slice, and hold back every slice after it. Its row is in the lake; raise
+    the topic's limit and run the slice again to publish it."""
+    from entity_assets.publish import STREAMS, UNDELIVERABLE
+
+    by_stream = {STREAMS[name[len(UNDELIVERABLE):]].name: n for name, n in sorted(counts.items())
+                 if name.startswith(UNDELIVERABLE) and n}
+    return AssetCheckResult(asset_key=asset_key, check_name="messages_fit_their_topics", passed=not by_stream,
+                            severity=AssetCheckSeverity.WARN,
+                            metadata={"undeliverable": MetadataValue.int(sum(by_stream.values())),
+                                      "by_stream": MetadataValue.json(by_stream),
+                                      "first": MetadataValue.json(examples[:UNDELIVERED_SHOWN])})
+
+
+def delivery_check_spec(asset: str, streams: str) -> AssetCheckSpec:
+    return AssetCheckSpec("messages_fit_their_topics", asset=asset,
+                          description=f"every message of {streams} fits its topic's max.message.bytes; a warning "
+                                      "counts and names those that did not, which stay in the lake only")
 
 
 PUBLISH = "publish"
@@ -478,8 +520,6 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
     lake_maintenance (those in memory go with the step), and a re-run of the slice publishes its
     messages again.
     """
-    import json
-
     from entity_assets.publish import OUTBOX, replay_task
 
     spools = files.pop(OUTBOX, [])

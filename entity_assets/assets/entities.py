@@ -20,11 +20,13 @@ from entity_assets.assets.common import (
     commit_at_once,
     commit_buckets_later,
     commit_state,
+    delivery_check_spec,
     ensure_tables,
     fold_buckets_later,
     merge_files,
     one_row_per_key,
     pop_counts,
+    pop_undeliverable,
     publish_outbox,
     publishing,
     record_published,
@@ -36,6 +38,7 @@ from entity_assets.assets.common import (
     state_as_of,
     state_snapshot,
     table_metadata,
+    undeliverable_check,
     write_stream,
 )
 from entity_assets.core import ORDER, REQUEST_ORDER
@@ -110,6 +113,7 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
                        description="every complete response carries `parts` responses"),
         AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
         AssetCheckSpec("one_row_per_database", asset="schemas", description="no database appears twice"),
+        delivery_check_spec("entity_updates", "the streams apply_patches publishes"),
     ],
     partitions_def=slices_partitions, pool=LAKE_POOL,
     can_subset=False,
@@ -172,6 +176,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     if pending_apply:
         last["pending_responses"] = partial(commit_state, engine, "pending_responses", key, new_pending, pending)
     summary["complete_responses"] = commit_at_once(engine, last)["complete_responses"]
+    undeliverable = pop_undeliverable(files)
     published = publish_outbox(spark, files, publish_to)
     record_published(engine, "entity_updates", key)  # the step's streams go out together
     context.log_event(AssetObservation(asset_key="entity_patches", partition=key,
@@ -207,6 +212,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                           check_name="one_row_per_entity")
     yield one_row_per_key(engine, "schemas", key, counts, schemas, asset_key="schemas",
                           check_name="one_row_per_database")
+    yield undeliverable_check("entity_updates", counts, undeliverable)
 
 
 def _preview(engine, key: str, n: int = 5) -> str:

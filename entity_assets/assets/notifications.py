@@ -15,12 +15,14 @@ from dagster import (
 from entity_assets import core, fold, notify
 from entity_assets.assets.common import (
     commit_stream,
+    delivery_check_spec,
     ensure_tables,
     fold_buckets,
     one_row_per_key,
     publishing,
     require_published,
     table_metadata,
+    undeliverable_check,
     write_stream,
 )
 from entity_assets.notify import SUBSCRIPTIONS
@@ -43,7 +45,8 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["entity_updates"], group_name="notifications",
        kinds=KINDS,
        description="Entity updates by zone; changes of $zoneSubscription entities are partitioned by the zone "
-                   "they subscribe to.")
+                   "they subscribe to.",
+       check_specs=[delivery_check_spec("zone_changes", "zone-changes")])
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     engine, key = lake.open(snapshot=True), context.partition_key
@@ -54,7 +57,8 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
                    key=lambda zn: (-zn[1], zn[0]))
     return MaterializeResult(metadata=_metadata(
         engine, "zone_changes", summary, zone_count=MetadataValue.int(len(zones)),
-        zones=MetadataValue.json(dict(zones[:TOP_ZONES]))))
+        zones=MetadataValue.json(dict(zones[:TOP_ZONES]))),
+        check_results=[undeliverable_check("zone_changes", counts, summary["undeliverable"])])
 
 
 INVALID_SHOWN = 20
@@ -109,7 +113,8 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
        kinds=KINDS, description="Per device, the count of unacknowledged notifications with the first (begun) and "
                                 "last (ended) notification time; one message per device whose inbox changed.",
        check_specs=[AssetCheckSpec("one_inbox_per_device", asset="device_notifications",
-                                   description="the device_inboxes state holds no device twice")])
+                                   description="the device_inboxes state holds no device twice"),
+                    delivery_check_spec("device_notifications", "changes-by-device and device-notifications")])
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                          kafka: KafkaResource) -> MaterializeResult:
     """Device inboxes are bucketed state; acks of a slice apply after its new notifications. Its
@@ -135,4 +140,5 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
         replayed=MetadataValue.bool(inboxes["replayed"])), check_results=[one_row_per_key(
             engine, "device_inboxes", key, counts, inboxes, asset_key="device_notifications",
-            check_name="one_inbox_per_device")])
+            check_name="one_inbox_per_device"),
+            undeliverable_check("device_notifications", counts, summary["undeliverable"])])
