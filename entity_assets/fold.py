@@ -385,7 +385,12 @@ def connection_rows(table: str, file: TableFile, storage_options, buckets: list[
 INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device", pa.string()),
                           ("kind", pa.string()), ("notification", pa.string()), ("ended", pa.int64()),
                           ("notifications", pa.string()), ("upTo", pa.int64()), ("collection", pa.string()),
-                          ("zone", pa.string()), ("entity", pa.string()), ("action", pa.string())])
+                          ("zone", pa.string()), ("entity", pa.string()), ("action", pa.string()),
+                          *((c, SCHEMAS["changes_by_device"].field(c).type) for c in core.ORDER)])
+INBOX_ORDER = ("device", "kind", *core.ORDER, "ended", "notification")
+"""A device's new notifications in the order the fold applied their changes (`core.ORDER`), then
+its acks by time: `ended` and the notification id order the rows of an older lake, whose
+changes_by_device rows lack the request columns."""
 NOTIFY, ACK = "a-notify", "b-ack"
 """Kinds of inbox events: a device's new notifications sort before its acks."""
 
@@ -399,7 +404,8 @@ def inbox_events(table: str, file: TableFile, storage_options, buckets: list[int
     """
     if table == "changes_by_device":  # with what its change summary says, which the task publishes
         data = read_table(file, storage_options, ["dbid", "user", "device", "notification", "ended", "collection",
-                                                  "zone", "entity", "action"], filters=[("bucket", "in", buckets)])
+                                                  "zone", "entity", "action", *core.ORDER],
+                          filters=[("bucket", "in", buckets)], schema=SCHEMAS[table])  # an older file: no request
         kind = NOTIFY
     else:
         data = read_table(file, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo"])
@@ -644,7 +650,7 @@ def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str,
 
 
 _CHANGE_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "dbid", "collection", "zone",
-                   "entity", "action", "ended"]
+                   "entity", "action", "ended", "clientid", "request", "part", "begun"]
 """The columns a changes_by_device row takes from its zone change."""
 FAN_OUT_COLUMNS = list(dict.fromkeys([*_CHANGE_COLUMNS, *notify.RECIPIENT_INPUTS]))
 """What `fan_out_task` reads of zone_changes: not the documents, the longest columns."""
@@ -682,11 +688,11 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
 def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
                state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Input: notifications and acks of the slice, sorted by (bucket, device, kind, ended, notification).
+    """Input: notifications and acks of the slice, sorted by bucket and INBOX_ORDER.
 
     A device's new notifications apply before its acks (kind NOTIFY < ACK). The task also
-    publishes the change summaries (changes-by-device), each device's in the order of their
-    `ended`: the fan-out's tasks split a device's summaries by zone-changes file.
+    publishes the change summaries (changes-by-device), each device's in the order the fold
+    applied their changes: the fan-out's tasks split a device's summaries by zone-changes file.
     """
     out = Outputs(slice_key, uris, storage_options, publishing)
     store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options,

@@ -361,29 +361,49 @@ def produce(config: dict, topic: str, records: Iterable[tuple[bytes | str | None
     return producer.close().get(topic, 0)
 
 
-KAFKA_MAX_MESSAGE_BYTES = 1_048_588
-"""Kafka's default `max.message.bytes` of a topic: assumed of a topic whose settings the
-cluster does not describe (no DescribeConfigs right)."""
 BATCH_FRAMING = 512
 """Bytes of a record batch besides its one record's key and value, with room to spare."""
 
 
 def message_limits(config: dict, topics: Iterable[str], timeout: float = 10.0) -> dict[str, int]:
-    """The largest record (key and value bytes) each topic takes: its `max.message.bytes`, which
-    the broker holds a whole batch to, and the producer's `message.max.bytes`, less a batch's framing."""
-    producer_limit = int({**PRODUCER_DEFAULTS, **config}["message.max.bytes"])
+    """The largest record (key and value bytes, as compressed) each topic takes: its
+    `max.message.bytes`, which the broker holds a whole compressed batch to, less a batch's
+    framing. A topic the cluster does not describe (no DescribeConfigs right, no answer in
+    time) is left out: its limit is not known, and nothing is held back for it."""
     resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
-    admin = AdminClient(config)  # held until the answers are in: a client freed before ends its requests
-    futures = admin.describe_configs(resources, request_timeout=timeout) if resources else {}
+    if not resources:
+        return {}
+    cause, logger = _LastError(), logging.Logger("entity_assets.kafka_limits")  # unregistered: freed after
+    logger.addHandler(cause)
+    admin = AdminClient({**config, "logger": logger})  # held until the answers are in: freed, it ends its requests
+    futures = admin.describe_configs(resources, request_timeout=timeout)
     limits = {}
     for resource, future in futures.items():
         try:
-            entry = future.result(timeout).get("max.message.bytes")
-            topic_limit = int(entry.value) if entry is not None and entry.value else KAFKA_MAX_MESSAGE_BYTES
-        except KafkaException:
-            topic_limit = KAFKA_MAX_MESSAGE_BYTES
-        limits[resource.name] = min(topic_limit, producer_limit) - BATCH_FRAMING
+            entry = future.result(timeout + 1).get("max.message.bytes")
+        except (KafkaException, TimeoutError):
+            continue
+        if entry is not None and entry.value:
+            limits[resource.name] = int(entry.value) - BATCH_FRAMING
     return limits
+
+
+def producer_limit(config: dict) -> int:
+    """The largest record (key and value bytes, uncompressed) the producer sends: librdkafka
+    refuses a larger one itself (`message.max.bytes`)."""
+    return int({**PRODUCER_DEFAULTS, **config}["message.max.bytes"]) - BATCH_FRAMING
+
+
+def compressed_size(value: bytes, config: dict) -> int:
+    """The bytes of `value` once the producer's codec has compressed it, as the broker measures a
+    batch against its topic's limit (a record that large is alone in its batch: `batch.size`)."""
+    settings = {**PRODUCER_DEFAULTS, **config}
+    codec = str(settings.get("compression.type", settings.get("compression.codec", "none")))
+    if codec not in ("zstd", "gzip", "lz4", "snappy") or not pa.Codec.is_available(codec):
+        return len(value)
+    level = int(settings.get("compression.level", -1))
+    return pa.Codec(codec, **({"compression_level": level} if level >= 0 and codec in ("zstd", "gzip") else {})
+                    ).compress(value).size
 
 
 def partition_counts(config: dict, topics: Iterable[str], timeout: float = 30.0) -> dict[str, int]:

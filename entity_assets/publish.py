@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from entity_assets import core, encode
-from entity_assets.kafka_io import BatchProducer, Spool, replay_into
+from entity_assets.kafka_io import BatchProducer, Spool, compressed_size, producer_limit, replay_into
 from entity_assets.storage import filesystem, one_array
 
 SPOOL_READ_BUFFER = 4 << 20
@@ -156,7 +156,8 @@ class Publishing:
     storage_options: dict | None = None
     held_by: int | None = None
     limits: dict[str, int] = field(default_factory=dict)
-    """Per table, the largest message (key and value bytes) its topic takes (`kafka_io.message_limits`)."""
+    """Per table, the largest message (key and value bytes, compressed) its topic takes
+    (`kafka_io.message_limits`; the producer's limit where the cluster does not tell)."""
     held: dict[str, pa.Buffer] = field(default_factory=dict, compare=False, repr=False)
 
     def __getstate__(self) -> dict:
@@ -203,22 +204,35 @@ class Publisher:
         topic, partitions, stream = target
         keys, texts = one_array(stream.keys(rows)), stream.texts(rows) if texts is None else texts
         limit = self.publishing.limits.get(table)
-        if limit is not None:
-            sizes = pc.fill_null(pc.add(pc.binary_length(texts), pc.fill_null(pc.binary_length(keys), 0)), 0)
-            if pc.max(sizes).as_py() > limit:
-                fits = pc.less_equal(sizes, limit)
-                self._undeliverable(table, stream, keys.filter(pc.invert(fits)), sizes.filter(pc.invert(fits)), limit)
-                rows, keys, texts = rows.filter(fits), keys.filter(fits), texts.filter(fits)
+        if limit is not None and (fits := self._fitting(table, stream, keys, texts, limit)) is not None:
+            rows, keys, texts = rows.filter(fits), keys.filter(fits), texts.filter(fits)
+            if not rows.num_rows:
+                return
         by = None if stream.partition_by is None else [partition_for(v, partitions)
                                                         for v in rows.column(stream.partition_by).to_pylist()]
         self._spool().send_batch(topic, keys, texts, by)
 
-    def _undeliverable(self, table: str, stream: Stream, keys: pa.Array, sizes: pa.Array, limit: int) -> None:
-        """Messages too large for their topic: the broker would refuse them (and with them the
-        step, at every run of the slice), so they stay in the lake only, counted and named."""
-        self.undeliverable[table] = self.undeliverable.get(table, 0) + len(keys)
-        for key, size in list(zip(keys.to_pylist(), sizes.to_pylist()))[:EXAMPLES - len(self.examples)]:
-            self.examples.append({"stream": stream.name, "key": key, "bytes": size, "limit": limit})
+    def _fitting(self, table: str, stream: Stream, keys: pa.Array, texts, limit: int) -> pa.Array | None:
+        """Which messages their topic takes (None: all): key and value within `limit`, or past it
+        once the producer's codec has compressed the value (the broker measures the compressed
+        batch, and a message that large is alone in its batch) and within the producer's own
+        limit. The others would be refused, and with them the step at every run of the slice:
+        they stay in the lake only, counted and named."""
+        sizes = pc.fill_null(pc.add(pc.binary_length(texts), pc.fill_null(pc.binary_length(keys), 0)), 0)
+        if pc.max(sizes).as_py() <= limit:
+            return None
+        config, fits = self.publishing.kafka_config, pc.less_equal(sizes, limit).to_pylist()
+        for i in pc.indices_nonzero(pc.invert(pc.less_equal(sizes, limit))).to_pylist():
+            key, size, value = keys[i].as_py(), sizes[i].as_py(), texts[i].as_py()
+            value = value.encode() if isinstance(value, str) else value
+            compressed = size - len(value) + compressed_size(value, config)
+            fits[i] = size <= producer_limit(config) and compressed <= limit
+            if not fits[i]:
+                self.undeliverable[table] = self.undeliverable.get(table, 0) + 1
+                if len(self.examples) < EXAMPLES:
+                    self.examples.append({"stream": stream.name, "key": key, "bytes": size, "compressed": compressed,
+                                          "limit": limit})
+        return None if all(fits) else pa.array(fits, pa.bool_())
 
     def undeliverable_report(self) -> list[dict]:
         """Report rows of the messages too large (see UNDELIVERABLE), with their counters' names."""

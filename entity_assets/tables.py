@@ -88,10 +88,12 @@ SCHEMAS: dict[str, pa.Schema] = {
          ("firstSeen", I64), ("lastSeen", I64), ("connections", I64), ("bucket", I32)]
     ),
     "zone_changes": UPDATE,  # the entity-updates structure (the seed)
+    # bucket: the device's device_inboxes bucket; clientid, request, part and begun: the change's
+    # request, by which device_notifications publishes a device's summaries in the fold's order
     "changes_by_device": _schema(
         LINEAGE, [("dbid", STR)], TARGET,
         [("notification", STR), ("action", STR), ("ended", I64), ("device", STR), ("user", STR)],
-        [("bucket", I32)],  # the device's device_inboxes bucket
+        [("bucket", I32), ("clientid", STR), ("request", I64), ("part", I32), ("begun", I64)],
     ),
     "device_notifications": _schema(
         [("slice", STR), ("dbid", STR), ("user", STR), ("device", STR), ("count", I64), ("begun", I64), ("ended", I64)]
@@ -109,7 +111,8 @@ SCHEMAS: dict[str, pa.Schema] = {
 SCHEMAS["partial_responses"] = pa.schema(list(UPDATE) + [pa.field("stream", STR)])
 SCHEMAS["pending_responses"] = SCHEMAS["partial_responses"]
 
-ADDED_IN_PLACE = {"entity_updates": ("bucket", "previousSlice")}
+ADDED_IN_PLACE = {"entity_updates": ("bucket", "previousSlice"),
+                  "changes_by_device": ("clientid", "request", "part", "begun")}
 """Columns that a table of an older release gains by a metadata commit (`DeltaRsEngine.ensure`),
 its older files reading as null there, instead of a rebuild (docs/operations.md, Upgrading):
 only columns that no reader needs, such as an index."""

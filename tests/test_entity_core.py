@@ -33,6 +33,7 @@ K1, K2 = slice_key(1), slice_key(2)
 CLIENT = samples.SEED_CLIENT
 SALLY = "400cb092-00af-4e44-bdcb-1a0c536692bf"
 WILLIAM = "101c3c90-e304-4279-b6a0-020363c925c6"
+GROUP = "6f1f1a52-3f0b-4c1e-9d6b-3d5a0c1f2e77"
 BEGUN = samples.SEED_ENTITY_BATCH["begun"]
 
 # --------------------------------------------------------------------------- the seed's samples
@@ -284,27 +285,29 @@ def test_a_message_too_large_for_its_topic_stays_in_the_lake_and_the_slices_go_o
                   topic_configs={updates: {"max.message.bytes": "3000"}})
     noise = "".join(random.Random(1).choices(string.ascii_letters + string.digits, k=5000))  # zstd cannot shrink
     big = [{"op": "add", "path": "notes", "value": noise}]  # it below 3000 bytes: the broker would refuse it
-    pipeline.produce([record(batch(2, [patch(SALLY, SALLY_OPS), patch(WILLIAM, big)], begun=BEGUN))])
+    plain = [{"op": "add", "path": "notes", "value": "x" * 5000}]  # zstd makes it a few hundred bytes: it goes
+    pipeline.produce([record(batch(2, [patch(SALLY, SALLY_OPS), patch(WILLIAM, big), patch(GROUP, plain)],
+                                   begun=BEGUN))])
     [r1] = pipeline.tick()
     result = pipeline.run_request(r1)
-    assert {r["entity"] for r in rows(pipeline, "entity_updates")} == {SALLY, WILLIAM}
-    assert [m["value"]["entity"] for m in messages(pipeline, "entity-updates")] == [SALLY]
-    assert {m["value"]["entity"] for m in messages(pipeline, "entity-patches")} == {SALLY, WILLIAM}  # 1 MB: it fits
+    assert {r["entity"] for r in rows(pipeline, "entity_updates")} == {SALLY, WILLIAM, GROUP}
+    assert sorted(m["value"]["entity"] for m in messages(pipeline, "entity-updates")) == sorted([SALLY, GROUP])
+    assert {m["value"]["entity"] for m in messages(pipeline, "entity-patches")} == {SALLY, WILLIAM, GROUP}  # 1 MB
     [check] = [e for e in result.get_asset_check_evaluations()
                if e.check_name == "messages_fit_their_topics" and e.asset_key.to_user_string() == "entity_updates"]
     assert check.passed is False and check.severity == AssetCheckSeverity.WARN
     assert check.metadata["by_stream"].value == {"entity-updates": 1}
     [named] = check.metadata["first"].value
     assert named["stream"] == "entity-updates" and named["key"] == WILLIAM and named["limit"] == 3000 - BATCH_FRAMING
-    assert named["bytes"] > 10_000  # the ops and the after
-    assert pipeline.materializations(result)["entity_updates"]["published"] == 1
+    assert named["bytes"] > 10_000 and named["compressed"] > 3000  # the ops and the after
+    assert pipeline.materializations(result)["entity_updates"]["published"] == 2
 
     pipeline.produce([record(batch(3, [patch(SALLY, [{"op": "replace", "path": "firstName", "value": "Sal"}])],
                                    begun=BEGUN + 1))])
     [r2] = pipeline.tick()
     assert all(e.passed for e in pipeline.run_request(r2).get_asset_check_evaluations()
                if e.check_name == "messages_fit_their_topics")
-    assert [m["value"]["request"] for m in messages(pipeline, "entity-updates")] == [2, 3]
+    assert [m["value"]["request"] for m in messages(pipeline, "entity-updates", entity=SALLY)] == [2, 3]
 
 
 def test_only_the_streams_named_are_published_and_every_table_is_written(make_pipeline):

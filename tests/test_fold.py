@@ -97,7 +97,7 @@ def test_inbox_events_put_notifications_and_acks_in_one_layout(tmp_path):
     note = {"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": 1,
             "kafka_timestamp": 5, "dbid": "db", "collection": "Contacts", "zone": "A", "entity": "e1",
             "notification": "n1", "action": "created", "ended": 5, "device": "d1", "user": "u1",
-            "bucket": core.key_bucket("d1")}
+            "bucket": core.key_bucket("d1"), "clientid": "c", "request": 3, "part": 1, "begun": 4}
     ack = {"slice": "0000000001", "kafka_topic": "notification-acks", "kafka_partition": 0, "kafka_offset": 2,
            "kafka_timestamp": 7, "dbid": "db", "user": "u1", "device": "d1", "notifications": '["n1"]', "upTo": None,
            "begun": 7}
@@ -107,10 +107,24 @@ def test_inbox_events_put_notifications_and_acks_in_one_layout(tmp_path):
     assert notes.schema == acks.schema == fold.INBOX_EVENTS
     assert notes.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": fold.NOTIFY, "notification": "n1",
                                   "ended": 5, "notifications": None, "upTo": None, "collection": "Contacts",
-                                  "zone": "A", "entity": "e1", "action": "created"}]  # what its message says
+                                  "zone": "A", "entity": "e1", "action": "created",  # what its message says
+                                  "begun": 4, "clientid": "c", "request": 3, "part": 1}]  # the fold's order
     assert acks.to_pylist() == [{"dbid": "db", "user": "u1", "device": "d1", "kind": fold.ACK, "notification": None,
                                  "ended": 7, "notifications": '["n1"]', "upTo": None, "collection": None,
-                                 "zone": None, "entity": None, "action": None}]
+                                 "zone": None, "entity": None, "action": None, "begun": None, "clientid": None,
+                                 "request": None, "part": None}]
+
+
+def test_inbox_events_read_changes_by_device_files_of_an_older_lake(tmp_path):
+    """Files written before changes_by_device had the request columns (added in place) read as
+    nulls there: the inbox fold of an old slice orders them by `ended`, then notification id."""
+    older = pa.schema([f for f in SCHEMAS["changes_by_device"] if f.name not in core.ORDER])
+    row = {"slice": "0000000001", "dbid": "db", "device": "d1", "user": "u1", "notification": "n1", "ended": 5,
+           "bucket": core.key_bucket("d1")}
+    pq.write_table(pa.Table.from_pylist([row], schema=older), tmp_path / "old.parquet")
+    [event] = fold.inbox_events("changes_by_device", str(tmp_path / "old.parquet"), None, [row["bucket"]]).to_pylist()
+    assert (event["notification"], event["ended"]) == ("n1", 5)
+    assert [event[c] for c in core.ORDER] == [None] * len(core.ORDER)
 
 
 def test_multipart_parts_skip_single_part_results(tmp_path):
@@ -131,7 +145,7 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
                      for i, d in enumerate(devices)]
     change = {"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": 3,
               "kafka_timestamp": 9, "clientid": "c", "request": 1, "part": 1, "dbid": "db", "collection": "Contacts",
-              "zone": "A", "entity": "e1", "status": 1, "action": "created", "ended": 9}
+              "zone": "A", "entity": "e1", "status": 1, "action": "created", "ended": 9, "begun": 8}
     uri = str(tmp_path / "changes_by_device")
     (tmp_path / "changes_by_device").mkdir()
     [report] = fold.fan_out_task(iter([pa.RecordBatch.from_pylist([change])]), slice_key="0000000001",

@@ -210,3 +210,15 @@ def test_the_environment_names_the_streams_to_publish(monkeypatch):
     monkeypatch.setenv("ENTITY_ASSETS_PUBLISH", "complete-response")
     with pytest.raises(ValueError, match="no derived stream is named complete-response .they are entity-patches"):
         build_resources()
+
+
+def test_a_topic_s_limit_is_its_max_message_bytes_and_a_value_is_measured_as_the_producer_compresses_it(broker):
+    """The broker holds a compressed batch to its topic's max.message.bytes: a topic it does not
+    describe has no limit here (the producer's own applies), and a value's size is zstd's."""
+    config = {"bootstrap.servers": broker.bootstrap}
+    ensure_topics(config, ["limits.small"], 1, topic_configs={"limits.small": {"max.message.bytes": "3000"}})
+    assert kafka_io.message_limits(config, ["limits.small", "limits.missing"]) == {
+        "limits.small": 3000 - kafka_io.BATCH_FRAMING}
+    assert kafka_io.producer_limit({}) == 4_000_000 - kafka_io.BATCH_FRAMING
+    assert kafka_io.compressed_size(b"x" * 5000, {}) < 100
+    assert kafka_io.compressed_size(b"x" * 5000, {"compression.type": "none"}) == 5000

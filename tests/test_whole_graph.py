@@ -561,16 +561,32 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     assert notifications(K4) == {"device3": ("carol", 0, FUTURE + 10, FUTURE + 10)}
 
 
-def test_a_device_hears_of_a_slice_s_changes_in_the_order_they_ended(pipeline):
+def test_a_device_hears_of_a_slice_s_changes_in_the_order_they_were_applied(pipeline):
     """The fan-out's tasks split a device's change summaries by zone-changes file (so by entity
-    bucket); device_notifications publishes them, each device's sorted by `ended`."""
+    bucket); device_notifications publishes them, each device's in the fold's order (begun,
+    clientid, request, part): an entity's changes as applied, whatever their `ended` (equal, or
+    the Kafka timestamps of records that arrived in another order) and their notification ids."""
+    def ids(entity, requests):
+        return [notify.notification_id("device2", DB, "Contacts", "A", entity, ADMIN, r, 1) for r in requests]
+
+    # requests whose notification ids are out of request order: no tie-break on ids passes
+    late_at = next(r for r in range(200, 300) if ids("late", [r]) > ids("late", [r + 1]))
+    tied_at = next(r for r in range(100, 200, 4) if ids("tied", range(r, r + 4)) != sorted(ids("tied", range(r, r + 4))))
     run_slice(pipeline, [batch(1, 1415747086000, [subscribe("device2")])], K1)
     entities = [f"a-contact-{i:02}" for i in range(24)]
-    run_slice(pipeline, [batch(10 + i, FUTURE + i, [contact(e, "A", [{"op": "add", "path": "n", "value": i}])])
-                         for i, e in enumerate(entities)], K2)
-    heard = [m["value"] for m in messages_on(pipeline, "changes-by-device") if m["key"] == "device2"]
-    assert [m["entity"] for m in heard] == entities
-    assert [m["ended"] for m in heard] == [FUTURE + i for i in range(24)]
+    late = [batch(late_at + 1, 1415747090000, [contact("late", "A", [{"op": "add", "path": "n", "value": 2}])]),
+            batch(late_at, 1415747089000, [contact("late", "A", [{"op": "add", "path": "n", "value": 1}])])]
+    tied = [batch(tied_at + i, FUTURE + 100, [contact("tied", "A", ops)]) for i, ops in enumerate([
+        [{"op": "add", "path": "n", "value": 1}], [{"op": "replace", "path": "n", "value": 2}],
+        [{"op": "remove", "path": ""}], [{"op": "add", "path": "n", "value": 3}]])]
+    run_slice(pipeline, late + [batch(10 + i, FUTURE + i, [contact(e, "A", [{"op": "add", "path": "n", "value": i}])])
+                                for i, e in enumerate(entities)] + tied, K2)
+    heard = [(m["value"]["entity"], m["value"]["action"]) for m in messages_on(pipeline, "changes-by-device")
+             if m["key"] == "device2"]
+    assert heard == [("late", "created"), ("late", "updated"), *((e, "created") for e in entities),
+                     ("tied", "created"), ("tied", "updated"), ("tied", "deleted"), ("tied", "created")]
+    assert sorted(r["request"] for r in rows(pipeline, "changes_by_device", K2) if r["entity"] == "tied") == [
+        tied_at + i for i in range(4)]  # each summary's request, by which it is ordered
 
 
 def test_app_version_counts_come_from_the_commit_before_or_from_an_older_lake_s_state(tmp_path):

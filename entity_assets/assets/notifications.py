@@ -128,7 +128,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     publish_to = publishing(kafka, engine, ["changes_by_device", "device_notifications"])
     files, inboxes = fold_buckets(spark, {"changes_by_device": note_files, "notification_acks": ack_files},
                                   fold.inbox_events, fold.inbox_task, key_columns=("device",),
-                                  order=("device", "kind", "ended", "notification"), engine=engine,
+                                  order=fold.INBOX_ORDER, engine=engine,
                                   state_table="device_inboxes", slice_key=key, uris=uris,
                                   state_file_rows=lake.state_file_rows,
                                   publishing=publish_to)
