@@ -32,7 +32,8 @@ OUTBOX = "outbox:"
 """Report rows with this table name are a task's spool file (path: its URI, rows: its messages)."""
 UNDELIVERABLE = "undeliverable:"
 """Report rows with this table name are a message too large for its topic, which no spool holds
-(stats: its stream, key, bytes and the topic's limit); counters `undeliverable:<table>` count them."""
+(stats: its stream, key, bytes, compressed bytes and the topic's limit); counters
+`undeliverable:<table>` count them."""
 EXAMPLES = 20
 """Messages too large that a task reports by key: its counters count them all."""
 
@@ -219,7 +220,7 @@ class Publisher:
         limit. The others would be refused, and with them the step at every run of the slice:
         they stay in the lake only, counted and named."""
         sizes = pc.fill_null(pc.add(pc.binary_length(texts), pc.fill_null(pc.binary_length(keys), 0)), 0)
-        if pc.max(sizes).as_py() <= limit:
+        if (pc.max(sizes).as_py() or 0) <= limit:
             return None
         config, fits = self.publishing.kafka_config, pc.less_equal(sizes, limit).to_pylist()
         for i in pc.indices_nonzero(pc.invert(pc.less_equal(sizes, limit))).to_pylist():
