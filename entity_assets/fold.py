@@ -91,12 +91,13 @@ class Outputs:
             if self.publisher is not None:
                 self.publisher.send_rows(table, rows, texts)
 
-    def publish_rows(self, table: str, rows: pa.Table) -> None:
-        """Spools the messages of rows that an earlier step wrote, whose tasks split a key's rows:
-        the fold publishes entity_patches in the order it applies them, the inbox fold
-        changes_by_device in each device's order."""
+    def publish_rows(self, table: str, rows: pa.Table, texts: pa.Array | None = None) -> None:
+        """Spools the messages of rows written elsewhere, whose writers split a key's rows: the
+        fold publishes entity_patches in the order it applies them, the inbox fold
+        changes_by_device in each device's order, complete_task the partial responses of
+        multi-part requests in part order. `texts`: their messages, when made already."""
         if rows.num_rows and self.publisher is not None:
-            self.publisher.send_rows(table, rows)
+            self.publisher.send_rows(table, rows, texts)
 
     def _write_batched(self, table: str) -> None:
         self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
@@ -119,8 +120,9 @@ class Outputs:
         responses, the complete responses of single-part requests, and the schema-learning
         messages of the rows where `learned` (their `after` there: `core.learned_after`) is set.
 
-        Requests of several parts are completed by `complete_task`, which groups their parts.
-        One batch of message texts (`encode`) serves the four tables.
+        Requests of several parts are completed by `complete_task`, which groups their parts and
+        publishes their partial responses, a request's in part order (its parts are in several
+        buckets, so several tasks here). One batch of message texts (`encode`) serves the four tables.
         """
         if not data.num_rows:
             return
@@ -141,7 +143,11 @@ class Outputs:
         else:
             texts = encode.result_texts(data)
             responses = _where(texts, single, not multipart)
-        self.emit_rows("partial_responses", data, texts)
+        if multipart:  # written here, published by complete_task
+            self.writer("partial_responses").append_table(data)
+            self.publish_rows("partial_responses", complete, responses)
+        else:
+            self.emit_rows("partial_responses", data, texts)
         self.emit_rows(self.updates, _where(data, ok, all_ok), None if texts is None else _where(texts, ok, all_ok))
         self.emit_rows("complete_responses",
                        complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", "")))
@@ -587,8 +593,12 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
 
 def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str],
                   storage_options, write_state: bool, publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Input: this slice's parts of multi-part requests plus pending parts, sorted by (clientid, request, stream, part)."""
+    """Input: this slice's parts of multi-part requests plus pending parts, sorted by (clientid,
+    request, stream, part). It publishes this slice's parts (their partial responses), each
+    request's in part order."""
     out = Outputs(slice_key, uris, storage_options, publishing)
+    if out.publisher is not None and out.publisher.publishes("partial_responses"):
+        batches = _parts_published(out, batches, slice_key)
     for kind, row in core.split_complete(core.group_requests(_rows(batches)), slice_key):
         if kind == "complete":
             out.emit("complete_responses", row)
@@ -722,6 +732,15 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                                       "ended": inbox.ended, "bucket": bucket})
     out.close_state("device_inboxes", store)
     yield _arrow(out.report())
+
+
+def _parts_published(out: Outputs, batches: Iterator[pa.RecordBatch], slice_key: str) -> Iterator[pa.RecordBatch]:
+    """complete_task's input, once the partial responses of the slice's own parts (not those
+    pending from earlier slices, published then) are spooled, in their order."""
+    for batch in batches:
+        rows = pa.Table.from_batches([batch])
+        out.publish_rows("partial_responses", rows.filter(pc.equal(rows.column("slice"), slice_key)))
+        yield batch
 
 
 def _summaries_published(out: Outputs, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -421,6 +421,21 @@ def test_an_entitys_patches_apply_in_begun_order_not_offset_order(pipeline):
             (high, 1), (low, 1), (low, 2), (high, 2)], stream
 
 
+def test_the_parts_of_a_request_reach_kafka_in_part_order(pipeline):
+    """A request's parts are patches of entities in different buckets, so different fold tasks:
+    complete_task, which groups them, publishes their partial responses in part order."""
+    requests = [batch(40 + r, [patch(f"multi-{r}-{p}", [{"op": "add", "path": "n", "value": p}]) for p in range(4)],
+                      begun=BEGUN + r) for r in range(12)]
+    pipeline.produce([record(b) for b in requests])
+    [request] = pipeline.tick()
+    assert pipeline.run_request(request).success
+    parts: dict[int, list[int]] = {}
+    for m in messages(pipeline, "partial-responses"):
+        parts.setdefault(m["value"]["request"], []).append(m["value"]["part"])
+    assert parts == {40 + r: [1, 2, 3, 4] for r in range(12)}
+    assert len(rows(pipeline, "partial_responses")) == 48 and len(messages(pipeline, "complete-responses")) == 12
+
+
 # --------------------------------------------------------------------------- 4-8: across slices
 
 LIFE = "7e1f0c2b-4444-4000-8000-000000000004"  # created, deleted, re-created

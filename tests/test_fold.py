@@ -227,6 +227,8 @@ def test_respond_fills_updates_partial_and_complete_responses(tmp_path, monkeypa
     for table, rows in written.items():
         stream = publish.STREAMS[table]
         for row in rows:
+            if table == "partial_responses" and row["parts"] > 1:
+                continue  # complete_task publishes them, a request's in part order
             partition = publish.partition_for(row[stream.partition_by], 3) if stream.partition_by else -1
             expected.append((topics[table][0], stream.key(row), stream.encode(row), partition))
     assert sent == sorted(expected)
