@@ -436,6 +436,27 @@ def test_the_parts_of_a_request_reach_kafka_in_part_order(pipeline):
     assert len(rows(pipeline, "partial_responses")) == 48 and len(messages(pipeline, "complete-responses")) == 12
 
 
+def test_a_state_step_refuses_a_slice_whose_input_is_not_written_yet(pipeline):
+    """Materializing a subset out of order (the UI lets one): apply_patches on a slice whose
+    entity_patches has not run would apply nothing and record the slice as applied, and the
+    slice's later runs would only replay it. It refuses, and the slice applies once its input is there."""
+    pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
+    [request] = pipeline.tick()
+    assert pipeline.run(K1, assets=pipeline.asset_keys_of("entity_batches")).success
+    early = pipeline.run(K1, assets=pipeline.asset_keys_of("entity_updates"), raise_on_error=False)
+    [failure] = [e for e in early.all_events if e.is_step_failure]
+    assert failure.step_key == "apply_patches"
+    assert f"slice {K1}: entity_patches holds no rows of it yet" in pipeline.failure_text(failure)
+    assert pipeline.run_request(request).success
+    assert one(rows(pipeline, "entities"))["entity"] == SALLY
+    # the tables whose stream a later step publishes promise no publish record of their own: the
+    # release before, which published them from their own step, still runs after this one
+    engine = pipeline.engine
+    assert "entity_assets.publish_recorded" not in engine.commit_after("entity_patches", K1, "replace_slice")
+    assert "entity_assets.publish_recorded" not in engine.commit_after("changes_by_device", K1, "replace_slice")
+    assert "entity_assets.publish_recorded" in engine.commit_after("entity_updates", K1, "replace_slice")
+
+
 # --------------------------------------------------------------------------- 4-8: across slices
 
 LIFE = "7e1f0c2b-4444-4000-8000-000000000004"  # created, deleted, re-created

@@ -122,7 +122,7 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     written = run_tasks(spark, file_tasks(files, slicing.max_messages_per_task, task_slots(spark, rows)), fn, rows)
     if not published:
         counts = pop_counts(written)
-        return commit_slice(engine, [table], written, slice_key)[table], counts
+        return commit_slice(engine, [table], written, slice_key, published=False)[table], counts
     return commit_stream(spark, engine, table, written, slice_key, publish_to)
 
 
@@ -144,17 +144,20 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
     return summary, counts
 
 
-def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str) -> dict[str, dict]:
+def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str,
+                 published: bool = True) -> dict[str, dict]:
     """Replaces the slice in each table (the tables at once on an object store); returns rows and
-    Delta version per table."""
-    return commit_at_once(engine, {table: partial(replace_slice, engine, table, files, slice_key) for table in tables})
+    Delta version per table. `published`: see `DeltaRsEngine.replace_slice`."""
+    return commit_at_once(engine, {table: partial(replace_slice, engine, table, files, slice_key, published)
+                                   for table in tables})
 
 
-def replace_slice(engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str) -> dict:
+def replace_slice(engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str,
+                  published: bool = True) -> dict:
     """Replaces the slice in one stream table with its files of `files`: its rows, files and Delta version."""
     written = files.get(table, [])
     return {"rows": sum(f.rows for f in written), "files": len(written),
-            "version": engine.replace_slice(table, SCHEMAS[table], written, slice_key)}
+            "version": engine.replace_slice(table, SCHEMAS[table], written, slice_key, published)}
 
 
 def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]) -> dict[str, dict]:
@@ -239,6 +242,17 @@ class OutOfOrder(Failure):
 
     def __init__(self, message: str):
         super().__init__(description=message)
+
+
+def require_inputs(engine: DeltaRsEngine, slice_key: str, tables: Iterable[str], step: str) -> None:
+    """Refuses a state step of a slice whose input tables hold no commit of it (a subset of the
+    graph materialized out of order): applied to no rows, the state would record the slice as
+    applied (`state_version`), and the slice's later runs would only replay it, so its changes
+    would never reach the state."""
+    if missing := [t for t in tables if not (engine.exists(t) and engine.reached(t, slice_key, "replace_slice"))]:
+        names = ", ".join(missing)
+        raise OutOfOrder(f"slice {slice_key}: {names} holds no rows of it yet, and {step} would record the slice "
+                         f"as applied without them: materialize {names} for slice {slice_key} first")
 
 
 def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bool, int | None]:

@@ -7,7 +7,8 @@ import pyarrow.compute as pc
 from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
-from entity_assets.assets.common import STATE_APP, ensure_tables, fold_buckets, one_row_per_key, table_metadata
+from entity_assets.assets.common import (STATE_APP, ensure_tables, fold_buckets, one_row_per_key, require_inputs,
+                                         table_metadata)
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from resources import LakeResource, SparkResource
@@ -32,6 +33,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
     """
     engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["devices"], reads=["connections"])
+    require_inputs(engine, key, ("connections",), "devices")
     connections = engine.slice_files("connections", [key])
     # the app-version counts of the state the slice makes: the counts recorded by the slice
     # before it plus this slice's changes, recorded on the state commit (no read of the state)

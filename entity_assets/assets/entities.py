@@ -32,6 +32,7 @@ from entity_assets.assets.common import (
     record_published,
     redeliveries,
     replace_slice,
+    require_inputs,
     require_published,
     run_buckets,
     run_tasks,
@@ -128,6 +129,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, APPLY_TABLES, reads=["entity_patches", "schema_patches"])
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
+    require_inputs(engine, key, ("entity_patches", "schema_patches"), "apply_patches")
     require_published(engine, "entity_updates", key)
     publish_to = publishing(kafka, engine, PUBLISHED)
 

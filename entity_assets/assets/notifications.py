@@ -20,6 +20,7 @@ from entity_assets.assets.common import (
     fold_buckets,
     one_row_per_key,
     publishing,
+    require_inputs,
     require_published,
     table_metadata,
     undeliverable_check,
@@ -68,8 +69,8 @@ INVALID_SHOWN = 20
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["zone_changes", "entities"], group_name="notifications",
        kinds=KINDS,
        description="One change summary per subscribed device per change (created/updated/deleted), keyed by device. "
-                   "device_notifications publishes them, each device's in the order of their `ended` (an "
-                   "observation counts them).",
+                   "device_notifications publishes them, each device's in the order their changes were applied "
+                   "(an observation counts them).",
        check_specs=[AssetCheckSpec("subscriptions_are_valid", asset="changes_by_device",
                                    description="every $zoneSubscription entity describes a subscription")])
 def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
@@ -124,6 +125,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                   reads=["changes_by_device", "notification_acks"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
+    require_inputs(engine, key, ("changes_by_device", "notification_acks"), "device_notifications")
     require_published(engine, "device_notifications", key)
     publish_to = publishing(kafka, engine, ["changes_by_device", "device_notifications"])
     files, inboxes = fold_buckets(spark, {"changes_by_device": note_files, "notification_acks": ack_files},
