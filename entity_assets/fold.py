@@ -597,8 +597,7 @@ def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: di
     request, stream, part). It publishes this slice's parts (their partial responses), each
     request's in part order."""
     out = Outputs(slice_key, uris, storage_options, publishing)
-    if out.publisher is not None and out.publisher.publishes("partial_responses"):
-        batches = _parts_published(out, batches, slice_key)
+    batches = _published_as_read(out, batches, "partial_responses", "slice", slice_key)  # not the pending parts
     for kind, row in core.split_complete(core.group_requests(_rows(batches)), slice_key):
         if kind == "complete":
             out.emit("complete_responses", row)
@@ -707,8 +706,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
     out = Outputs(slice_key, uris, storage_options, publishing)
     store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options,
                         state_file_rows)
-    if out.publisher is not None and out.publisher.publishes("changes_by_device"):
-        batches = _summaries_published(out, batches)
+    batches = _published_as_read(out, batches, "changes_by_device", "kind", NOTIFY)  # not the acks
     for bucket, rows, keys in _buckets(batches, ("device",)):
         store.switch(bucket, keys)
         for device, events in groupby(rows, key=lambda r: r["device"]):
@@ -734,20 +732,16 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
     yield _arrow(out.report())
 
 
-def _parts_published(out: Outputs, batches: Iterator[pa.RecordBatch], slice_key: str) -> Iterator[pa.RecordBatch]:
-    """complete_task's input, once the partial responses of the slice's own parts (not those
-    pending from earlier slices, published then) are spooled, in their order."""
+def _published_as_read(out: Outputs, batches: Iterator[pa.RecordBatch], table: str, column: str,
+                       value: str) -> Iterator[pa.RecordBatch]:
+    """A task's input batches, once the `table` messages of their rows whose `column` is `value`
+    are spooled, in the input's order (when the task publishes `table`)."""
+    if out.publisher is None or not out.publisher.publishes(table):
+        yield from batches
+        return
     for batch in batches:
         rows = pa.Table.from_batches([batch])
-        out.publish_rows("partial_responses", rows.filter(pc.equal(rows.column("slice"), slice_key)))
-        yield batch
-
-
-def _summaries_published(out: Outputs, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """The inbox events, once their change summaries (NOTIFY rows) are spooled, in their order."""
-    for batch in batches:
-        rows = pa.Table.from_batches([batch])
-        out.publish_rows("changes_by_device", rows.filter(pc.equal(rows.column("kind"), NOTIFY)))
+        out.publish_rows(table, rows.filter(pc.equal(rows.column(column), value)))
         yield batch
 
 
