@@ -222,12 +222,13 @@ class Publisher:
         sizes = pc.fill_null(pc.add(pc.binary_length(texts), pc.fill_null(pc.binary_length(keys), 0)), 0)
         if (pc.max(sizes).as_py() or 0) <= limit:
             return None
-        config, fits = self.publishing.kafka_config, pc.less_equal(sizes, limit).to_pylist()
-        for i in pc.indices_nonzero(pc.invert(pc.less_equal(sizes, limit))).to_pylist():
+        config, within = self.publishing.kafka_config, pc.less_equal(sizes, limit)
+        fits, most = within.to_pylist(), producer_limit(config)
+        for i in pc.indices_nonzero(pc.invert(within)).to_pylist():
             key, size, value = keys[i].as_py(), sizes[i].as_py(), texts[i].as_py()
             value = value.encode() if isinstance(value, str) else value
             compressed = size - len(value) + compressed_size(value, config)
-            fits[i] = size <= producer_limit(config) and compressed <= limit
+            fits[i] = size <= most and compressed <= limit
             if not fits[i]:
                 self.undeliverable[table] = self.undeliverable.get(table, 0) + 1
                 if len(self.examples) < EXAMPLES:
