@@ -236,7 +236,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
     from entity_assets.sensors import dump_cursor, kafka_offsets_sensor
-    from entity_assets.slices import slice_key
+    from entity_assets.slices import run_key, slice_key
     from resources import SlicingResource
 
     instance = _instance_for_runs()
@@ -251,10 +251,14 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
         result = kafka_offsets_sensor(context)
     log(f"sensor: {result.skip_reason.skip_message if result.skip_reason else f'{len(result.run_requests)} new slice(s)'}")
 
-    # partition and status columns only: no run record is deserialized, however long the history
-    done = {d.partition for d in instance.get_run_partition_data(
-        RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS]))}
-    pending = [slice_key(s) for s in range(1, store.latest_seq() + 1) if slice_key(s) not in done]
+    # partition and time columns only: no run record is deserialized, however long the history.
+    # A run counts for a slice if it started after the slice closed: a lake restored behind
+    # its runs closes those slices again, over other offsets.
+    started: dict[str, float] = {}
+    for d in instance.get_run_partition_data(RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS])):
+        started[d.partition] = max(started.get(d.partition, 0.0), d.start_time or 0.0)
+    pending = [(slice_key(seq), run_key(slice_key(seq), closed)) for seq, closed in sorted(store.closed_at().items())
+               if started.get(slice_key(seq), 0.0) * 1000 < closed]
     return _materialize(instance, pending, _steps_selection(steps), log)
 
 
@@ -268,10 +272,11 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=pr
     """
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
-    from entity_assets.slices import slice_key
+    from entity_assets.slices import run_key, slice_key
 
     instance = _instance_for_runs()
-    latest = ManifestStore(build_resources()["lake"].open()).latest_seq()
+    closed = ManifestStore(build_resources()["lake"].open()).closed_at()
+    latest = max(closed, default=0)
     if first > last:
         raise ValueError(f"slices {first}..{last}: the first comes after the last")
     if not 1 <= first <= last <= latest:
@@ -283,7 +288,8 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=pr
         if unknown:
             raise ValueError(f"no asset {', '.join(unknown)}; the assets are {', '.join(sorted(ops))}")
         steps = sorted({ops[a] for a in assets})
-    return _materialize(instance, [slice_key(s) for s in range(first, last + 1)], _steps_selection(steps), log)
+    runs = [(slice_key(s), run_key(slice_key(s), closed[s])) for s in range(first, last + 1)]
+    return _materialize(instance, runs, _steps_selection(steps), log)
 
 
 def _step_of_asset() -> dict:
@@ -300,19 +306,19 @@ def _steps_selection(steps: list[str] | None):
     return [key for key, op in _step_of_asset().items() if op in steps]
 
 
-def _materialize(instance, keys: list[str], selection, log) -> list[dict]:
-    """One slice_job run per slice key, in order, until one fails: later slices would be refused,
-    as state applies in slice order."""
+def _materialize(instance, runs: list[tuple[str, str]], selection, log) -> list[dict]:
+    """One slice_job run per (slice key, run key), in order, until one fails: later slices would
+    be refused, as state applies in slice order."""
     from entity_assets.definitions import defs
     from entity_assets.launcher import worker_tag
 
-    instance.add_dynamic_partitions("slices", keys)
+    instance.add_dynamic_partitions("slices", [key for key, _ in runs])
     job = defs.resolve_job_def("slice_job")
     summaries = []
-    for key in keys:
+    for key, run in runs:
         started = time.monotonic()
         outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
-                                         tags={"dagster/run_key": key, **worker_tag()}, asset_selection=selection)
+                                         tags={"dagster/run_key": run, **worker_tag()}, asset_selection=selection)
         materialized = Counter()
         for event in outcome.get_asset_materialization_events():
             mat = event.event_specific_data.materialization

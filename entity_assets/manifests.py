@@ -34,6 +34,11 @@ class ManifestStore:
         seq = self.latest_seq()
         return self.get(seq) if seq else None
 
+    def closed_at(self) -> dict[int, int]:
+        """Seq -> when its slice closed (epoch ms), for every slice."""
+        t = self.engine.read(TABLE, columns=["seq", "closed_at"])
+        return dict(zip(t["seq"].to_pylist(), t["closed_at"].to_pylist()))
+
     def write(self, manifest: Manifest) -> None:
         if manifest.seq != self.latest_seq() + 1:
             raise ValueError(f"manifest {manifest.key} out of order: latest is {slice_key(self.latest_seq())}")

@@ -9,7 +9,7 @@ from dagster import RunRequest, SensorEvaluationContext, SensorResult, SkipReaso
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import slices_partitions
-from entity_assets.slices import behind, plan_slices, slice_key
+from entity_assets.slices import behind, plan_slices
 from resources import KafkaResource, LakeResource, SlicingResource
 
 
@@ -34,7 +34,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     The cursor (last requested slice, next offsets) saves a lake read per tick. If manifests
     exist past the cursor (a tick that wrote them and died, or slices closed by the CLI), the
     sensor resumes from the newest manifest and requests those slices again; run keys make
-    that idempotent. The tick reads the manifests as of its first look (`snapshot`): of two
+    that idempotent. A lake behind the cursor (restored from a backup) closes its next slices
+    again: their run keys differ (`Manifest.run_key`), so they run. The tick reads the manifests as of its first look (`snapshot`): of two
     ticks closing the same slice at once, Delta refuses the second commit (same app transaction).
     """
     store = ManifestStore(lake.open(snapshot=True))
@@ -69,15 +70,16 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     if new:
         positions, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
-    keys = [slice_key(seq) for seq in range(cursor_seq + 1, last + 1)]
+    closed = {m.seq: m for m in new}
+    requested = [closed.get(seq) or store.get(seq) for seq in range(cursor_seq + 1, last + 1)]
     cursor = dump_cursor(last, positions, closed_at)
-    if not keys:
+    if not requested:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
                                                     + (f"; {went_back}" if went_back else "")), cursor=cursor)
-    context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
+    context.log.info(f"requesting slices {requested[0].key}..{requested[-1].key}")
     return SensorResult(
-        run_requests=[RunRequest(run_key=k, partition_key=k) for k in keys],
-        dynamic_partitions_requests=[slices_partitions.build_add_request(keys)],
+        run_requests=[RunRequest(run_key=m.run_key, partition_key=m.key) for m in requested],
+        dynamic_partitions_requests=[slices_partitions.build_add_request([m.key for m in requested])],
         cursor=cursor,
     )

@@ -23,6 +23,12 @@ def slice_key(seq: int) -> str:
     return f"{seq:0{KEY_WIDTH}d}"
 
 
+def run_key(key: str, closed_at: int) -> str:
+    """A slice's run key. A lake restored behind the sensor closes its next slices again, under
+    slice keys that runs already used: `closed_at` makes those new slices new runs."""
+    return f"{key}@{closed_at}"
+
+
 def slice_seq(key: str) -> int:
     if not key.isdigit():
         raise ValueError(f"not a slice key: {key!r}")
@@ -50,6 +56,10 @@ class Manifest:
     @property
     def key(self) -> str:
         return slice_key(self.seq)
+
+    @property
+    def run_key(self) -> str:
+        return run_key(self.key, self.closed_at)
 
     @property
     def messages(self) -> int:

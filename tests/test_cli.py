@@ -114,6 +114,22 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     with pytest.raises(SystemExit, match="entity-assets history: update c/2/1"):
         cli.main(["history", *key])
 
+    # a lake restored from a backup behind its runs: `run` closes the slices after it again, and
+    # runs them, although runs of those slice keys succeeded before the restore
+    backup = tmp_path / "backup"
+    shutil.copytree(lake.root, backup)
+    lost = list(samples.BatchTraffic(patches=20, entities=8, seed=5).records())
+    topics.produce(lost)
+    assert run().stdout.count(": ok in ") >= 1
+    shutil.rmtree(lake.root)
+    shutil.copytree(backup, lake.root)
+    later = list(samples.BatchTraffic(patches=12, entities=8, seed=6).records())
+    topics.produce(later)
+    restored = run()
+    assert restored.returncode == 0 and f"slice {slice_key(slices + 1)}: ok in " in restored.stdout, restored.stdout
+    rows = lake.open().read("entity_batches", columns=["slice"])["slice"].to_pylist()
+    assert sum(s > slice_key(slices) for s in rows) == len(lost) + len(later)
+
 
 def test_topics_creates_what_the_cluster_lacks_with_each_topics_settings(broker, monkeypatch, tmp_path, capsys):
     """`entity-assets topics`: a dry run creates nothing; then the input topics get the given

@@ -7,12 +7,13 @@ Kafka records -> sensor tick (slice manifest, dynamic partition, run request) ->
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
-from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions, build_sensor_context
+from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions, RunsFilter, build_sensor_context
 
 from confluent_kafka.admin import AdminClient
 
@@ -197,7 +198,7 @@ def test_ticks_close_contiguous_slices(pipeline):
 
     pipeline.produce(traffic(120, seed=1))
     [first] = pipeline.tick()
-    assert first.partition_key == first.run_key == K1
+    assert first.partition_key == K1 and first.run_key == f"{K1}@{pipeline.manifest(K1).closed_at}"
     assert pipeline.tick() == []  # nothing new
     assert pipeline.tick() == []
 
@@ -217,9 +218,34 @@ def test_ticks_close_contiguous_slices(pipeline):
     # A lost cursor (a new sensor on the same lake) resumes from the manifests: the same
     # slices are requested again under the same run keys, and no new slice is closed.
     pipeline.cursor = None
-    assert [r.run_key for r in pipeline.tick()] == [K1, K2]
+    assert [r.run_key for r in pipeline.tick()] == [first.run_key, second.run_key]
     assert pipeline.tick() == []
     assert pipeline.manifest(K2) == m2
+
+
+def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_path):
+    """A lake restored from a backup taken after slice 1: the sensor closes slice 2 again, over
+    the offsets since slice 1. The daemon skips a request whose run key a run already has, so
+    that new slice 2 needs a run key of its own, or its records never reach the lake."""
+    pipeline.produce(traffic(40, seed=1))
+    [first] = pipeline.tick_and_run()
+    backup = tmp_path / "backup"
+    shutil.copytree(pipeline.lake.root, backup)
+    skipped = traffic(20, seed=2)
+    pipeline.produce(skipped)
+    [old] = pipeline.tick()
+    assert pipeline.run_request(old).success
+
+    shutil.rmtree(pipeline.lake.root)
+    shutil.copytree(backup, pipeline.lake.root)
+    later = traffic(12, seed=3)
+    pipeline.produce(later)
+    [again] = pipeline.tick()  # the cursor is at slice 2, the lake at slice 1
+    assert again.partition_key == K2 and again.run_key != old.run_key
+    assert not pipeline.instance.get_runs(RunsFilter(tags={"dagster/run_key": again.run_key}))
+    assert pipeline.manifest(K2).messages == len(skipped) + len(later)
+    assert pipeline.run_request(again).success
+    assert rows_of_slice(pipeline.read("entity_batches"), K2).num_rows == len(skipped) + len(later)
 
 
 def create_again(pipeline, stream: str) -> str:
