@@ -5,7 +5,7 @@
 
 Runs what the Spark tasks of `entity_patches`, `apply_patches` and `zone_changes` run, on
 local parquet files: `fold.explode_task` over `entity_batches` rows, `fold.fold_task` over
-the patches it wrote (every state bucket, empty state), `fold.copy_task` over the updates.
+the patches it wrote (every state bucket, empty state), `fold.zone_changes_task` over the updates.
 Each spools its messages to an outbox as in a run; nothing is produced to Kafka (the replay
 costs about 2.2 us per message on its own). The pipeline bench's CPU figures move with the
 host's load by more than a change of a few microseconds per patch; these bodies, timed alone
@@ -77,8 +77,7 @@ def one_round(root: Path, batches: pa.Table, n: int) -> dict[str, float]:
     updates = [f"{uris['entity_updates']}/{r['path']}" for r in written if r["table"] == "entity_updates"]
 
     start = cpu_s()
-    list(fold.over_files(iter([{"files": updates}]), body=fold.copy_task, target="zone_changes",
-                         count_by="subjectZone", **common))
+    list(fold.over_files(iter([{"files": updates}]), body=fold.zone_changes_task, **common))
     spent["copy"] = cpu_s() - start
     return {step: 1e6 * s / n for step, s in spent.items()}
 

@@ -477,7 +477,7 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
 
 _FOLD_READS = ("dbid", "collection", "zone", "entity", "kafka_timestamp", "begun", "ops", "includeBefore", "includeAfter",
                "learning")
-_FOLD_ADDS = ("ended", *core.RESULT_FIELDS, "subjectZone", "previousSlice")
+_FOLD_ADDS = ("ended", *core.RESULT_FIELDS, "subjectZone", "leftZone", "previousSlice")
 _RESULT_TYPES = SCHEMAS["entity_updates"]
 
 RESULT_ROW_GROUPS = {"entities": "collection", "partial_responses": "parts"}
@@ -552,12 +552,12 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
             before = state.doc
             ended = core.ended_of(timestamp, begun)
             status, error, before_text, after, action = core.apply(state, ops, ended, include_before, include_after)
-            subject = learn = None
+            subject = left = learn = None
             if status == core.STATUS_OK:
-                subject = notify.subject_zone(collection, zone, state.doc, before)
+                subject, left = notify.subject_zones(collection, zone, state.doc, before)
                 if learning and state.doc is not None:
                     learn = core.learned_after(after, state.doc)
-            added.append((ended, status, error, before_text, after, action, subject, previous))
+            added.append((ended, status, error, before_text, after, action, subject, left, previous))
             learned.append(learn)
         results = pa.Table.from_batches([batch])
         out.publish_rows("entity_patches", results)
@@ -642,20 +642,32 @@ def _file_batches(task: dict, storage_options, columns: list[str] | None = None)
     return read_files(task["files"], storage_options, columns=columns)
 
 
-def copy_task(batches: Iterator[pa.RecordBatch], *, target: str, slice_key: str, uris: dict[str, str],
-              storage_options, publishing: Publishing | None = None,
-              count_by: str | None = None) -> Iterator[pa.RecordBatch]:
-    """Writes the input rows (already of this slice) to the `target` table unchanged, publishing each.
+def zone_changes_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
+                      publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
+    """Writes the slice's entity updates to zone_changes, publishing each to its `subjectZone`.
 
-    `count_by`: a column whose values are counted (counters "<column>:<value>").
+    A subscription that moved from a zone (`leftZone`) is a row there too, right after its row
+    in its new zone, so each partition has an entity's messages in order. Counts by zone
+    (counters "subjectZone:<zone>").
     """
     out = Outputs(slice_key, uris, storage_options, publishing)
     for batch in batches:
-        if count_by is not None:
-            for vc in pc.value_counts(batch.column(count_by)).to_pylist():
-                out.count(f"{count_by}:{vc['values']}", vc["counts"])
-        out.emit_rows(target, pa.Table.from_batches([batch]))  # the rows stay in Arrow
+        rows = _with_left_zones(pa.Table.from_batches([batch]))  # the rows stay in Arrow
+        for vc in pc.value_counts(rows.column("subjectZone")).to_pylist():
+            out.count(f"subjectZone:{vc['values']}", vc["counts"])
+        out.emit_rows("zone_changes", rows)
     yield _arrow(out.report())
+
+
+def _with_left_zones(rows: pa.Table) -> pa.Table:
+    if "leftZone" not in rows.column_names or rows.column("leftZone").null_count == rows.num_rows:
+        return rows  # no subscription moved (or files of a release before leftZone)
+    left = rows.column("leftZone").to_pylist()
+    at = [i for i, zone in enumerate(left) for _ in range(1 if zone is None else 2)]
+    again = [j > 0 and at[j - 1] == i for j, i in enumerate(at)]
+    rows = rows.take(pa.array(at, pa.int64()))
+    subject = pc.if_else(pa.array(again), rows.column("leftZone"), rows.column("subjectZone"))
+    return rows.set_column(rows.column_names.index("subjectZone"), "subjectZone", subject)
 
 
 _CHANGE_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "dbid", "collection", "zone",

@@ -21,7 +21,7 @@ __all__ = [
     "SUBSCRIPTIONS",
     "NOTIFICATION_NAMESPACE",
     "action_of",
-    "subject_zone",
+    "subject_zones",
     "parse_subscription",
     "read_subscription",
     "notification_id",
@@ -75,20 +75,23 @@ def read_subscription(document) -> tuple[ZoneSubscription | None, str | None]:
         return None, str(exc)
 
 
-def subject_zone(collection: str, zone: str, after: dict[str, Any] | None,
-                 before: dict[str, Any] | None = None) -> str:
-    """The zone-changes partition of a change: a subscription's ``subjectZone``, else ``zone``.
+def subject_zones(collection: str, zone: str, after: dict[str, Any] | None,
+                  before: dict[str, Any] | None = None) -> tuple[str, str | None]:
+    """The zone-changes partition of a change (a subscription's ``subjectZone``, else ``zone``),
+    and the zone a subscription moved away from (None if it did not move).
 
     A subscription's change lands in the zone it watches after the change, or, when it is deleted
     or no longer a subscription, in the zone it watched before, so that zone's partition sees it
-    go. With neither, the entity's own zone (there is no subject zone to honour).
+    go. With neither, the entity's own zone (there is no subject zone to honour). A subscription
+    moved from zone A to B lands in both: on a compacted topic, A's partition would otherwise
+    keep the subscription's last message there, watching A, for good.
     """
-    if collection == SUBSCRIPTIONS:
-        for document in (after, before):
-            sub = parse_subscription(document)
-            if sub is not None:
-                return sub.subjectZone
-    return zone
+    if collection != SUBSCRIPTIONS:
+        return zone, None
+    now, was = parse_subscription(after), parse_subscription(before)
+    if now is not None:
+        return now.subjectZone, was.subjectZone if was is not None and was.subjectZone != now.subjectZone else None
+    return (was.subjectZone if was is not None else zone), None
 
 
 def notification_id(

@@ -67,7 +67,9 @@ SCHEMAS: dict[str, pa.Schema] = {
     # non-decreasing in each file (a fold task writes its buckets in order), so that row-group
     # statistics find an entity in a file; previousSlice, the slice of its update before this
     # slice's (null for its first), so that a history reads only the slices that changed it
-    "entity_updates": pa.schema(list(UPDATE) + [pa.field("bucket", I32), pa.field("previousSlice", STR)]),
+    # leftZone: the zone a $zoneSubscription moved away from, whose zone_changes partition hears of it too
+    "entity_updates": pa.schema(list(UPDATE) + [pa.field("bucket", I32), pa.field("previousSlice", STR),
+                                                pa.field("leftZone", STR)]),
     "entities": _schema([("slice", STR), ("dbid", STR)], TARGET, STATE),
     "schema_updates": _schema(
         LINEAGE, REQUEST, [("parts", I32), ("part", I32), ("begun", I64), ("ops", STR)], FLAGS[1:], RESULT
@@ -111,10 +113,10 @@ SCHEMAS: dict[str, pa.Schema] = {
 SCHEMAS["partial_responses"] = pa.schema(list(UPDATE) + [pa.field("stream", STR)])
 SCHEMAS["pending_responses"] = SCHEMAS["partial_responses"]
 
-ADDED_IN_PLACE = {"entity_updates": ("bucket", "previousSlice"),
+ADDED_IN_PLACE = {"entity_updates": ("bucket", "previousSlice", "leftZone"),
                   "changes_by_device": ("clientid", "request", "part", "begun")}
 """Columns that a table of an older release gains by a metadata commit (`DeltaRsEngine.ensure`),
 its older files reading as null there, instead of a rebuild (docs/operations.md, Upgrading):
-only columns that no reader needs, such as an index."""
+only columns whose readers take null for "nothing to do", such as an index."""
 
 INPUT_TABLES = ("entity_batches", "schema_patches", "connections", "notification_acks")

@@ -191,13 +191,13 @@ def test_respond_fills_updates_partial_and_complete_responses(tmp_path, monkeypa
                 "ops": "[]", "learning": False, "includeBefore": False, "includeAfter": False, "ended": 5 + request,
                 "status": status, "error": None if status == 1 else "boom", "before": None, "after": None,
                 "action": "updated" if status == 1 else None, "subjectZone": "A", "stream": "entity-updates",
-                "bucket": 7, "previousSlice": None}
+                "bucket": 7, "previousSlice": None, "leftZone": None}
 
     results = [result(1, 1, 1, 1), result(2, 1, 1, 3), result(3, 1, 2, 1), result(3, 2, 2, 1), result(4, 1, 1, 1)]
     learned = {1: '{"name":"learned"}', 3: '{"name":"three"}'}  # by request: their schema-learning after
     # the fold's results: its patch columns (the entity's bucket among them) and those it adds
     struct = pa.struct(list(SCHEMAS["partial_responses"]) + [SCHEMAS["entity_updates"].field(c)
-                                                             for c in ("bucket", "previousSlice")])
+                                                             for c in ("bucket", "previousSlice", "leftZone")])
     for chunk in (results[:2], results[2:4], results[4:]):
         out.respond_rows(pa.Table.from_batches([from_rows(chunk, struct)]),
                          pa.array([learned.get(r["request"]) for r in chunk], pa.string()))

@@ -19,7 +19,7 @@ from entity_assets.notify import (
     parse_subscription,
     read_subscription,
     seen,
-    subject_zone,
+    subject_zones,
 )
 
 DB = "my-db"
@@ -68,14 +68,17 @@ def test_action_of():
 
 def test_subscription_change_is_partitioned_by_subject_zone():
     doc = sub("A", "device1", ["created"])
-    assert subject_zone(SUBSCRIPTIONS, "subs-zone", doc) == "A"
-    assert subject_zone("Contacts", "B", doc) == "B"  # only $zoneSubscription entities are redirected
-    assert subject_zone(SUBSCRIPTIONS, "subs-zone", None) == "subs-zone"
-    assert subject_zone(SUBSCRIPTIONS, "subs-zone", {"device": "d"}) == "subs-zone"
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", doc) == ("A", None)
+    assert subject_zones("Contacts", "B", doc, doc) == ("B", None)  # only $zoneSubscription entities are redirected
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", None) == ("subs-zone", None)
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", {"device": "d"}) == ("subs-zone", None)
     # deleted, or no longer a subscription: the zone it watched sees it go
-    assert subject_zone(SUBSCRIPTIONS, "subs-zone", None, doc) == "A"
-    assert subject_zone(SUBSCRIPTIONS, "subs-zone", {"device": "d"}, doc) == "A"
-    assert subject_zone(SUBSCRIPTIONS, "subs-zone", sub("B", "device1", ["created"]), doc) == "B"
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", None, doc) == ("A", None)
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", {"device": "d"}, doc) == ("A", None)
+    # moved: the zone it watches now, and the zone it left, which sees it go too
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", sub("B", "device1", ["created"]), doc) == ("B", "A")
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", sub("A", "device1", ["updated"]), doc) == ("A", None)
+    assert subject_zones(SUBSCRIPTIONS, "subs-zone", doc, {"device": "d"}) == ("A", None)
 
 
 # ---------------------------------------------------------------- subscriptions

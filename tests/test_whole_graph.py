@@ -589,6 +589,32 @@ def test_a_device_hears_of_a_slice_s_changes_in_the_order_they_were_applied(pipe
         tied_at + i for i in range(4)]  # each summary's request, by which it is ordered
 
 
+def test_a_subscription_moved_to_another_zone_is_a_change_in_both_zones(pipeline):
+    """zone-changes is compacted: each partition keeps a key's last message there. A subscription
+    moved from zone A must therefore reach A's partition too, saying where it went, or A's
+    partition holds it as watching A for good."""
+    run_slice(pipeline, [batch(1, 1415747086000, [subscribe("device1")])], K1)  # device1 watches A
+    n = partitions_of(pipeline, "zone-changes")
+    other = next(z for z in "BCDEFGH" if partition_for(z, n) != partition_for("A", n))
+    sub = {"collection": samples.SUBSCRIPTIONS, "zone": "default", "entity": "sub-device1"}
+    r2 = run_slice(pipeline, [
+        batch(2, 1415747087000, [{**sub, "ops": [{"op": "replace", "path": "subjectZone", "value": other}]}],
+              includeAfter=True),
+        batch(3, 1415747088000, [{**sub, "ops": [{"op": "replace", "path": "actions", "value": ["created"]}]}],
+              includeAfter=True),
+    ], K2)
+    assert sorted((r["request"], r["subjectZone"]) for r in rows(pipeline, "zone_changes", K2)) == [
+        (2, "A"), (2, other), (3, other)]
+    assert pipeline.materializations(r2)["zone_changes"]["zones"] == {other: 2, "A": 1}
+    assert rows(pipeline, "changes_by_device", K2) == []  # a subscription's changes notify nobody
+
+    heard = {}  # partition -> the subscription's messages there, in offset order
+    for m in messages_on(pipeline, "zone-changes"):
+        assert m["key"] == "sub-device1"
+        heard.setdefault(m["partition"], []).append((m["value"]["request"], m["value"].get("after", {}).get("subjectZone")))
+    assert heard == {partition_for("A", n): [(1, None), (2, other)], partition_for(other, n): [(2, other), (3, other)]}
+
+
 def test_app_version_counts_come_from_the_commit_before_or_from_an_older_lake_s_state(tmp_path):
     """Each devices commit records the counts of the state it makes; a lake written before that
     (no counts on its commits), or whose commit left the log, has them counted from the state's

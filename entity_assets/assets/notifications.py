@@ -53,7 +53,7 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
     engine, key = lake.open(snapshot=True), context.partition_key
     ensure_tables(engine, ["zone_changes"], reads=["entity_updates"])
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
-                                    "zone_changes", key, fold.copy_task, target="zone_changes", count_by="subjectZone")
+                                    "zone_changes", key, fold.zone_changes_task)
     zones = sorted(((name.split(":", 1)[1], n) for name, n in counts.items() if name.startswith("subjectZone:")),
                    key=lambda zn: (-zn[1], zn[0]))
     return MaterializeResult(metadata=_metadata(
