@@ -101,9 +101,13 @@ def cmd_topics(args) -> int:
     inputs = {kafka.topic(s): input_settings for s in INPUT_STREAMS}
     outputs = {kafka.topic(s): kafka.new_topic_settings(s) for s in DERIVED_STREAMS if kafka.publishes(s)}
     created = set() if args.dry_run else {
-        *ensure_topics(config, inputs, args.partitions, topic_configs=inputs),
-        *ensure_topics(config, outputs, kafka.new_topic_partitions, topic_configs=outputs)}
+        *ensure_topics(config, inputs, args.partitions, topic_configs=inputs,
+                       replication_factor=kafka.new_topic_replication_factor),
+        *ensure_topics(config, outputs, kafka.new_topic_partitions, topic_configs=outputs,
+                       replication_factor=kafka.new_topic_replication_factor)}
     held = partition_counts(config, [*inputs, *outputs])
+    replicas = kafka.new_topic_replication_factor
+    replicas = "the cluster's default replicas" if replicas == -1 else f"{replicas} replicas"
     for role, topics, partitions in (("input", inputs, args.partitions), ("output", outputs, kafka.new_topic_partitions)):
         for topic, settings in topics.items():
             if topic in held and topic not in created:
@@ -111,7 +115,7 @@ def cmd_topics(args) -> int:
                 continue
             shown = ",".join(f"{k}={v}" for k, v in settings.items()) or "broker defaults"
             print(f"{topic:<40} {role:<6} {'created' if topic in created else 'would be created'}: "
-                  f"{partitions} partitions, {shown}")
+                  f"{partitions} partitions, {replicas}, {shown}")
     return 0
 
 

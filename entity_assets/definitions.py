@@ -71,6 +71,7 @@ def build_resources() -> dict:
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
         "new_topic_config": _settings(_env("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "")),
+        "new_topic_replication_factor": int(_env("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "-1")),
         "stream_topic_config": _stream_topic_config(_env("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", "")),
         **_publish(_env("ENTITY_ASSETS_PUBLISH", "true")),
     }

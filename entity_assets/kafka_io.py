@@ -413,16 +413,18 @@ def partition_counts(config: dict, topics: Iterable[str], timeout: float = 30.0)
 
 
 def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout: float = 30.0,
-                  topic_configs: Mapping[str, dict[str, str]] | None = None) -> list[str]:
+                  topic_configs: Mapping[str, dict[str, str]] | None = None, replication_factor: int = -1) -> list[str]:
     """Creates the missing topics (each with its `topic_configs` entry, e.g. retention); returns
-    the names it created."""
+    the names it created. `replication_factor` -1 is the cluster's `default.replication.factor`:
+    one replica would lose the topic with its broker, and a cluster whose `min.insync.replicas`
+    is 2 would refuse every write of the idempotent producer (acks=all) to it."""
     admin = AdminClient(config)
     existing = set(cluster_metadata(config, timeout, admin).topics)
     wanted = [t for t in dict.fromkeys(topics) if t not in existing]
     if not wanted:
         return []
     configs = topic_configs or {}
-    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1,
+    futures = admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=replication_factor,
                                             config=dict(configs.get(t, {}))) for t in wanted])
     for topic, future in futures.items():
         try:

@@ -15,6 +15,10 @@ from entity_assets.publish import STREAMS
 DERIVED_STREAMS = tuple(stream.name for stream in STREAMS.values())
 """The streams the assets publish, by their seed names (`KafkaResource.published_streams`)."""
 
+SEED_DURABILITY = {"cleanup.policy": "compact", "min.compaction.lag.ms": str(7 * 24 * 3600 * 1000)}
+"""Every derived stream is "time-based compacted" (the seed): each message is kept a week, Kafka's
+default retention, before compaction may drop it; then each key's newest is kept for good."""
+
 DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
 """The embedded broker (entity_assets.broker) of the demo and the scripts."""
 
@@ -60,6 +64,8 @@ class KafkaResource(ConfigurableResource):
         default=None, description="with publish: only these derived streams (the seed's names, e.g. "
                                   "['partial-responses', 'complete-responses']); None: every one")
     new_topic_partitions: int = Field(default=4, description="partitions of output topics this project creates")
+    new_topic_replication_factor: int = Field(
+        default=-1, description="replicas of each topic this project creates; -1: the cluster's default.replication.factor")
     new_topic_config: dict[str, str] = Field(
         default_factory=dict, description="topic configs of output topics this project creates, e.g. retention.ms")
     stream_topic_config: dict[str, dict[str, str]] = Field(
@@ -94,6 +100,13 @@ class KafkaResource(ConfigurableResource):
                              f"(they are {', '.join(DERIVED_STREAMS)})")
         return streams
 
+    @field_validator("new_topic_replication_factor")
+    @classmethod
+    def _replicas(cls, replicas: int) -> int:
+        if replicas == 0 or replicas < -1:
+            raise ValueError(f"new_topic_replication_factor: {replicas}; give 1 or more, or -1 for the cluster's default")
+        return replicas
+
     def publishes(self, stream: str) -> bool:
         """Whether the derived stream `stream` (its seed name) is written to its topic."""
         return self.publish and (self.published_streams is None or stream in self.published_streams)
@@ -102,8 +115,9 @@ class KafkaResource(ConfigurableResource):
         return f"{self.topic_prefix}{stream}"
 
     def new_topic_settings(self, stream: str) -> dict[str, str]:
-        """Topic configs of the derived stream `stream`'s topic, for when this project creates it."""
-        return {**self.new_topic_config, **self.stream_topic_config.get(stream, {})}
+        """Topic configs of the derived stream `stream`'s topic, for when this project creates it:
+        the seed's durability, under `new_topic_config`, under the stream's own."""
+        return {**SEED_DURABILITY, **self.new_topic_config, **self.stream_topic_config.get(stream, {})}
 
     def end_offsets(self, topics: list[str], timeout: float = 10.0) -> dict[tuple[str, int], int]:
         """High watermarks of every partition of `topics` that exists."""

@@ -146,15 +146,19 @@ def test_topics_creates_what_the_cluster_lacks_with_each_topics_settings(broker,
     monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
     monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", prefix)
     monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "retention.ms=86400000")
-    monkeypatch.setenv("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", '{"device-notifications": {"cleanup.policy": "compact"}}')
+    monkeypatch.setenv("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", '{"device-notifications": {"cleanup.policy": "delete"}}')
     config = {"bootstrap.servers": broker.bootstrap}
     topics = [prefix + s for s in [*INPUT_STREAMS, *DERIVED_STREAMS]]
 
     assert cli.main(["topics", "--dry-run"]) == 0
     planned = capsys.readouterr().out
     assert planned.count("would be created") == len(topics) and partition_counts(config, topics) == {}
-    assert planned.count("would be created: 4 partitions, ") == len(topics)
-    assert f"{prefix}device-notifications" in planned and "retention.ms=86400000,cleanup.policy=compact" in planned
+    assert planned.count("would be created: 4 partitions, the cluster's default replicas, ") == len(topics)
+    # the seed's durability of a derived stream ("time-based compacted"), under the settings given
+    compacted = f"{prefix}entity-updates".ljust(40) + " output would be created: 4 partitions, the cluster's " \
+        "default replicas, cleanup.policy=compact,min.compaction.lag.ms=604800000,retention.ms=86400000"
+    assert compacted in planned.splitlines()
+    assert "cleanup.policy=delete,min.compaction.lag.ms=604800000,retention.ms=86400000" in planned
 
     assert cli.main(["topics", "--partitions", "3", "--input-config", "retention.ms=-1"]) == 0
     assert capsys.readouterr().out.count("created: ") == len(topics)
@@ -162,8 +166,9 @@ def test_topics_creates_what_the_cluster_lacks_with_each_topics_settings(broker,
     assert {counts[prefix + s] for s in INPUT_STREAMS} == {3} and {counts[prefix + s] for s in DERIVED_STREAMS} == {4}
     admin = AdminClient(config)  # held: a collected client cancels its futures
     for stream, settings in (("entity-batches", {"retention.ms": "-1"}),
-                             ("entity-updates", {"retention.ms": "86400000"}),
-                             ("device-notifications", {"retention.ms": "86400000", "cleanup.policy": "compact"})):
+                             ("entity-updates", {"retention.ms": "86400000", "cleanup.policy": "compact",
+                                                 "min.compaction.lag.ms": "604800000"}),
+                             ("device-notifications", {"retention.ms": "86400000", "cleanup.policy": "delete"})):
         resource = ConfigResource("topic", prefix + stream)
         described = admin.describe_configs([resource])[resource].result(30)
         assert {k: described[k].value for k in settings} == settings, stream

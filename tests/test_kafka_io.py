@@ -1,5 +1,6 @@
 """The producer that tasks publish through, against the real local broker."""
 
+import json
 import weakref
 
 import pyarrow as pa
@@ -154,8 +155,10 @@ def test_output_topics_are_created_with_the_configured_topic_settings(broker, mo
     monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "retention.ms=86400000, cleanup.policy=delete")
     monkeypatch.setenv("ENTITY_ASSETS_STREAM_TOPIC_CONFIG",
                        '{"device-notifications": {"cleanup.policy": "compact", "min.compaction.lag.ms": 3600000}}')
+    monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "1")
     kafka = build_resources()["kafka"]
     assert kafka.new_topic_config == {"retention.ms": "86400000", "cleanup.policy": "delete"}
+    assert kafka.new_topic_replication_factor == 1
     engine = DeltaRsEngine(str(tmp_path / "lake"))
     publish_to = publishing(kafka, engine, ["entity_updates", "device_notifications"])
     assert publish_to.topics == {"entity_updates": ("kafka-io-configured.entity-updates", 4),
@@ -171,6 +174,23 @@ def test_output_topics_are_created_with_the_configured_topic_settings(broker, mo
         resource = ConfigResource("topic", topic)
         described = admin.describe_configs([resource])[resource].result(30)
         assert {k: described[k].value for k in settings} == settings, topic
+
+
+def test_topics_are_created_with_the_cluster_s_replicas_and_the_seed_s_durability_by_default(monkeypatch):
+    """One replica would lose a topic with its broker, and a cluster of `min.insync.replicas` 2
+    would refuse the idempotent producer's every write to it; the seed's derived streams are
+    "time-based compacted"."""
+    from entity_assets.definitions import build_resources
+    from resources.kafka import DERIVED_STREAMS
+
+    kafka = build_resources()["kafka"]
+    assert kafka.new_topic_replication_factor == -1
+    assert {json.dumps(kafka.new_topic_settings(s)) for s in DERIVED_STREAMS} == {
+        json.dumps({"cleanup.policy": "compact", "min.compaction.lag.ms": "604800000"})}
+    for wrong in ("0", "-2"):
+        monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", wrong)
+        with pytest.raises(ValueError, match="new_topic_replication_factor: .* give 1 or more, or -1"):
+            build_resources()
 
 
 def test_topic_settings_name_derived_streams_by_their_seed_names(monkeypatch):

@@ -438,7 +438,8 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
         return None
     config = kafka.config()
     ensure_topics(config, topics.values(), kafka.new_topic_partitions,
-                  topic_configs={topic: kafka.new_topic_settings(STREAMS[table].name) for table, topic in topics.items()})
+                  topic_configs={topic: kafka.new_topic_settings(STREAMS[table].name) for table, topic in topics.items()},
+                  replication_factor=kafka.new_topic_replication_factor)
     partitions, limits = partition_counts(config, topics.values()), message_limits(config, topics.values())
     outbox = engine.uri(OUTBOX_FOLDER)
     if not is_remote(outbox):  # an object store has no folders to make: it would be three requests for nothing
