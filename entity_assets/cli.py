@@ -228,18 +228,19 @@ def _instance_for_runs():
 
 
 def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] | None = None) -> list[dict]:
-    """One sensor evaluation, then every slice without a successful run, in slice order.
+    """One sensor evaluation, then every slice not done, in slice order: without a successful run
+    since it closed, or that the lake lacks (restored from a backup).
 
     Runs go through the same job the daemon launches, recorded in the Dagster instance, but in
     this process rather than through the daemon's queue, so they start only when the instance
     has no unfinished run and no daemon running the sensor (RunsInFlight otherwise).
     `steps` limits the runs to those steps (ops) of the job, e.g. the entity core only.
     """
-    from dagster import DagsterRunStatus, RunsFilter, build_sensor_context
+    from dagster import build_sensor_context
 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
-    from entity_assets.sensors import dump_cursor, kafka_offsets_sensor
+    from entity_assets.sensors import dump_cursor, kafka_offsets_sensor, lake_holds, slices_succeeded
     from entity_assets.slices import run_key, slice_key
     from resources import SlicingResource
 
@@ -255,14 +256,12 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
         result = kafka_offsets_sensor(context)
     log(f"sensor: {result.skip_reason.skip_message if result.skip_reason else f'{len(result.run_requests)} new slice(s)'}")
 
-    # partition and time columns only: no run record is deserialized, however long the history.
-    # A run counts for a slice if it started after the slice closed: a lake restored behind
-    # its runs closes those slices again, over other offsets.
-    started: dict[str, float] = {}
-    for d in instance.get_run_partition_data(RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS])):
-        started[d.partition] = max(started.get(d.partition, 0.0), d.start_time or 0.0)
-    pending = [(slice_key(seq), run_key(slice_key(seq), closed)) for seq, closed in sorted(store.closed_at().items())
-               if started.get(slice_key(seq), 0.0) * 1000 < closed]
+    # a slice is done when its run succeeded after it closed and the lake holds it: a lake
+    # restored from a backup may lack slices whose runs succeeded
+    closed, holds = store.closed_at(), lake_holds(store.engine)
+    succeeded = slices_succeeded(instance, closed)
+    pending = [(slice_key(seq), run_key(slice_key(seq), at)) for seq, at in sorted(closed.items())
+               if not (seq in succeeded and seq <= holds)]
     return _materialize(instance, pending, _steps_selection(steps), log)
 
 

@@ -1,7 +1,7 @@
 """Message texts of many rows at once, built by Arrow kernels: the same text as `core`'s per-row
 encoders (`result_json`), without making each row a dict first.
 
-A task that publishes rows it holds in Arrow (zone_changes copies entity_updates) spent about
+A task that publishes rows it holds in Arrow (zone_changes publishes entity_updates again) spent about
 half its CPU turning rows into dicts and JSON one by one. Here one join per row of literal
 pieces and value columns makes the message. Strings that JSON must escape (quotes,
 backslashes, control characters: rare in ids) are encoded by `core.dumps` one by one, so the

@@ -662,12 +662,13 @@ def zone_changes_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris
 def _with_left_zones(rows: pa.Table) -> pa.Table:
     if "leftZone" not in rows.column_names or rows.column("leftZone").null_count == rows.num_rows:
         return rows  # no subscription moved (or files of a release before leftZone)
-    left = rows.column("leftZone").to_pylist()
-    at = [i for i, zone in enumerate(left) for _ in range(1 if zone is None else 2)]
-    again = [j > 0 and at[j - 1] == i for j, i in enumerate(at)]
-    rows = rows.take(pa.array(at, pa.int64()))
-    subject = pc.if_else(pa.array(again), rows.column("leftZone"), rows.column("subjectZone"))
-    return rows.set_column(rows.column_names.index("subjectZone"), "subjectZone", subject)
+    at, field = rows.column_names.index("subjectZone"), rows.schema.field("subjectZone")
+    pieces, start = [], 0
+    for i in pc.indices_nonzero(pc.is_valid(rows.column("leftZone"))).to_pylist():  # slices: no copy of the documents
+        left = rows.slice(i, 1)
+        pieces += [rows.slice(start, i + 1 - start), left.set_column(at, field, left.column("leftZone"))]
+        start = i + 1
+    return pa.concat_tables([*pieces, rows.slice(start)])
 
 
 _CHANGE_COLUMNS = ["kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "dbid", "collection", "zone",

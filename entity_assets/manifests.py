@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow.compute as pc
+
 from entity_assets.slices import MANIFEST_SCHEMA, Manifest, manifest_to_arrow, manifests_from_arrow, slice_key, slice_seq
 from entity_assets.storage import DeltaRsEngine
 
@@ -35,7 +37,18 @@ class ManifestStore:
         return self.get(seq) if seq else None
 
     def closed_at(self) -> dict[int, int]:
-        """Seq -> when its slice closed (epoch ms), for every slice."""
+        """Seq -> when its slice closed (epoch ms), for every slice: from the log's statistics of
+        its file (a file per slice), reading only files without them."""
+        stats = self.engine.file_stats(TABLE)
+        if not stats.num_rows:
+            return {}
+        if {"min.seq", "min.closed_at"} <= set(stats.column_names):
+            whole = pc.and_(pc.is_valid(stats["min.seq"]), pc.equal(stats["min.seq"], stats["max.seq"]))
+            whole = pc.and_(whole, pc.is_valid(stats["min.closed_at"])).to_pylist()
+            found = {seq: at for seq, at, ok in zip(stats["min.seq"].to_pylist(), stats["min.closed_at"].to_pylist(),
+                                                    whole) if ok}
+            if all(whole):
+                return found
         t = self.engine.read(TABLE, columns=["seq", "closed_at"])
         return dict(zip(t["seq"].to_pylist(), t["closed_at"].to_pylist()))
 

@@ -721,6 +721,11 @@ class DeltaRsEngine:
         """The last slice sequence number committed to `table` by `app_id`."""
         return self._open(table).transaction_version(app_id)
 
+    def file_stats(self, table: str) -> pa.Table:
+        """One row per file of the current snapshot: `path`, `num_records` and the `min.<column>`
+        and `max.<column>` statistics of the log (no data file is read)."""
+        return self._actions(table)[0]
+
     def files(self, table: str, version: int | None = None, layout: pa.Schema | None = None) -> list[TableFile]:
         """`layout`: the columns the caller needs, checked on the snapshot it opens (see `_check_layout`)."""
         return self._table_files(*self._actions(table, version, layout))

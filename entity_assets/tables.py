@@ -119,4 +119,8 @@ ADDED_IN_PLACE = {"entity_updates": ("bucket", "previousSlice", "leftZone"),
 its older files reading as null there, instead of a rebuild (docs/operations.md, Upgrading):
 only columns whose readers take null for "nothing to do", such as an index."""
 
+APPLIED_IN_ORDER = ("entities", "schemas", "pending_responses", "learned_schemas", "devices", "device_inboxes")
+"""The state tables: each applies slices strictly in order and records the last in a Delta app
+transaction (`assets.common.commit_state`), so the lowest of them is the last slice the lake holds."""
+
 INPUT_TABLES = ("entity_batches", "schema_patches", "connections", "notification_acks")

@@ -224,28 +224,41 @@ def test_ticks_close_contiguous_slices(pipeline):
 
 
 def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_path):
-    """A lake restored from a backup taken after slice 1: the sensor closes slice 2 again, over
-    the offsets since slice 1. The daemon skips a request whose run key a run already has, so
-    that new slice 2 needs a run key of its own, or its records never reach the lake."""
+    """A backup taken when slice 2 was closed but not yet run, restored after slice 3 ran: the
+    sensor closes slice 3 again, over the offsets since slice 2, and requests slice 2 again,
+    which the lake lacks though its run succeeded. The daemon skips a request whose run key a
+    run already has, so both need run keys of their own, or their records never reach the lake."""
     pipeline.produce(traffic(40, seed=1))
     [first] = pipeline.tick_and_run()
+    second_records = traffic(20, seed=2)
+    pipeline.produce(second_records)
+    [second] = pipeline.tick()
     backup = tmp_path / "backup"
-    shutil.copytree(pipeline.lake.root, backup)
-    skipped = traffic(20, seed=2)
-    pipeline.produce(skipped)
-    [old] = pipeline.tick()
-    assert pipeline.run_request(old).success
+    shutil.copytree(pipeline.lake.root, backup)  # manifests of slices 1 and 2, state of slice 1
+    assert pipeline.run_request(second).success
+    lost = traffic(16, seed=3)
+    pipeline.produce(lost)
+    [third] = pipeline.tick()
+    assert pipeline.run_request(third).success
 
     shutil.rmtree(pipeline.lake.root)
     shutil.copytree(backup, pipeline.lake.root)
-    later = traffic(12, seed=3)
+    later = traffic(12, seed=4)
     pipeline.produce(later)
-    [again] = pipeline.tick()  # the cursor is at slice 2, the lake at slice 1
-    assert again.partition_key == K2 and again.run_key != old.run_key
-    assert not pipeline.instance.get_runs(RunsFilter(tags={"dagster/run_key": again.run_key}))
-    assert pipeline.manifest(K2).messages == len(skipped) + len(later)
-    assert pipeline.run_request(again).success
-    assert rows_of_slice(pipeline.read("entity_batches"), K2).num_rows == len(skipped) + len(later)
+    again = pipeline.tick()  # the cursor is at slice 3, the lake's manifests at 2, its state at 1
+    assert [r.partition_key for r in again] == [K2, slice_key(3)]
+    assert again[0].run_key.startswith(second.run_key + "~") and again[1].run_key != third.run_key
+    for request in again:
+        assert not pipeline.instance.get_runs(RunsFilter(tags={"dagster/run_key": request.run_key}))
+    assert pipeline.manifest(3).messages == len(lost) + len(later)
+    assert all(pipeline.run_request(r).success for r in again)
+    batches = pipeline.read("entity_batches")
+    assert rows_of_slice(batches, K2).num_rows == len(second_records)
+    assert rows_of_slice(batches, slice_key(3)).num_rows == len(lost) + len(later)
+
+    # a lost cursor resumes from the manifests, and requests none of the slices that ran
+    pipeline.cursor = None
+    assert pipeline.tick() == []
 
 
 def create_again(pipeline, stream: str) -> str:

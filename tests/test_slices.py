@@ -177,3 +177,17 @@ def test_slice_sizes_that_would_hang_or_mean_nothing_are_refused(setting):
 
     with pytest.raises(ValidationError):
         SlicingResource(**setting)
+
+
+def test_the_closing_times_of_every_slice_come_from_the_log_not_the_files(tmp_path, monkeypatch):
+    """`entity-assets run` and a sensor catching up read them all: the manifest table has a file
+    per slice, which the log's statistics describe."""
+    from entity_assets.manifests import ManifestStore
+    from entity_assets.storage import DeltaRsEngine
+
+    store = ManifestStore(DeltaRsEngine(str(tmp_path / "lake")))
+    assert store.closed_at() == {}
+    for seq in (1, 2, 3):
+        store.write(Manifest(seq, (OffsetRange("t", 0, seq, seq + 1), OffsetRange("t", 1, 0, 0)), NOW + seq))
+    monkeypatch.setattr(store.engine, "read", lambda *a, **k: pytest.fail("read a data file"))
+    assert store.closed_at() == {1: NOW + 1, 2: NOW + 2, 3: NOW + 3}
