@@ -236,11 +236,12 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     has no unfinished run and no daemon running the sensor (RunsInFlight otherwise).
     `steps` limits the runs to those steps (ops) of the job, e.g. the entity core only.
     """
-    from dagster import build_sensor_context
+    from dagster import AssetKey, build_sensor_context
 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
-    from entity_assets.sensors import dump_cursor, kafka_offsets_sensor, lake_holds, slices_succeeded
+    from entity_assets.sensors import dump_cursor, kafka_offsets_sensor, lake_holds, slice_runs
+    from entity_assets.tables import APPLIED_IN_ORDER
     from entity_assets.slices import run_key, slice_key
     from resources import SlicingResource
 
@@ -258,11 +259,13 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
     # a slice is done when its run succeeded after it closed and the lake holds it: a lake
     # restored from a backup may lack slices whose runs succeeded
-    closed, holds = store.closed_at(), lake_holds(store.engine)
-    succeeded = slices_succeeded(instance, closed)
+    selection = _steps_selection(steps)
+    closed = store.closed_at()
+    runs = slice_runs(instance, closed)
+    holds = lake_holds(store.engine, [t for t in APPLIED_IN_ORDER if selection is None or AssetKey(t) in selection])
     pending = [(slice_key(seq), run_key(slice_key(seq), at)) for seq, at in sorted(closed.items())
-               if not (seq in succeeded and seq <= holds)]
-    return _materialize(instance, pending, _steps_selection(steps), log)
+               if not (runs.get(seq, (None, None))[1] and seq <= holds)]
+    return _materialize(instance, pending, selection, log)
 
 
 def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=print) -> list[dict]:

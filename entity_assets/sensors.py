@@ -3,6 +3,7 @@
 
 import json
 import time
+from datetime import datetime, timezone
 from collections.abc import Iterable
 
 from dagster import DagsterInstance, DagsterRunStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
@@ -36,8 +37,9 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     The cursor (last requested slice, next offsets) saves a lake read per tick. If manifests
     exist past the cursor (a tick that wrote them and died, a lost cursor, slices closed by the
     CLI), the sensor resumes from the newest manifest and requests those slices again but for
-    those done (`_catching_up`). A lake behind the cursor (restored from a backup) closes its
-    next slices again, under new run keys (`Manifest.run_key`), and requests those it lacks.
+    those done (`_to_run_again`). A lake behind the cursor (restored from a backup) closes its
+    next slices again, under new run keys (`Manifest.run_key`); a tick that closes a slice also
+    requests again those whose runs succeeded but whose state the lake lacks.
     The tick reads the manifests as of its first look (`snapshot`): of two ticks closing the
     same slice at once, Delta refuses the second commit (same app transaction).
     """
@@ -50,10 +52,9 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         positions = newest.positions() if newest else {}
         closed_at = newest.closed_at if newest else None
         if latest < cursor_seq:
-            holds = lake_holds(engine)
-            context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest} (restored from a backup?), "
-                                f"its state slice {holds}: resuming from the lake")
-            cursor_seq = min(latest, holds)
+            context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest} (restored from a backup?): "
+                                "resuming from the lake")
+            cursor_seq = latest
 
     marks = kafka.input_watermarks()
     firsts = {tp: low for tp, (low, _) in marks.items()}
@@ -77,8 +78,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         positions, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
     requested = {m.seq: m.run_key for m in new}
-    if cursor_seq + 1 < (new[0].seq if new else last + 1):
-        requested.update(_catching_up(context, store, engine, range(cursor_seq + 1, last + 1), requested))
+    if new or latest > cursor_seq:
+        requested.update(_to_run_again(context, store, engine, cursor_seq, last, {m.seq: m.closed_at for m in new}))
     keys = [slice_key(seq) for seq in sorted(requested)]
     cursor = dump_cursor(last, positions, closed_at)
     if not keys:
@@ -93,48 +94,74 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     )
 
 
-def _catching_up(context, store: ManifestStore, engine, seqs: Iterable[int], closing: dict[int, str]) -> dict[int, str]:
-    """Run keys of the slices past the cursor that this tick did not close (a lost cursor, slices
-    closed by `entity-assets run`, a restored lake), but for those done (`slices_done`).
+def _to_run_again(context, store: ManifestStore, engine, cursor_seq: int, last: int,
+                  closing: dict[int, int]) -> dict[int, str]:
+    """Run keys of the slices up to `last` that this tick did not close (`closing`: their
+    closing times) and that are not done: past the cursor (a lost cursor, slices closed by
+    `entity-assets run`), or past what the lake's state holds (a lake restored from a backup).
 
-    A slice whose run succeeded but that a restored lake lacks gets a run key of this tick: the
-    daemon skips a run key it has seen. The others keep theirs, so that a run already queued
-    or started is not requested twice."""
-    closed = store.closed_at()
-    seqs = [seq for seq in seqs if seq not in closing]
-    holds = lake_holds(engine)
-    succeeded = slices_succeeded(context.instance, closed)
-    now = int(time.time() * 1000)
-    out = {}
-    for seq in seqs:
-        if seq in succeeded and seq <= holds:
+    Skipped: a slice whose run succeeded since it closed and that the lake holds, one whose run
+    is in flight, one whose run failed (the daemon would skip its key; `entity-assets run` runs
+    it), and one below the cursor without a run (requested already). A slice whose whole run
+    succeeded but that the lake lacks gets a run key of this tick, as the daemon skips a run key
+    it has seen; one past the cursor that never ran, its own."""
+    closed = {**store.closed_at(), **closing}
+    first = min(cursor_seq, lake_holds(engine)) + 1
+    if first > last:
+        return {}
+    runs = slice_runs(context.instance, {seq: closed[seq] for seq in range(first, last + 1)})
+    holds = lake_holds(engine)  # again, after the runs: a run that succeeded since has committed its state
+    now, out = int(time.time() * 1000), {}
+    for seq in range(min(cursor_seq, holds) + 1, last + 1):
+        newest, succeeded = runs.get(seq, (None, None))
+        if seq in closing or newest in IN_FLIGHT:
             continue
-        key = run_key(slice_key(seq), closed[seq])
-        out[seq] = f"{key}~{now}" if seq in succeeded else key
-    if len(out) < len(seqs):
-        context.log.info(f"{len(seqs) - len(out)} slice(s) past the cursor ran already: not requested again")
+        if succeeded is not None and (seq <= holds or not _whole(context.instance, succeeded)):
+            continue  # done, or a subset of the graph ran: the lake has all a run made
+        if succeeded is not None:
+            out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
+            context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
+        elif newest is None and seq > cursor_seq:  # below the cursor, requested already
+            out[seq] = run_key(slice_key(seq), closed[seq])
     return out
 
 
-def lake_holds(engine) -> int:
-    """The last slice every state table of the lake holds (0: none)."""
+def _whole(instance: DagsterInstance, run_id: str) -> bool:
+    run = instance.get_run_by_id(run_id)
+    return run is not None and not run.asset_selection and not run.op_selection  # in process: an empty selection
+
+
+IN_FLIGHT = frozenset({DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+                       DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING})
+
+
+def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER) -> int:
+    """The last slice every state table of `tables` holds (0: none). A table that holds no slice
+    (not written yet, or deleted to be rebuilt) is left out."""
     from entity_assets.assets.common import STATE_APP
 
-    applied = [engine.applied(t, STATE_APP) or 0 for t in APPLIED_IN_ORDER if engine.exists(t)]
-    return min(applied, default=0)
+    applied = [engine.applied(t, STATE_APP) for t in tables if engine.exists(t)]
+    return min((a for a in applied if a), default=0)
 
 
-def slices_succeeded(instance: DagsterInstance, closed_at: dict[int, int]) -> set[int]:
-    """The slices whose newest `slice_job` run succeeded and started after the slice closed.
-
-    A run of a slice key before that ran other offsets: a lake restored behind its runs closes
-    those slices again. A run without a start time (an instance without run stats) counts.
-    Reads partition and time columns only: no run record is deserialized, however long the history.
+def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, tuple[DagsterRunStatus, str | None]]:
+    """Slice -> (the status of its newest `slice_job` run, the id of its newest successful one),
+    of the runs started since the slice closed: a run of the slice key before that ran other
+    offsets (a lake restored behind its runs closes those slices again). A run without a start
+    time (an instance without run stats) counts. Reads the partition, status and time columns of
+    the runs created since the first slice closed: no run record is deserialized.
     """
-    out = set()
-    for d in instance.get_run_partition_data(RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS])):
-        seq = int(d.partition) if d.partition.isdigit() else None
-        started = d.start_time or d.end_time
-        if seq in closed_at and (started is None or started * 1000 >= closed_at[seq]):
-            out.add(seq)
+    if not closed_at:
+        return {}
+    since = datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
+    out: dict[int, tuple[DagsterRunStatus, str | None]] = {}
+    for succeeded in (False, True):  # the newest run, then the newest successful one
+        statuses = [DagsterRunStatus.SUCCESS] if succeeded else []
+        for d in instance.get_run_partition_data(RunsFilter(job_name="slice_job", statuses=statuses,
+                                                            created_after=since)):
+            seq = int(d.partition) if d.partition.isdigit() else None
+            started = d.start_time or d.end_time
+            if seq in closed_at and (started is None or started * 1000 >= closed_at[seq]):
+                newest = out.get(seq, (d.status, None))[0]
+                out[seq] = (newest, d.run_id if succeeded else None)
     return out
