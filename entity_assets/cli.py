@@ -262,7 +262,8 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     selection = _steps_selection(steps)
     closed = store.closed_at()
     runs = slice_runs(instance, closed)
-    holds = lake_holds(store.engine, [t for t in APPLIED_IN_ORDER if selection is None or AssetKey(t) in selection])
+    tables = [t for t in APPLIED_IN_ORDER if selection is None or AssetKey(t) in selection]
+    holds = lake_holds(store.engine, tables) if tables else max(closed, default=0)  # no state step: nothing to hold
     pending = [(slice_key(seq), run_key(slice_key(seq), at)) for seq, at in sorted(closed.items())
                if not (runs.get(seq, (None, None))[1] and seq <= holds)]
     return _materialize(instance, pending, selection, log)

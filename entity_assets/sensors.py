@@ -6,7 +6,7 @@ import time
 from datetime import datetime, timezone
 from collections.abc import Iterable
 
-from dagster import DagsterInstance, DagsterRunStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
@@ -79,7 +79,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     last = new[-1].seq if new else latest
     requested = {m.seq: m.run_key for m in new}
     if new or latest > cursor_seq:
-        requested.update(_to_run_again(context, store, engine, cursor_seq, last, {m.seq: m.closed_at for m in new}))
+        requested.update(_to_run_again(context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new}))
     keys = [slice_key(seq) for seq in sorted(requested)]
     cursor = dump_cursor(last, positions, closed_at)
     if not keys:
@@ -94,7 +94,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     )
 
 
-def _to_run_again(context, store: ManifestStore, engine, cursor_seq: int, last: int,
+def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq: int, last: int,
                   closing: dict[int, int]) -> dict[int, str]:
     """Run keys of the slices up to `last` that this tick did not close (`closing`: their
     closing times) and that are not done: past the cursor (a lost cursor, slices closed by
@@ -102,23 +102,21 @@ def _to_run_again(context, store: ManifestStore, engine, cursor_seq: int, last: 
 
     Skipped: a slice whose run succeeded since it closed and that the lake holds, one whose run
     is in flight, one whose run failed (the daemon would skip its key; `entity-assets run` runs
-    it), and one below the cursor without a run (requested already). A slice whose whole run
-    succeeded but that the lake lacks gets a run key of this tick, as the daemon skips a run key
-    it has seen; one past the cursor that never ran, its own."""
+    it), and one below the cursor without a run (requested already). A slice whose newest run,
+    of the whole graph, succeeded but that the lake lacks gets a run key of this tick, as the
+    daemon skips a run key it has seen; one past the cursor that never ran, its own."""
     closed = {**store.closed_at(), **closing}
-    first = min(cursor_seq, lake_holds(engine)) + 1
+    first = min(cursor_seq, lake_holds(lake.open())) + 1
     if first > last:
         return {}
     runs = slice_runs(context.instance, {seq: closed[seq] for seq in range(first, last + 1)})
-    holds = lake_holds(engine)  # again, after the runs: a run that succeeded since has committed its state
+    holds = lake_holds(lake.open())  # again, after the runs: a run that succeeded since has committed its state
     now, out = int(time.time() * 1000), {}
     for seq in range(min(cursor_seq, holds) + 1, last + 1):
         newest, succeeded = runs.get(seq, (None, None))
         if seq in closing or newest in IN_FLIGHT:
             continue
-        if succeeded is not None and (seq <= holds or not _whole(context.instance, succeeded)):
-            continue  # done, or a subset of the graph ran: the lake has all a run made
-        if succeeded is not None:
+        if newest == DagsterRunStatus.SUCCESS and seq > holds and _whole(context.instance, succeeded):
             out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
         elif newest is None and seq > cursor_seq:  # below the cursor, requested already
@@ -126,9 +124,15 @@ def _to_run_again(context, store: ManifestStore, engine, cursor_seq: int, last: 
     return out
 
 
+STATE_ASSETS = frozenset(AssetKey(a) for a in ("entities", "schemas", "learned_schemas", "devices", "device_notifications"))
+"""An asset of each step that applies a state table (`APPLIED_IN_ORDER`)."""
+
+
 def _whole(instance: DagsterInstance, run_id: str) -> bool:
+    """Whether the run applied every state: a run of the job (an empty selection in process), or
+    of a selection holding every state step (the UI's Materialize all, a backfill)."""
     run = instance.get_run_by_id(run_id)
-    return run is not None and not run.asset_selection and not run.op_selection  # in process: an empty selection
+    return run is not None and not run.op_selection and (not run.asset_selection or STATE_ASSETS <= run.asset_selection)
 
 
 IN_FLIGHT = frozenset({DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
@@ -136,12 +140,11 @@ IN_FLIGHT = frozenset({DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, Da
 
 
 def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER) -> int:
-    """The last slice every state table of `tables` holds (0: none). A table that holds no slice
-    (not written yet, or deleted to be rebuilt) is left out."""
+    """The last slice the lake's state holds (0: none): the newest that a state table of `tables`
+    applied. A restore rolls them all back, where a table deleted to be rebuilt lags alone."""
     from entity_assets.assets.common import STATE_APP
 
-    applied = [engine.applied(t, STATE_APP) for t in tables if engine.exists(t)]
-    return min((a for a in applied if a), default=0)
+    return max((engine.applied(t, STATE_APP) or 0 for t in tables if engine.exists(t)), default=0)
 
 
 def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, tuple[DagsterRunStatus, str | None]]:
