@@ -100,11 +100,12 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     closing times) and that are not done: past the cursor (a lost cursor, slices closed by
     `entity-assets run`), or past what the lake's state holds (a lake restored from a backup).
 
-    Skipped: a slice whose run succeeded since it closed and that the lake holds, one whose run
-    is in flight, one whose run failed (the daemon would skip its key; `entity-assets run` runs
-    it), and one below the cursor without a run (requested already). A slice whose newest run,
-    of the whole graph, succeeded but that the lake lacks gets a run key of this tick, as the
-    daemon skips a run key it has seen; one past the cursor that never ran, its own."""
+    Skipped: a slice whose run succeeded since it closed and that the lake holds, and one below
+    the cursor not done (requested already). A slice whose newest run, of the whole graph,
+    succeeded but that the lake lacks gets a run key of this tick, as the daemon skips a run key
+    it has seen. Any other past the cursor gets its own: the daemon skips it if it launched a run
+    under that key (in flight, or failed), and runs it after a run of another launcher, such as
+    a killed `entity-assets run`, whose run monitoring fails."""
     closed = {**store.closed_at(), **closing}
     first = min(cursor_seq, lake_holds(lake.open())) + 1
     if first > last:
@@ -114,12 +115,12 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     now, out = int(time.time() * 1000), {}
     for seq in range(min(cursor_seq, holds) + 1, last + 1):
         newest, succeeded = runs.get(seq, (None, None))
-        if seq in closing or newest in IN_FLIGHT:
-            continue
-        if newest == DagsterRunStatus.SUCCESS and seq > holds and _whole(context.instance, succeeded):
+        if seq in closing or (succeeded is not None and seq <= holds):
+            continue  # closed by this tick, or done
+        if newest == DagsterRunStatus.SUCCESS and _whole(context.instance, succeeded):
             out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
-        elif newest is None and seq > cursor_seq:  # below the cursor, requested already
+        elif seq > cursor_seq:  # below the cursor, requested already
             out[seq] = run_key(slice_key(seq), closed[seq])
     return out
 
@@ -133,10 +134,6 @@ def _whole(instance: DagsterInstance, run_id: str) -> bool:
     of a selection holding every state step (the UI's Materialize all, a backfill)."""
     run = instance.get_run_by_id(run_id)
     return run is not None and not run.op_selection and (not run.asset_selection or STATE_ASSETS <= run.asset_selection)
-
-
-IN_FLIGHT = frozenset({DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
-                       DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING})
 
 
 def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER) -> int:
