@@ -241,8 +241,8 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
     from entity_assets.sensors import dump_cursor, kafka_offsets_sensor, lake_holds, slice_runs
-    from entity_assets.tables import APPLIED_IN_ORDER
     from entity_assets.slices import run_key, slice_key
+    from entity_assets.tables import APPLIED_IN_ORDER
     from resources import SlicingResource
 
     instance = _instance_for_runs()

@@ -3,10 +3,11 @@
 
 import json
 import time
-from datetime import datetime, timezone
 from collections.abc import Iterable
+from datetime import datetime, timezone
 
-from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor
+from dagster import (AssetKey, DagsterInstance, DagsterRunStatus, RunRequest, RunsFilter, SensorEvaluationContext,
+                     SensorResult, SkipReason, sensor)
 
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
