@@ -240,7 +240,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
-    from entity_assets.sensors import dump_cursor, kafka_offsets_sensor, lake_holds, slice_runs
+    from entity_assets.sensors import done, dump_cursor, kafka_offsets_sensor, lake_holds, slice_runs
     from entity_assets.slices import run_key, slice_key
     from entity_assets.tables import APPLIED_IN_ORDER
     from resources import SlicingResource
@@ -265,7 +265,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     tables = [t for t in APPLIED_IN_ORDER if selection is None or AssetKey(t) in selection]
     holds = lake_holds(store.engine, tables) if tables else max(closed, default=0)  # no state step: nothing to hold
     pending = [(slice_key(seq), run_key(slice_key(seq), at)) for seq, at in sorted(closed.items())
-               if not (runs.get(seq, (None, None))[1] and seq <= holds)]
+               if not done(runs, seq, holds)]
     return _materialize(instance, pending, selection, log)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pyarrow.compute as pc
-
 from entity_assets.slices import MANIFEST_SCHEMA, Manifest, manifest_to_arrow, manifests_from_arrow, slice_key, slice_seq
 from entity_assets.storage import DeltaRsEngine
 
@@ -38,17 +36,14 @@ class ManifestStore:
 
     def closed_at(self) -> dict[int, int]:
         """Seq -> when its slice closed (epoch ms), for every slice: from the log's statistics of
-        its file (a file per slice), reading only files without them."""
+        its file (a file per slice), or from the files when some file lacks them."""
         stats = self.engine.file_stats(TABLE)
         if not stats.num_rows:
             return {}
-        if {"min.seq", "min.closed_at"} <= set(stats.column_names):
-            whole = pc.and_(pc.is_valid(stats["min.seq"]), pc.equal(stats["min.seq"], stats["max.seq"]))
-            whole = pc.and_(whole, pc.is_valid(stats["min.closed_at"])).to_pylist()
-            found = {seq: at for seq, at, ok in zip(stats["min.seq"].to_pylist(), stats["min.closed_at"].to_pylist(),
-                                                    whole) if ok}
-            if all(whole):
-                return found
+        if {"min.seq", "max.seq", "min.closed_at"} <= set(stats.column_names):
+            seqs, highs, closed = (stats[c].to_pylist() for c in ("min.seq", "max.seq", "min.closed_at"))
+            if all(s is not None and s == h and c is not None for s, h, c in zip(seqs, highs, closed)):
+                return dict(zip(seqs, closed))
         t = self.engine.read(TABLE, columns=["seq", "closed_at"])
         return dict(zip(t["seq"].to_pylist(), t["closed_at"].to_pylist()))
 

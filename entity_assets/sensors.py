@@ -116,8 +116,8 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     now, out = int(time.time() * 1000), {}
     for seq in range(min(cursor_seq, holds) + 1, last + 1):
         newest, succeeded = runs.get(seq, (None, None))
-        if seq in closing or (succeeded is not None and seq <= holds):
-            continue  # closed by this tick, or done
+        if seq in closing or done(runs, seq, holds):
+            continue
         if newest == DagsterRunStatus.SUCCESS and _whole(context.instance, succeeded):
             out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
@@ -135,6 +135,12 @@ def _whole(instance: DagsterInstance, run_id: str) -> bool:
     of a selection holding every state step (the UI's Materialize all, a backfill)."""
     run = instance.get_run_by_id(run_id)
     return run is not None and not run.op_selection and (not run.asset_selection or STATE_ASSETS <= run.asset_selection)
+
+
+def done(runs: dict[int, tuple[DagsterRunStatus, str | None]], seq: int, holds: int) -> bool:
+    """Whether a slice is done: a run of it succeeded since it closed (`slice_runs`), and the
+    lake's state holds it (`lake_holds`)."""
+    return runs.get(seq, (None, None))[1] is not None and seq <= holds
 
 
 def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER) -> int:

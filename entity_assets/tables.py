@@ -121,6 +121,7 @@ only columns whose readers take null for "nothing to do", such as an index."""
 
 APPLIED_IN_ORDER = ("entities", "schemas", "pending_responses", "learned_schemas", "devices", "device_inboxes")
 """The state tables: each applies slices strictly in order and records the last in a Delta app
-transaction (`assets.common.commit_state`), so the lowest of them is the last slice the lake holds."""
+transaction (`assets.common.commit_state`); the newest of them is the last slice the lake holds
+(`sensors.lake_holds`)."""
 
 INPUT_TABLES = ("entity_batches", "schema_patches", "connections", "notification_acks")
