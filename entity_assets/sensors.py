@@ -102,11 +102,11 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     `entity-assets run`), or past what the lake's state holds (a lake restored from a backup).
 
     Skipped: a slice whose run succeeded since it closed and that the lake holds, and one below
-    the cursor not done (requested already). A slice whose newest run, of the whole graph,
-    succeeded but that the lake lacks gets a run key of this tick, as the daemon skips a run key
-    it has seen. Any other past the cursor gets its own: the daemon skips it if it launched a run
-    under that key (in flight, or failed), and runs it after a run of another launcher, such as
-    a killed `entity-assets run`, whose run monitoring fails."""
+    the cursor not done (requested already). A slice whose newest run succeeded, after a run of
+    the whole graph did (`_ran_whole`), but that the lake lacks gets a run key of this tick, as
+    the daemon skips a run key it has seen. Any other past the cursor gets its own: the daemon
+    skips it if it launched a run under that key (in flight, or failed), and runs it after a run
+    of another launcher, such as a killed `entity-assets run`, whose run monitoring fails."""
     closed = {**store.closed_at(), **closing}
     first = min(cursor_seq, lake_holds(lake.open())) + 1
     if first > last:
@@ -115,10 +115,10 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     holds = lake_holds(lake.open())  # again, after the runs: a run that succeeded since has committed its state
     now, out = int(time.time() * 1000), {}
     for seq in range(min(cursor_seq, holds) + 1, last + 1):
-        newest, succeeded = runs.get(seq, (None, None))
+        newest = runs.get(seq, (None, None))[0]
         if seq in closing or done(runs, seq, holds):
             continue
-        if newest == DagsterRunStatus.SUCCESS and _whole(context.instance, succeeded):
+        if newest == DagsterRunStatus.SUCCESS and _ran_whole(context.instance, seq, closed[seq]):
             out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
         elif seq > cursor_seq:  # below the cursor, requested already
@@ -130,11 +130,18 @@ STATE_ASSETS = frozenset(AssetKey(a) for a in ("entities", "schemas", "learned_s
 """An asset of each step that applies a state table (`APPLIED_IN_ORDER`)."""
 
 
-def _whole(instance: DagsterInstance, run_id: str) -> bool:
-    """Whether the run applied every state: a run of the job (an empty selection in process), or
-    of a selection holding every state step (the UI's Materialize all, a backfill)."""
-    run = instance.get_run_by_id(run_id)
-    return run is not None and not run.op_selection and (not run.asset_selection or STATE_ASSETS <= run.asset_selection)
+def _ran_whole(instance: DagsterInstance, seq: int, closed_at: int) -> bool:
+    """Whether a run that applied every state succeeded since the slice closed: a run of the job
+    (an empty selection in process), or of a selection holding every state step (the UI's
+    Materialize all, a backfill). Any such run, not only the newest: a subset re-materialized
+    after it (one asset from the UI) does not make the slice look never applied. A slice only
+    subsets ran did not lose its state to a restore; the sensor leaves it to the user."""
+    since = datetime.fromtimestamp(closed_at / 1000, timezone.utc)
+    records = instance.get_run_records(RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS],
+                                                  tags={"dagster/partition": slice_key(seq)}, created_after=since))
+    return any(not r.dagster_run.op_selection
+               and (not r.dagster_run.asset_selection or STATE_ASSETS <= r.dagster_run.asset_selection)
+               and (r.start_time is None or r.start_time * 1000 >= closed_at) for r in records)
 
 
 def done(runs: dict[int, tuple[DagsterRunStatus, str | None]], seq: int, holds: int) -> bool:
