@@ -6,8 +6,8 @@ import time
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
-from dagster import (AssetKey, DagsterInstance, DagsterRunStatus, RunRequest, RunsFilter, SensorEvaluationContext,
-                     SensorResult, SkipReason, sensor)
+from dagster import (AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, RunRequest, RunsFilter,
+                     SensorEvaluationContext, SensorResult, SkipReason, sensor)
 
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
@@ -101,24 +101,23 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     closing times) and that are not done: past the cursor (a lost cursor, slices closed by
     `entity-assets run`), or past what the lake's state holds (a lake restored from a backup).
 
-    Skipped: a slice whose run succeeded since it closed and that the lake holds, and one below
-    the cursor not done (requested already). A slice whose newest run succeeded, after a run of
-    the whole graph did (`_ran_whole`), but that the lake lacks gets a run key of this tick, as
-    the daemon skips a run key it has seen. Any other past the cursor gets its own: the daemon
-    skips it if it launched a run under that key (in flight, or failed), and runs it after a run
-    of another launcher, such as a killed `entity-assets run`, whose run monitoring fails."""
+    Skipped: a slice done, and one below the cursor not done (requested already). A slice whose
+    newest whole run (`newest_whole`) succeeded but that the lake lacks gets a run key of this
+    tick, as the daemon skips a run key it has seen. Any other past the cursor gets its own: the
+    daemon skips it if it launched a run under that key (in flight, or failed), and runs it after
+    a run of another launcher, such as a killed `entity-assets run`, whose run monitoring fails."""
     closed = {**store.closed_at(), **closing}
     first = min(cursor_seq, lake_holds(lake.open())) + 1
     if first > last:
         return {}
     runs = slice_runs(context.instance, {seq: closed[seq] for seq in range(first, last + 1)})
     holds = lake_holds(lake.open())  # again, after the runs: a run that succeeded since has committed its state
+    undone = {seq: closed[seq] for seq in range(min(cursor_seq, holds) + 1, last + 1)
+              if seq not in closing and not done(runs, seq, holds)}
+    whole = newest_whole(context.instance, undone)
     now, out = int(time.time() * 1000), {}
-    for seq in range(min(cursor_seq, holds) + 1, last + 1):
-        newest = runs.get(seq, (None, None))[0]
-        if seq in closing or done(runs, seq, holds):
-            continue
-        if newest == DagsterRunStatus.SUCCESS and _ran_whole(context.instance, seq, closed[seq]):
+    for seq in undone:
+        if whole.get(seq) == DagsterRunStatus.SUCCESS:
             out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
         elif seq > cursor_seq:  # below the cursor, requested already
@@ -126,28 +125,49 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     return out
 
 
+PARTITION_TAG = "dagster/partition"
+"""The tag Dagster gives a partition's runs, whatever launched them (a sensor, a backfill, the UI)."""
+
 STATE_ASSETS = frozenset(AssetKey(a) for a in ("entities", "schemas", "learned_schemas", "devices", "device_notifications"))
 """An asset of each step that applies a state table (`APPLIED_IN_ORDER`)."""
 
 
-def _ran_whole(instance: DagsterInstance, seq: int, closed_at: int) -> bool:
-    """Whether a run that applied every state succeeded since the slice closed: a run of the job
-    (an empty selection in process), or of a selection holding every state step (the UI's
-    Materialize all, a backfill). Any such run, not only the newest: a subset re-materialized
-    after it (one asset from the UI) does not make the slice look never applied. A slice only
-    subsets ran did not lose its state to a restore; the sensor leaves it to the user."""
-    since = datetime.fromtimestamp(closed_at / 1000, timezone.utc)
-    records = instance.get_run_records(RunsFilter(job_name="slice_job", statuses=[DagsterRunStatus.SUCCESS],
-                                                  tags={"dagster/partition": slice_key(seq)}, created_after=since))
-    return any(not r.dagster_run.op_selection
-               and (not r.dagster_run.asset_selection or STATE_ASSETS <= r.dagster_run.asset_selection)
-               and (r.start_time is None or r.start_time * 1000 >= closed_at) for r in records)
+def _whole(run: DagsterRun) -> bool:
+    """Whether the run applies every state: a run of the job with no selection, or a selection
+    holding every state step (the UI's Materialize all, a backfill)."""
+    if run.op_selection:
+        return False
+    if run.asset_selection:
+        return STATE_ASSETS <= run.asset_selection
+    return run.job_name == slice_job.name and not run.asset_check_selection
 
 
-def done(runs: dict[int, tuple[DagsterRunStatus, str | None]], seq: int, holds: int) -> bool:
+def newest_whole(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, DagsterRunStatus]:
+    """Slice -> the status of its newest whole run (`_whole`) since it closed (one not started
+    yet counts): runs of some assets only, before or after it, neither hide nor stand for it.
+    After a restore, that run's success means the lake lost the slice's state; a whole run in
+    flight or failed since (a request of the sensor's, run or not) means it was asked for again.
+    A slice only subsets ran may never have had its state applied: the sensor leaves it to the
+    user. One query for all the slices; their runs' records are read, newest first."""
+    if not closed_at:
+        return {}
+    since = datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
+    records = instance.get_run_records(RunsFilter(tags={PARTITION_TAG: [slice_key(seq) for seq in closed_at]},
+                                                  created_after=since))
+    out: dict[int, DagsterRunStatus] = {}
+    for record in records:
+        run = record.dagster_run
+        seq = int(run.tags[PARTITION_TAG])
+        started = record.start_time or record.end_time
+        if seq not in out and _whole(run) and (started is None or started * 1000 >= closed_at[seq]):
+            out[seq] = run.status
+    return out
+
+
+def done(runs: dict[int, str], seq: int, holds: int) -> bool:
     """Whether a slice is done: a run of it succeeded since it closed (`slice_runs`), and the
     lake's state holds it (`lake_holds`)."""
-    return runs.get(seq, (None, None))[1] is not None and seq <= holds
+    return seq in runs and seq <= holds
 
 
 def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER) -> int:
@@ -158,24 +178,20 @@ def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER) -> int:
     return max((engine.applied(t, STATE_APP) or 0 for t in tables if engine.exists(t)), default=0)
 
 
-def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, tuple[DagsterRunStatus, str | None]]:
-    """Slice -> (the status of its newest `slice_job` run, the id of its newest successful one),
-    of the runs started since the slice closed: a run of the slice key before that ran other
-    offsets (a lake restored behind its runs closes those slices again). A run without a start
-    time (an instance without run stats) counts. Reads the partition, status and time columns of
-    the runs created since the first slice closed: no run record is deserialized.
+def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, str]:
+    """Slice -> the id of its newest successful run (of any selection, the UI's asset jobs
+    included) since the slice closed: a run of the slice key before that ran other offsets (a
+    lake restored behind its runs closes those slices again). A run without a start time (an
+    instance without run stats) counts. Reads the partition, status and time columns of the
+    runs created since the first slice closed: no run record is deserialized.
     """
     if not closed_at:
         return {}
     since = datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
-    out: dict[int, tuple[DagsterRunStatus, str | None]] = {}
-    for succeeded in (False, True):  # the newest run, then the newest successful one
-        statuses = [DagsterRunStatus.SUCCESS] if succeeded else []
-        for d in instance.get_run_partition_data(RunsFilter(job_name="slice_job", statuses=statuses,
-                                                            created_after=since)):
-            seq = int(d.partition) if d.partition.isdigit() else None
-            started = d.start_time or d.end_time
-            if seq in closed_at and (started is None or started * 1000 >= closed_at[seq]):
-                newest = out.get(seq, (d.status, None))[0]
-                out[seq] = (newest, d.run_id if succeeded else None)
+    out: dict[int, str] = {}
+    for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS], created_after=since)):
+        seq = int(d.partition) if d.partition.isdigit() else None
+        started = d.start_time or d.end_time
+        if seq in closed_at and (started is None or started * 1000 >= closed_at[seq]):
+            out[seq] = d.run_id
     return out

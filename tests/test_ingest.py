@@ -22,6 +22,7 @@ from entity_assets.kafka_io import ensure_topics, release_producers
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.messages import parse_message
 from entity_assets.slices import slice_key
+from entity_assets.storage import DeltaRsEngine
 from entity_assets.tables import SCHEMAS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,7 +224,7 @@ def test_ticks_close_contiguous_slices(pipeline):
     assert pipeline.manifest(K2) == m2
 
 
-def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_path):
+def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_path, monkeypatch):
     """A backup taken when slice 2 was closed but not yet run, restored after slice 3 ran: the
     sensor closes slice 3 again, over the offsets since slice 2, and requests slice 2 again,
     which the lake lacks though its run succeeded. The daemon skips a request whose run key a
@@ -270,8 +271,9 @@ def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_p
     shutil.copytree(whole, pipeline.lake.root)
 
     # a backup of the same slices as the cursor, taken before the last one ran: the next tick
-    # that closes a slice requests it again with that one, though one asset was materialized
-    # again after the whole run (the newest successful run is a subset)
+    # that closes a slice requests it again with that one. Runs of some assets of it, one that
+    # succeeded after its whole run and one that failed after the restore (the lake lacks its
+    # input), neither hide that whole run nor stand for one.
     pipeline.produce(traffic(8, seed=5))
     [fourth] = pipeline.tick()
     shutil.rmtree(backup)
@@ -280,11 +282,28 @@ def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_p
     assert pipeline.run(slice_key(4), assets=["learned_schemas"]).success
     shutil.rmtree(pipeline.lake.root)
     shutil.copytree(backup, pipeline.lake.root)
+    assert not pipeline.run(slice_key(4), assets=pipeline.asset_keys_of("entity_updates"), raise_on_error=False).success
     pipeline.produce(traffic(8, seed=6))
     restored = pipeline.tick()
     assert [r.partition_key for r in restored] == [slice_key(4), slice_key(5)]
     assert restored[0].run_key.startswith(fourth.run_key + "~")
-    assert all(pipeline.run_request(r).success for r in restored)
+
+    # the whole run requested again fails: no tick requests it again (it would at every tick)
+    commit = DeltaRsEngine.replace_slice
+
+    def batches_fail(self, table, *args, **kwargs):
+        if table == "entity_batches":
+            raise OSError("the store went away")
+        return commit(self, table, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(DeltaRsEngine, "replace_slice", batches_fail)
+        assert not pipeline.run_request(restored[0], raise_on_error=False).success
+    pipeline.produce(traffic(8, seed=7))
+    [sixth] = pipeline.tick()
+    assert sixth.partition_key == slice_key(6)
+    assert pipeline.run(slice_key(4)).success  # as the user re-runs it
+    assert all(pipeline.run_request(r).success for r in (restored[1], sixth))
 
 
 def create_again(pipeline, stream: str) -> str:
@@ -430,8 +449,6 @@ def test_a_re_run_after_a_failed_commit_keeps_the_tables_committed_and_fills_the
     """A first run that failed between its tables' commits, then retention: the tables it committed
     keep their rows (their only copy); the others take what Kafka still holds, with a dead letter
     for each span gone, instead of staying empty."""
-    from entity_assets.storage import DeltaRsEngine
-
     pipeline.produce(traffic(40, seed=9) + [("connections", "jsmith", samples.encode(samples.SEED_CONNECTION))])
     [r1] = pipeline.tick()
     commit = DeltaRsEngine.replace_slice
