@@ -117,16 +117,22 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     whole = newest_whole(context.instance, undone)
     now, out = int(time.time() * 1000), {}
     for seq in undone:
-        if whole.get(seq) == DagsterRunStatus.SUCCESS:
+        status = whole.get(seq)
+        if status == DagsterRunStatus.SUCCESS:
             out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
         elif seq > cursor_seq:  # below the cursor, requested already
             out[seq] = run_key(slice_key(seq), closed[seq])
+        elif status in (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED):
+            context.log.warning(f"slice {slice_key(seq)}: its last run {status.value.lower()} and the lake lacks its "
+                                "state; the slices after it wait for it: re-run it (the UI, or entity-assets run)")
     return out
 
 
 PARTITION_TAG = "dagster/partition"
 """The tag Dagster gives a partition's runs, whatever launched them (a sensor, a backfill, the UI)."""
+ROOT_RUN_TAG = "dagster/root_run_id"
+"""The tag of a re-execution: the run its chain of re-executions started from."""
 
 STATE_ASSETS = frozenset(AssetKey(a) for a in ("entities", "schemas", "learned_schemas", "devices", "device_notifications"))
 """An asset of each step that applies a state table (`APPLIED_IN_ORDER`)."""
@@ -143,25 +149,36 @@ def _whole(run: DagsterRun) -> bool:
 
 
 def newest_whole(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, DagsterRunStatus]:
-    """Slice -> the status of its newest whole run (`_whole`) since it closed (one not started
-    yet counts): runs of some assets only, before or after it, neither hide nor stand for it.
-    After a restore, that run's success means the lake lost the slice's state; a whole run in
-    flight or failed since (a request of the sensor's, run or not) means it was asked for again.
-    A slice only subsets ran may never have had its state applied: the sensor leaves it to the
-    user. One query for all the slices; their runs' records are read, newest first."""
+    """Slice -> the status of its newest run since it closed (one not started yet counts) that
+    is whole (`_whole`) or a re-execution of a whole run (the UI's From failure, From asset
+    failure): runs of some assets only neither hide it nor stand for it. After a restore, its
+    success means the lake lost the slice's state; a whole run in flight or failed since (a
+    request of the sensor's, run or not) means it was asked for again. A slice only subsets ran
+    may never have had its state applied: the sensor leaves it to the user. The runs' records
+    are read newest first, in a query per `_KEYS_PER_QUERY` slices."""
     if not closed_at:
         return {}
     since = datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
-    records = instance.get_run_records(RunsFilter(tags={PARTITION_TAG: [slice_key(seq) for seq in closed_at]},
-                                                  created_after=since))
+    keys = [slice_key(seq) for seq in closed_at]
+    records = [r for i in range(0, len(keys), _KEYS_PER_QUERY)
+               for r in instance.get_run_records(RunsFilter(tags={PARTITION_TAG: keys[i:i + _KEYS_PER_QUERY]},
+                                                            created_after=since))]
+    by_id = {r.dagster_run.run_id: r for r in records}
     out: dict[int, DagsterRunStatus] = {}
     for record in records:
         run = record.dagster_run
         seq = int(run.tags[PARTITION_TAG])
-        started = record.start_time or record.end_time
-        if seq not in out and _whole(run) and (started is None or started * 1000 >= closed_at[seq]):
+        root = by_id.get(run.tags.get(ROOT_RUN_TAG, run.run_id))  # None: a run of the key before the slice closed
+        if seq in out or root is None or not _whole(root.dagster_run):
+            continue
+        started = root.start_time or root.end_time
+        if started is None or started * 1000 >= closed_at[seq]:
             out[seq] = run.status
     return out
+
+
+_KEYS_PER_QUERY = 1000
+"""Partition keys per run-records query: SQLite takes at most 32,766 parameters in one."""
 
 
 def done(runs: dict[int, str], seq: int, holds: int) -> bool:

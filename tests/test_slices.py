@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pyarrow as pa
 import pytest
@@ -191,3 +192,42 @@ def test_the_closing_times_of_every_slice_come_from_the_log_not_the_files(tmp_pa
         store.write(Manifest(seq, (OffsetRange("t", 0, seq, seq + 1), OffsetRange("t", 1, 0, 0)), NOW + seq))
     monkeypatch.setattr(store.engine, "read", lambda *a, **k: pytest.fail("read a data file"))
     assert store.closed_at() == {1: NOW + 1, 2: NOW + 2, 3: NOW + 3}
+
+
+def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
+    """`newest_whole` on a real (ephemeral) instance's run records, tagged as Dagster tags them:
+    subset runs neither hide a whole run nor stand for one; a re-execution of a whole run (the
+    UI's From asset failure, which records only the failed assets) counts as it; the sensor's
+    request launched again is the newest once launched; runs of the key before the slice closed
+    are not the slice's."""
+    from dagster import AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus
+
+    from entity_assets.sensors import PARTITION_TAG, ROOT_RUN_TAG, STATE_ASSETS, newest_whole
+
+    instance = DagsterInstance.ephemeral()
+    runs = iter(range(1000))
+
+    def add(seq, status, assets=None, root=None, job="slice_job"):
+        run_id = f"00000000-0000-4000-8000-{next(runs):012d}"
+        tags = {PARTITION_TAG: slice_key(seq), **({ROOT_RUN_TAG: root} if root else {})}
+        instance.add_run(DagsterRun(job_name=job, run_id=run_id, status=status, tags=tags,
+                                    asset_selection=frozenset(assets) if assets is not None else None))
+        return run_id
+
+    closed = int(time.time() * 1000) - 60_000
+    one = frozenset([AssetKey("learned_schemas")])
+    add(1, DagsterRunStatus.SUCCESS)
+    add(1, DagsterRunStatus.SUCCESS, one)  # an asset materialized again after it
+    failed = add(2, DagsterRunStatus.FAILURE)
+    add(2, DagsterRunStatus.SUCCESS, one, root=failed)  # From asset failure, finished
+    add(3, DagsterRunStatus.SUCCESS)
+    add(3, DagsterRunStatus.STARTED)  # the sensor's request, launched
+    add(4, DagsterRunStatus.SUCCESS, one)  # only subsets
+    add(5, DagsterRunStatus.SUCCESS, STATE_ASSETS | one, job="__ASSET_JOB")  # the UI's Materialize all
+    add(5, DagsterRunStatus.FAILURE, one)
+    add(6, DagsterRunStatus.SUCCESS)
+    add(6, DagsterRunStatus.FAILURE)  # a whole re-run that failed
+    assert newest_whole(instance, {seq: closed for seq in range(1, 8)}) == {
+        1: DagsterRunStatus.SUCCESS, 2: DagsterRunStatus.SUCCESS, 3: DagsterRunStatus.STARTED,
+        5: DagsterRunStatus.SUCCESS, 6: DagsterRunStatus.FAILURE}
+    assert newest_whole(instance, {1: closed + 3_600_000 * 24}) == {}  # created before the slice closed
