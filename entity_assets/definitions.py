@@ -100,7 +100,6 @@ def build_resources() -> dict:
             max_messages_per_task=int(_env("ENTITY_ASSETS_SLICE_MAX_PER_TASK", "200000")),
             schema_wait_slices=int(_env("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "4")),
             offsets_went_back=_env("ENTITY_ASSETS_OFFSETS_WENT_BACK", "report"),
-            clock_skew_seconds=float(_env("ENTITY_ASSETS_CLOCK_SKEW_SECONDS", "3600")),
         ),
     }
 

@@ -93,34 +93,6 @@ def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
     return {tp: high for tp, (_, high) in watermarks(config, topics, timeout).items()}
 
 
-def written_below(config: dict, positions: Mapping[tuple[str, int], int], since: int,
-                  timeout: float = 10.0) -> list[tuple[str, int]]:
-    """Partitions holding records below `positions` (the slices' next offsets) that Kafka dates at
-    or after `since` (ms): a topic created again and refilled past those offsets, which offsets
-    alone cannot tell from the old topic grown. Both must hold: Kafka's first offset dated since
-    then (`offsets_for_times`) is below the position, and so is the record right below it, the
-    last one the slices read (one record a producer's clock dated ahead is not enough)."""
-    asked = [TopicPartition(t, p, since) for (t, p), position in sorted(positions.items()) if position > 0]
-    if not asked:
-        return []
-    consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False,
-                         "auto.offset.reset": "error"})
-    try:
-        later = [tp for tp in consumer.offsets_for_times(asked, timeout=timeout)
-                 if tp.error is None and 0 <= tp.offset < positions[(tp.topic, tp.partition)]]
-        out = []
-        for tp in later:
-            last = positions[(tp.topic, tp.partition)] - 1
-            consumer.assign([TopicPartition(tp.topic, tp.partition, last)])
-            record = next(iter(consumer.consume(1, timeout)), None)
-            if record is not None and record.error() is None and record.offset() == last \
-                    and record.timestamp()[1] >= since:
-                out.append((tp.topic, tp.partition))
-        return out
-    finally:
-        consumer.close()
-
-
 class RecordsExpired(Exception):
     """Offsets of a range that its partition no longer holds: Kafka's retention (or a delete of
     records) removed them before they were read, or the topic was deleted and created again."""

@@ -60,15 +60,9 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     marks = kafka.input_watermarks()
     firsts = {tp: low for tp, (low, _) in marks.items()}
     ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
-    read = {tp: position for tp, position in positions.items() if tp in marks and position <= ends[tp]}
     positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds
     back = behind(positions, ends)
-    refilled = (kafka.written_below(read, closed_at + int(slicing.clock_skew_seconds * 1000))
-                if read and closed_at is not None else [])
-    went_back = ", ".join([f"{t}[{p}] ends at {ends[(t, p)]}, next {positions[(t, p)]}" for t, p in back]
-                          + [f"{t}[{p}] holds records below next {positions[(t, p)]} written after the last slice "
-                             "closed" for t, p in refilled])
-    back = [*back, *refilled]
+    went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {positions[(t, p)]}" for t, p in back)
     if back and slicing.offsets_went_back == "restart":
         positions = {**positions, **{tp: firsts[tp] for tp in back}}
         context.log.warning(f"offsets went back: {went_back}; read again from their first offsets")

@@ -142,11 +142,3 @@ class KafkaResource(ConfigurableResource):
         from entity_assets.kafka_io import watermarks
 
         return watermarks(self.config(), lambda topic: self.input_stream(topic) is not None, timeout)
-
-    def written_below(self, positions: dict[tuple[str, int], int], since: int,
-                      timeout: float = 10.0) -> list[tuple[str, int]]:
-        """Partitions whose records below the slices' next offsets were written since `since` (ms):
-        topics created again and refilled past them (`kafka_io.written_below`)."""
-        from entity_assets.kafka_io import written_below
-
-        return written_below(self.config(), positions, since, timeout)

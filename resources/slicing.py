@@ -24,11 +24,6 @@ class SlicingResource(ConfigurableResource):
     offsets_went_back: Literal["report", "restart"] = Field(
         default="report", description="a partition whose offsets went below the slices' (a topic created again, "
                                       "another cluster): report it at every tick, or read it again from its first offset")
-    clock_skew_seconds: float = Field(
-        default=3600.0, ge=0, description="how far a producer's or the broker's clock may run ahead of the sensor's: "
-                                          "records below the slices' next offset dated later than the newest slice's "
-                                          "closing by more than this were written after the slices read past them (a "
-                                          "topic created again and refilled), handled as offsets that went back")
 
     def policy(self) -> SlicePolicy:
         return SlicePolicy(self.min_interval_seconds, self.max_messages)

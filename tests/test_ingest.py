@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions, RunsFilter, build_sensor_context
 
-from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from entity_assets import samples, trace
@@ -140,14 +138,12 @@ def test_spark_settings_come_from_the_environment(monkeypatch):
 def test_slicing_settings_come_from_the_environment(monkeypatch):
     from entity_assets.definitions import build_resources
 
-    def settings(slicing):
-        return slicing.schema_wait_slices, slicing.offsets_went_back, slicing.clock_skew_seconds
-
-    assert settings(build_resources()["slicing"]) == (4, "report", 3600)
+    assert (build_resources()["slicing"].schema_wait_slices, build_resources()["slicing"].offsets_went_back) == (
+        4, "report")
     monkeypatch.setenv("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "0")
     monkeypatch.setenv("ENTITY_ASSETS_OFFSETS_WENT_BACK", "restart")
-    monkeypatch.setenv("ENTITY_ASSETS_CLOCK_SKEW_SECONDS", "90")
-    assert settings(build_resources()["slicing"]) == (0, "restart", 90)
+    assert (build_resources()["slicing"].schema_wait_slices, build_resources()["slicing"].offsets_went_back) == (
+        0, "restart")
 
 
 # --------------------------------------------------------------------------- one slice
@@ -347,37 +343,6 @@ def test_offsets_that_went_back_can_be_read_again_from_the_start(make_pipeline):
     assert restarted and all(r.start == 0 for r in restarted) and sum(r.count for r in restarted) == 4
     assert rows_of_slice(pipeline.read("entity_batches"), K2).num_rows == 4
     assert pipeline.tick() == []  # and on from there
-
-
-def test_a_topic_created_again_and_refilled_past_the_slices_offsets_is_caught_by_its_records_times(make_pipeline):
-    """Offsets alone cannot tell a topic created again and refilled past the slices' next offsets
-    from the old topic grown; the records' times can: those below the next offsets are dated
-    after the last slice closed (here with no allowance for clock skew, all on one clock)."""
-    pipeline = make_pipeline(offsets_went_back="restart", clock_skew_seconds=0)
-    pipeline.produce(traffic(40, seed=1))
-    [first] = pipeline.tick_and_run()
-    # the same topic grown, with one record a producer's clock dated two hours ahead, and then
-    # one more in its partition: only the last record read counts, so it is not taken for a refill
-    [(_, key, value), *grown_records, (_, key2, value2)] = traffic(12, seed=2)
-    ahead = Producer(pipeline.kafka.config())
-    ahead.produce(pipeline.topic(STREAM), value, key, 0, timestamp=int(time.time() * 1000) + 7_200_000)
-    pipeline.produce([(STREAM, k, v) for _, k, v in grown_records])
-    ahead.produce(pipeline.topic(STREAM), value2, key2, 0)
-    ahead.flush(10)
-    [grown] = pipeline.tick_and_run()
-    assert grown.success and sum(r.count for r in pipeline.manifest(K2).ranges_of(pipeline.topic(STREAM))) == 12
-    assert pipeline.tick() == []
-    before = pipeline.manifest(K2).positions()
-    topic = create_again(pipeline, STREAM)
-    refill = traffic(200, seed=3)
-    pipeline.produce(refill)
-    assert all(end > before[tp] for tp, end in pipeline.end_offsets(STREAM).items())  # no offset went back
-    [third] = pipeline.tick_and_run()
-    assert third.success
-    ranges = [r for r in pipeline.manifest(3).ranges if r.topic == topic and r.count]
-    assert all(r.start == 0 for r in ranges) and sum(r.count for r in ranges) == len(refill)
-    assert rows_of_slice(pipeline.read("entity_batches"), slice_key(3)).num_rows == len(refill)
-    assert pipeline.tick() == []
 
 
 def test_a_partition_no_slice_has_read_starts_at_the_first_offset_kafka_holds(pipeline, delete_records_before):
