@@ -63,6 +63,18 @@ def ingest_only(pipeline) -> list:
     return pipeline.asset_keys_of("entity_batches")
 
 
+def fail_commits(patch: pytest.MonkeyPatch, table: str) -> None:
+    """Makes the lake refuse a table's slice commits, as a store that went away would."""
+    commit = DeltaRsEngine.replace_slice
+
+    def failing(self, name, *args, **kwargs):
+        if name == table:
+            raise OSError("the store went away")
+        return commit(self, name, *args, **kwargs)
+
+    patch.setattr(DeltaRsEngine, "replace_slice", failing)
+
+
 # --------------------------------------------------------------------------- definitions
 
 def test_definitions_load():
@@ -289,15 +301,8 @@ def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_p
     assert restored[0].run_key.startswith(fourth.run_key + "~")
 
     # the whole run requested again fails: no tick requests it again (it would at every tick)
-    commit = DeltaRsEngine.replace_slice
-
-    def batches_fail(self, table, *args, **kwargs):
-        if table == "entity_batches":
-            raise OSError("the store went away")
-        return commit(self, table, *args, **kwargs)
-
     with monkeypatch.context() as patched:
-        patched.setattr(DeltaRsEngine, "replace_slice", batches_fail)
+        fail_commits(patched, "entity_batches")
         assert not pipeline.run_request(restored[0], raise_on_error=False).success
     pipeline.produce(traffic(8, seed=7))
     [sixth] = pipeline.tick()
@@ -451,16 +456,9 @@ def test_a_re_run_after_a_failed_commit_keeps_the_tables_committed_and_fills_the
     for each span gone, instead of staying empty."""
     pipeline.produce(traffic(40, seed=9) + [("connections", "jsmith", samples.encode(samples.SEED_CONNECTION))])
     [r1] = pipeline.tick()
-    commit = DeltaRsEngine.replace_slice
-
-    def connections_fail(self, table, *args, **kwargs):
-        if table == "connections":
-            raise OSError("the store went away")
-        return commit(self, table, *args, **kwargs)
-
-    monkeypatch.setattr(DeltaRsEngine, "replace_slice", connections_fail)
-    assert not pipeline.run_request(r1, assets=ingest_only(pipeline), raise_on_error=False).success
-    monkeypatch.setattr(DeltaRsEngine, "replace_slice", commit)
+    with monkeypatch.context() as patched:
+        fail_commits(patched, "connections")
+        assert not pipeline.run_request(r1, assets=ingest_only(pipeline), raise_on_error=False).success
     assert pipeline.read("entity_batches").num_rows == 40
     assert not pipeline.engine.reached("connections", K1, "replace_slice")
 
