@@ -32,6 +32,7 @@ from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import KafkaUnreachable
 from entity_assets.local_service import PortInUse
+from resources import SettingError
 from resources.lake import default_home
 
 REPO = Path(__file__).resolve().parents[1]
@@ -409,7 +410,7 @@ def cmd_trace(args) -> int:
     try:
         record = parse_record(args.record, resources["kafka"].topic)
     except ValueError as exc:
-        raise SystemExit(f"entity-assets trace: {exc}") from None
+        raise UsageError(str(exc)) from None
     trail = trace(resources["lake"].open(), *record)
     print(json.dumps(asdict(trail), indent=2) if args.json else format_trail(trail))
     return 0 if trail.slice else 1
@@ -425,7 +426,7 @@ def cmd_changes(args) -> int:
     from entity_assets.slices import slice_key
 
     if args.since is not None and not args.since.isdigit():
-        raise SystemExit(f"entity-assets changes: --since {args.since}: give a slice number")
+        raise UsageError(f"--since {args.since}: give a slice number")
     engine = build_resources()["lake"].open()
     if not engine.exists(args.table):
         raise SystemExit(f"entity-assets changes: the lake has no {args.table} table yet")
@@ -585,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
         return 2
-    except ValidationError as exc:  # a resource's setting from the environment (ENTITY_ASSETS_*)
+    except (ValidationError, SettingError) as exc:  # a resource's setting from the environment (ENTITY_ASSETS_*)
         print(f"entity-assets {args.command}: a setting is not valid: {exc}", file=sys.stderr)
         return 2
 

@@ -15,12 +15,21 @@ from entity_assets.assets.schemas import learn_schemas
 from entity_assets.jobs import history_job, slice_job, trace_job
 from entity_assets.maintenance import lake_maintenance, lake_maintenance_schedule
 from entity_assets.sensors import kafka_offsets_sensor
-from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
+from resources import KafkaResource, LakeResource, SettingError, SlicingResource, SparkResource
 from resources.kafka import DEFAULT_BOOTSTRAP, IngestionSource
 
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
+
+
+def _number(name: str, default: str, kind: type = int):
+    """Environment variable `name` as an int (or `kind`), its default when unset."""
+    text = _env(name, default)
+    try:
+        return kind(text)
+    except ValueError:
+        raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
 def _settings(text: str) -> dict[str, str]:
@@ -35,9 +44,9 @@ def _json_object(name: str, text: str) -> dict:
     try:
         value = json.loads(text.strip() or "{}")
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{name} is not JSON: {exc}") from exc
+        raise SettingError(f"{name} is not JSON: {exc}") from exc
     if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ValueError(f"{name} must be a JSON object of objects, not {text.strip()[:80]!r}")
+        raise SettingError(f"{name} must be a JSON object of objects, not {text.strip()[:80]!r}")
     return value
 
 
@@ -66,12 +75,15 @@ def _publish(text: str) -> dict:
 
 
 def build_resources() -> dict:
-    """Embedded defaults (local broker, local lake, local Spark); every setting overridable by env."""
+    """Embedded defaults (local broker, local lake, local Spark); the settings a deployment sets
+    are overridable by env (docs/operations.md lists them), secrets through EnvVar."""
     kafka = {
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
+        "client_config": _settings(_env("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "")),
+        "new_topic_partitions": _number("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "4"),
         "new_topic_config": _settings(_env("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "")),
-        "new_topic_replication_factor": int(_env("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "-1")),
+        "new_topic_replication_factor": _number("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "-1"),
         "stream_topic_config": _stream_topic_config(_env("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", "")),
         **_publish(_env("ENTITY_ASSETS_PUBLISH", "true")),
     }
@@ -85,9 +97,10 @@ def build_resources() -> dict:
         if os.environ.get(var):
             kafka[field] = EnvVar(var)  # resolved at run time, never stored in run config
     lake = {"root": os.environ["ENTITY_ASSETS_LAKE"]} if os.environ.get("ENTITY_ASSETS_LAKE") else {}
+    lake["vacuum_retention_hours"] = _number("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "168")
     if os.environ.get("ENTITY_ASSETS_STATE_FILE_ROWS"):
-        lake["state_file_rows"] = int(os.environ["ENTITY_ASSETS_STATE_FILE_ROWS"])
-    spark = {"driver_rows": int(os.environ["ENTITY_ASSETS_SPARK_DRIVER_ROWS"])} \
+        lake["state_file_rows"] = _number("ENTITY_ASSETS_STATE_FILE_ROWS", "")
+    spark = {"driver_rows": _number("ENTITY_ASSETS_SPARK_DRIVER_ROWS", "")} \
         if os.environ.get("ENTITY_ASSETS_SPARK_DRIVER_ROWS") else {}
     return {
         "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]"),
@@ -95,10 +108,11 @@ def build_resources() -> dict:
         "kafka": KafkaResource(**kafka),
         "lake": LakeResource(**lake),
         "slicing": SlicingResource(
-            min_interval_seconds=float(_env("ENTITY_ASSETS_SLICE_INTERVAL_SECONDS", "900")),
-            max_messages=int(_env("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "5000000")),
-            max_messages_per_task=int(_env("ENTITY_ASSETS_SLICE_MAX_PER_TASK", "200000")),
-            schema_wait_slices=int(_env("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "4")),
+            min_interval_seconds=_number("ENTITY_ASSETS_SLICE_INTERVAL_SECONDS", "900", float),
+            max_messages=_number("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "5000000"),
+            max_messages_per_task=_number("ENTITY_ASSETS_SLICE_MAX_PER_TASK", "200000"),
+            dedupe_window_slices=_number("ENTITY_ASSETS_DEDUPE_WINDOW_SLICES", "4"),
+            schema_wait_slices=_number("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "4"),
             offsets_went_back=_env("ENTITY_ASSETS_OFFSETS_WENT_BACK", "report"),
         ),
     }

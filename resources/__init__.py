@@ -5,4 +5,9 @@ from resources.lake import LakeResource, default_home
 from resources.slicing import SlicingResource
 from resources.spark import SparkResource
 
-__all__ = ["KafkaResource", "LakeResource", "SlicingResource", "SparkResource", "default_home"]
+__all__ = ["KafkaResource", "LakeResource", "SettingError", "SlicingResource", "SparkResource", "default_home"]
+
+
+class SettingError(ValueError):
+    """A setting from the environment that does not parse, named in the message: the command
+    line says it on one line (status 2), and the code location's load error names it."""

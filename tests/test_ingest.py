@@ -150,12 +150,34 @@ def test_spark_settings_come_from_the_environment(monkeypatch):
 def test_slicing_settings_come_from_the_environment(monkeypatch):
     from entity_assets.definitions import build_resources
 
-    assert (build_resources()["slicing"].schema_wait_slices, build_resources()["slicing"].offsets_went_back) == (
-        4, "report")
+    def settings(slicing):
+        return slicing.schema_wait_slices, slicing.offsets_went_back, slicing.dedupe_window_slices
+
+    assert settings(build_resources()["slicing"]) == (4, "report", 4)
     monkeypatch.setenv("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "0")
     monkeypatch.setenv("ENTITY_ASSETS_OFFSETS_WENT_BACK", "restart")
-    assert (build_resources()["slicing"].schema_wait_slices, build_resources()["slicing"].offsets_went_back) == (
-        0, "restart")
+    monkeypatch.setenv("ENTITY_ASSETS_DEDUPE_WINDOW_SLICES", "12")
+    assert settings(build_resources()["slicing"]) == (0, "restart", 12)
+
+
+def test_kafka_and_lake_settings_come_from_the_environment(monkeypatch):
+    """The settings a deployment sets besides the slicing: librdkafka's own (mTLS certificates,
+    say), output topics' partitions, and how far back replays reach."""
+    from entity_assets.definitions import build_resources
+
+    def settings(resources):
+        kafka = resources["kafka"]
+        return kafka.client_config, kafka.new_topic_partitions, resources["lake"].vacuum_retention_hours
+
+    assert settings(build_resources()) == ({}, 4, 168)
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG",
+                       "ssl.certificate.location=/etc/kafka/client.pem, ssl.key.location=/etc/kafka/client.key")
+    monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "12")
+    monkeypatch.setenv("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "720")
+    resources = build_resources()
+    assert settings(resources) == ({"ssl.certificate.location": "/etc/kafka/client.pem",
+                                    "ssl.key.location": "/etc/kafka/client.key"}, 12, 720)
+    assert resources["kafka"].config()["ssl.key.location"] == "/etc/kafka/client.key"
 
 
 # --------------------------------------------------------------------------- one slice
