@@ -38,10 +38,11 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     assert slices >= 2
     built = lake_rows(lake)
 
-    # an upgrade's rebuild: tables deleted, then materialized again from the first slice, a state among them
-    for table in ("zone_changes", "devices"):
+    # an upgrade's rebuild: tables deleted, then materialized again from the first slice, states
+    # among them, apply_patches' three together (docs/operations.md)
+    for table in ("zone_changes", "devices", "entities", "schemas", "pending_responses"):
         shutil.rmtree(Path(lake.root) / table)
-    again = run("--slices", f"1..{slices}", "--assets", "zone_changes,devices")
+    again = run("--slices", f"1..{slices}", "--assets", "zone_changes,devices,entities")
     assert again.returncode == 0 and again.stdout.count(": ok in ") == slices, again.stdout[-3000:] + again.stderr[-3000:]
     assert "entity_patches=" not in again.stdout  # only the chosen assets' steps ran
     assert lake_rows(lake) == built
