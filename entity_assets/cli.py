@@ -32,7 +32,7 @@ from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import KafkaUnreachable
 from entity_assets.local_service import PortInUse
-from resources import SettingError
+from resources import SettingError, with_settings
 from resources.lake import default_home
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,13 +244,11 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     from entity_assets.sensors import done, dump_cursor, kafka_offsets_sensor, lake_holds, slice_runs
     from entity_assets.slices import run_key, slice_key
     from entity_assets.tables import APPLIED_IN_ORDER
-    from resources import SlicingResource
 
     instance = _instance_for_runs()
     resources = build_resources()
-    resources["slicing"] = SlicingResource(
-        min_interval_seconds=0, max_messages=max_messages or resources["slicing"].max_messages
-    )
+    slicing = resources["slicing"]  # its other settings (offsets_went_back, ...) hold
+    resources["slicing"] = with_settings(slicing, min_interval_seconds=0, max_messages=max_messages or slicing.max_messages)
     store = ManifestStore(resources["lake"].open())
     newest = store.latest()
     cursor = dump_cursor(newest.seq, newest.positions(), newest.closed_at) if newest else None
@@ -514,9 +512,20 @@ def cmd_demo(args) -> int:
     return code
 
 
+def _port_of(variable: str, default: int) -> dict:
+    """The type and default of a port option whose default `variable` sets: a value that is no
+    port, given or from the environment, is a usage error (status 2) naming both."""
+    def port(text: str) -> int:
+        if not text.isdigit() or not 0 < int(text) < 65536:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port (the default comes from {variable})")
+        return int(text)
+
+    return {"type": port, "default": os.environ.get(variable) or str(default)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="entity-assets", description=__doc__.split("\n")[0])
-    parser.add_argument("--port", type=int, default=int(os.environ.get("ENTITY_ASSETS_BROKER_PORT", DEFAULT_PORT)),
+    parser.add_argument("--port", **_port_of("ENTITY_ASSETS_BROKER_PORT", DEFAULT_PORT),
                         help="the local broker's port (before the command; ENTITY_ASSETS_BROKER_PORT)")
     sub = parser.add_subparsers(dest="command", required=True)
     broker = sub.add_parser("broker", help="start, stop or inspect the local broker")
@@ -530,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     topics.add_argument("--dry-run", action="store_true", help="list what would be created; create nothing")
     spark = sub.add_parser("spark", help="start, stop or inspect the local Spark Connect server")
     spark.add_argument("action", choices=["start", "stop", "status"])
-    spark.add_argument("--spark-port", type=int, default=int(os.environ.get("ENTITY_ASSETS_SPARK_CONNECT_PORT", SPARK_CONNECT_PORT)))
+    spark.add_argument("--spark-port", **_port_of("ENTITY_ASSETS_SPARK_CONNECT_PORT", SPARK_CONNECT_PORT),
+                       help="the local Spark Connect server's port (ENTITY_ASSETS_SPARK_CONNECT_PORT)")
     produce = sub.add_parser("produce", help="produce records to the input topics")
     produce.add_argument("source", choices=["sample", "seed", "file", "cdc"],
                          help="cdc: change data capture of four source systems (Debezium, GoldenGate, DB2, Qlik)")

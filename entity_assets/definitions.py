@@ -24,8 +24,8 @@ def _env(name: str, default: str) -> str:
 
 
 def _number(name: str, default: str, kind: type = int):
-    """Environment variable `name` as an int (or `kind`), its default when unset."""
-    text = _env(name, default)
+    """Environment variable `name` as an int (or `kind`), its default when unset or empty."""
+    text = os.environ.get(name) or default
     try:
         return kind(text)
     except ValueError:

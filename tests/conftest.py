@@ -34,7 +34,7 @@ from entity_assets.kafka_io import ensure_topics, produce
 from entity_assets.manifests import ManifestStore
 from entity_assets.slices import Manifest
 from entity_assets.tables import SCHEMAS
-from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
+from resources import KafkaResource, LakeResource, SlicingResource, SparkResource, with_settings
 
 PRODUCTION_SMALL_TASK_ROWS = common.SMALL_TASK_ROWS  # before make_pipeline changes it
 
@@ -169,7 +169,7 @@ class Pipeline:
                                        schema_wait_slices=schema_wait_slices)
         # Small slices' work runs in the driver in production (SparkResource.driver_rows); tests
         # run it in Spark tasks unless they choose the driver, so both paths are exercised.
-        self.spark = spark = spark.model_copy(update={"driver_rows": driver_rows})
+        self.spark = spark = with_settings(spark, driver_rows=driver_rows)
         # Resources bound in defs first (assets added later may need more), ours over them.
         self.resources: dict[str, Any] = {
             **(base.resources or {}),

@@ -256,6 +256,14 @@ def test_arguments_the_user_can_fix_are_a_line_and_status_2(argv, said, monkeypa
     assert said in capsys.readouterr().err
 
 
+def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("ENTITY_ASSETS_BROKER_PORT", "29O92")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["broker", "status"])
+    assert exited.value.code == 2
+    assert "'29O92' is not a port (the default comes from ENTITY_ASSETS_BROKER_PORT)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name, value, said", [
     ("ENTITY_ASSETS_PUBLISH", "partial-respones", "partial-respones"),
     ("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "lots", "ENTITY_ASSETS_SLICE_MAX_MESSAGES='lots' is not an integer"),
@@ -269,3 +277,28 @@ def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceb
     assert cli.main(["topics", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("entity-assets topics: a setting is not valid") and said in err
+
+
+def test_run_ticks_the_sensor_with_the_slicing_settings_of_the_environment(monkeypatch, tmp_path):
+    """`run` closes everything pending now, in slices of `max_messages`, with the deployment's
+    other slicing settings, as the daemon's sensor has them (offsets that went back: `restart`)."""
+    from dagster import SensorResult, SkipReason
+
+    from entity_assets import definitions, sensors
+
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    (tmp_path / "dagster").mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_OFFSETS_WENT_BACK", "restart")
+    monkeypatch.setenv("ENTITY_ASSETS_SLICE_INTERVAL_SECONDS", "600")
+    seen = []
+
+    def sensor(context):
+        seen.append(context.resources.slicing)
+        return SensorResult(skip_reason=SkipReason("nothing pending"))
+
+    sensor.name = definitions.kafka_offsets_sensor.name  # the definitions keep the real one
+    monkeypatch.setattr(sensors, "kafka_offsets_sensor", sensor)
+    assert cli.run_pending(max_messages=7, log=lambda _: None) == []
+    [slicing] = seen
+    assert (slicing.offsets_went_back, slicing.min_interval_seconds, slicing.max_messages) == ("restart", 0, 7)

@@ -24,6 +24,7 @@ from entity_assets.messages import parse_message
 from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine
 from entity_assets.tables import SCHEMAS
+from resources import SparkResource
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,6 +179,25 @@ def test_kafka_and_lake_settings_come_from_the_environment(monkeypatch):
     assert settings(resources) == ({"ssl.certificate.location": "/etc/kafka/client.pem",
                                     "ssl.key.location": "/etc/kafka/client.key"}, 12, 720)
     assert resources["kafka"].config()["ssl.key.location"] == "/etc/kafka/client.key"
+    monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "")  # set but empty: the default
+    assert build_resources()["kafka"].new_topic_partitions == 4
+
+
+def test_a_pipelines_settings_are_the_ones_its_runs_get(make_pipeline, monkeypatch):
+    """Dagster builds a run's resources from the settings they were constructed with: a test that
+    asks for Spark tasks (driver_rows 0) must get them, or its Spark path is never run."""
+    seen = []
+    on_driver = SparkResource.on_driver
+
+    def spy(self, rows):
+        seen.append(self.driver_rows)
+        return on_driver(self, rows)
+
+    monkeypatch.setattr(SparkResource, "on_driver", spy)
+    pipeline = make_pipeline(driver_rows=0)
+    pipeline.produce(traffic(20, seed=1))
+    assert all(run.success for run in pipeline.tick_and_run())
+    assert seen and set(seen) == {0}
 
 
 # --------------------------------------------------------------------------- one slice
