@@ -103,21 +103,16 @@ def run_trial(n: int, batches: int, *, lake_root: Path, per_task: int, max_messa
     from entity_assets.definitions import build_resources
     from entity_assets.jobs import slice_job
     from entity_assets.sensors import kafka_offsets_sensor
-    from resources import LakeResource, SparkResource
+    from resources import LakeResource, with_settings
 
     resources = build_resources()
     base = resources["slicing"]
-    resources["slicing"] = type(base)(**{
-        **{name: getattr(base, name) for name in type(base).model_fields},
-        "min_interval_seconds": 0,  # close a slice now: the bench does not wait for the interval
-        "max_messages": max_messages or base.max_messages,
-        "max_messages_per_task": per_task,
-    })
+    resources["slicing"] = with_settings(base, min_interval_seconds=0,  # close a slice now: no waiting
+                                         max_messages=max_messages or base.max_messages, max_messages_per_task=per_task)
     resources["lake"] = LakeResource(root=str(lake_root))
     if spark_master or spark_conf:
         spark = resources["spark"]
-        resources["spark"] = SparkResource(master=spark_master or spark.master, app_name=spark.app_name,
-                                           conf={**spark.conf, **spark_conf})
+        resources["spark"] = with_settings(spark, master=spark_master or spark.master, conf={**spark.conf, **spark_conf})
     # Only the ingest asset: the bench measures entity_batches, not the rest of the graph.
     defs = Definitions(assets=[ingest], jobs=[slice_job], sensors=[kafka_offsets_sensor], resources=resources)
     job = defs.resolve_job_def("slice_job")
