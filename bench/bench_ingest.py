@@ -103,13 +103,13 @@ def run_trial(n: int, batches: int, *, lake_root: Path, per_task: int, max_messa
     from entity_assets.definitions import build_resources
     from entity_assets.jobs import slice_job
     from entity_assets.sensors import kafka_offsets_sensor
-    from resources import LakeResource, with_settings
+    from resources import with_settings
 
     resources = build_resources()
     base = resources["slicing"]
     resources["slicing"] = with_settings(base, min_interval_seconds=0,  # close a slice now: no waiting
                                          max_messages=max_messages or base.max_messages, max_messages_per_task=per_task)
-    resources["lake"] = LakeResource(root=str(lake_root))
+    resources["lake"] = with_settings(resources["lake"], root=str(lake_root))
     if spark_master or spark_conf:
         spark = resources["spark"]
         resources["spark"] = with_settings(spark, master=spark_master or spark.master, conf={**spark.conf, **spark_conf})

@@ -516,7 +516,7 @@ def _port_of(variable: str, default: int) -> dict:
     """The type and default of a port option whose default `variable` sets: a value that is no
     port, given or from the environment, is a usage error (status 2) naming both."""
     def port(text: str) -> int:
-        if not text.isdigit() or not 0 < int(text) < 65536:
+        if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
             raise argparse.ArgumentTypeError(f"{text!r} is not a port (the default comes from {variable})")
         return int(text)
 

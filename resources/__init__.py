@@ -17,5 +17,9 @@ class SettingError(ValueError):
 def with_settings(resource, **settings):
     """A copy of a resource with some settings changed. Not `model_copy(update=...)`: Dagster
     builds a run's or a sensor's resource from the settings it was constructed with, so such an
-    update reads back on the copy and is lost where it counts."""
+    update reads back on the copy and is lost where it counts. The copy holds every setting as
+    made (a default computed from the environment, such as `LakeResource.root`, is fixed then);
+    `EnvVar` settings stay `EnvVar`s."""
+    if unknown := sorted(set(settings) - set(type(resource).model_fields)):
+        raise TypeError(f"{type(resource).__name__} has no setting {', '.join(unknown)}")
     return type(resource)(**{**resource.model_dump(), **settings})

@@ -183,6 +183,24 @@ def test_kafka_and_lake_settings_come_from_the_environment(monkeypatch):
     assert build_resources()["kafka"].new_topic_partitions == 4
 
 
+def test_with_settings_copies_a_resource_as_dagster_builds_it():
+    """`model_copy(update=...)` reads back on the copy, but Dagster builds the resource from the
+    settings it was made with; `with_settings` makes it anew, secrets still bound to their variables."""
+    from dagster import EnvVar
+
+    from resources import KafkaResource, SlicingResource, with_settings
+
+    made = SlicingResource(min_interval_seconds=600)
+    for copy, seen in ((made.model_copy(update={"min_interval_seconds": 0}), 600),
+                       (with_settings(made, min_interval_seconds=0), 0)):
+        with build_sensor_context(resources={"slicing": copy}) as context:
+            assert context.resources.slicing.min_interval_seconds == seen
+    kafka = with_settings(KafkaResource(sasl_password=EnvVar("KAFKA_SASL_PASSWORD")), topic_prefix="acme.")
+    assert isinstance(kafka.sasl_password, EnvVar) and kafka.topic_prefix == "acme."
+    with pytest.raises(TypeError, match="SlicingResource has no setting max_mesages"):
+        with_settings(made, max_mesages=1)
+
+
 def test_a_pipelines_settings_are_the_ones_its_runs_get(make_pipeline, monkeypatch):
     """Dagster builds a run's resources from the settings they were constructed with: a test that
     asks for Spark tasks (driver_rows 0) must get them, or its Spark path is never run."""
