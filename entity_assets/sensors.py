@@ -158,21 +158,18 @@ def newest_whole(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[i
     are read newest first, in a query per `_KEYS_PER_QUERY` slices."""
     if not closed_at:
         return {}
-    since = datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
     keys = [slice_key(seq) for seq in closed_at]
     records = [r for i in range(0, len(keys), _KEYS_PER_QUERY)
                for r in instance.get_run_records(RunsFilter(tags={PARTITION_TAG: keys[i:i + _KEYS_PER_QUERY]},
-                                                            created_after=since))]
+                                                            created_after=_first_closing(closed_at)))]
     by_id = {r.dagster_run.run_id: r for r in records}
     out: dict[int, DagsterRunStatus] = {}
     for record in records:
         run = record.dagster_run
         seq = int(run.tags[PARTITION_TAG])
         root = by_id.get(run.tags.get(ROOT_RUN_TAG, run.run_id))  # None: a run of the key before the slice closed
-        if seq in out or root is None or not _whole(root.dagster_run):
-            continue
-        started = root.start_time or root.end_time
-        if started is None or started * 1000 >= closed_at[seq]:
+        if seq not in out and root is not None and _whole(root.dagster_run) \
+                and _started_since(root.start_time or root.end_time, closed_at[seq]):
             out[seq] = run.status
     return out
 
@@ -204,11 +201,22 @@ def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int
     """
     if not closed_at:
         return {}
-    since = datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
     out: dict[int, str] = {}
-    for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS], created_after=since)):
+    for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS],
+                                                        created_after=_first_closing(closed_at))):
         seq = int(d.partition) if d.partition.isdigit() else None
-        started = d.start_time or d.end_time
-        if seq in closed_at and (started is None or started * 1000 >= closed_at[seq]):
+        if seq in closed_at and _started_since(d.start_time or d.end_time, closed_at[seq]):
             out[seq] = d.run_id
     return out
+
+
+def _first_closing(closed_at: dict[int, int]) -> datetime:
+    """When the first of the slices closed: no run created before it is a run of theirs."""
+    return datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
+
+
+def _started_since(started: float | None, closed_at: int) -> bool:
+    """Whether a run (its start, else its end, in seconds) ran the slice that closed at `closed_at`
+    (ms), not the offsets an earlier slice of its key had; a run without a time (an instance
+    without run stats) counts."""
+    return started is None or started * 1000 >= closed_at
