@@ -6,6 +6,7 @@ import json
 import os
 
 from dagster import Definitions, EnvVar, in_process_executor
+from pydantic import ValidationError
 
 from entity_assets.assets.devices import devices
 from entity_assets.assets.entities import apply_patches, entity_patches
@@ -32,10 +33,16 @@ def _number(name: str, default: str, kind: type = int):
         raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
-def _settings(text: str) -> dict[str, str]:
-    """`key=value,key=value` (the form of Kafka's own CLI tools) as a dict."""
-    pairs = (item.partition("=") for item in text.split(",") if item.strip())
-    return {key.strip(): value.strip() for key, _, value in pairs}
+def _settings(name: str) -> dict[str, str]:
+    """Environment variable `name`, `key=value,key=value` (the form of Kafka's own CLI tools), as
+    a dict; an item without `=` is refused here, where librdkafka or Spark would name no variable."""
+    settings = {}
+    for item in filter(str.strip, _env(name, "").split(",")):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise SettingError(f"{name}: {item.strip()!r} is not KEY=VALUE")
+        settings[key.strip()] = value.strip()
+    return settings
 
 
 def _json_object(name: str, text: str) -> dict:
@@ -50,13 +57,22 @@ def _json_object(name: str, text: str) -> dict:
     return value
 
 
-def _ingestion(text: str) -> dict[str, IngestionSource]:
+def _ingestion(name: str) -> dict[str, IngestionSource]:
     """`system=format,...` (`*` for any other system), or a JSON object of each system's
     `IngestionSource` settings; empty: no ingestion topics are read."""
-    if text.lstrip().startswith("{"):
-        return {system: IngestionSource(**settings)
-                for system, settings in _json_object("ENTITY_ASSETS_INGESTION", text).items()}
-    return {system: IngestionSource(format=fmt) for system, fmt in _settings(text).items()}
+    text = os.environ[name]
+    sources = _json_object(name, text) if text.lstrip().startswith("{") else {
+        system: {"format": fmt} for system, fmt in _settings(name).items()}
+    ingestion = {}
+    for system, settings in sources.items():
+        if unknown := sorted(set(settings) - set(IngestionSource.model_fields)):  # Config keeps them, unused
+            raise SettingError(f"{name}: system {system!r}: no setting {', '.join(unknown)}")
+        try:
+            ingestion[system] = IngestionSource(**settings)
+        except ValidationError as exc:
+            said = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise SettingError(f"{name}: system {system!r}: {said}") from None
+    return ingestion
 
 
 def _stream_topic_config(text: str) -> dict[str, dict[str, str]]:
@@ -80,15 +96,15 @@ def build_resources() -> dict:
     kafka = {
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
-        "client_config": _settings(_env("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "")),
+        "client_config": _settings("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG"),
         "new_topic_partitions": _number("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "4"),
-        "new_topic_config": _settings(_env("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "")),
+        "new_topic_config": _settings("ENTITY_ASSETS_NEW_TOPIC_CONFIG"),
         "new_topic_replication_factor": _number("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "-1"),
         "stream_topic_config": _stream_topic_config(_env("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", "")),
         **_publish(_env("ENTITY_ASSETS_PUBLISH", "true")),
     }
     if "ENTITY_ASSETS_INGESTION" in os.environ:
-        kafka["ingestion"] = _ingestion(os.environ["ENTITY_ASSETS_INGESTION"])
+        kafka["ingestion"] = _ingestion("ENTITY_ASSETS_INGESTION")
     for field, var in (("security_protocol", "KAFKA_SECURITY_PROTOCOL"), ("sasl_mechanism", "KAFKA_SASL_MECHANISM"),
                        ("ssl_ca_location", "KAFKA_SSL_CA_LOCATION")):
         if os.environ.get(var):
@@ -104,7 +120,7 @@ def build_resources() -> dict:
         if os.environ.get("ENTITY_ASSETS_SPARK_DRIVER_ROWS") else {}
     return {
         "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]"),
-                               conf=_settings(_env("ENTITY_ASSETS_SPARK_CONF", "")), **spark),
+                               conf=_settings("ENTITY_ASSETS_SPARK_CONF"), **spark),
         "kafka": KafkaResource(**kafka),
         "lake": LakeResource(**lake),
         "slicing": SlicingResource(
