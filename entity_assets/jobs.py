@@ -5,14 +5,12 @@ from dagster import AssetSelection, Config, Failure, MetadataValue, Nothing, OpE
     define_asset_job, job, op
 
 from entity_assets.history import Diverged, as_of, entity_history
-from entity_assets.partitions import slices_partitions
 from entity_assets.trace import format_trail, parse_record, trace
 from resources import KafkaResource, LakeResource
 
 slice_job = define_asset_job(
     "slice_job",
     selection=AssetSelection.all(),
-    partitions_def=slices_partitions,
     description="Materializes one slice through the whole graph, from Kafka records to device notifications.",
 )
 

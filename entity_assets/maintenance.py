@@ -44,6 +44,6 @@ def lake_maintenance():
 
 
 lake_maintenance_schedule = ScheduleDefinition(
-    job=lake_maintenance, cron_schedule="0 3 * * *", default_status=DefaultScheduleStatus.RUNNING,
+    job=lake_maintenance, cron_schedule="0 3 * * *", execution_timezone="UTC", default_status=DefaultScheduleStatus.RUNNING,
     description="Daily vacuum and log expiry, so the lake does not grow by the state's size at every slice.",
 )

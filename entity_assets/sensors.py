@@ -12,7 +12,7 @@ from dagster import (AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, Ru
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import slices_partitions
-from entity_assets.slices import behind, plan_slices, run_key, slice_key
+from entity_assets.slices import behind, plan_slices, run_key, slice_key, slice_seq
 from entity_assets.tables import APPLIED_IN_ORDER
 from resources import KafkaResource, LakeResource, SlicingResource
 
@@ -204,7 +204,10 @@ def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int
     out: dict[int, str] = {}
     for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS],
                                                         created_after=_first_closing(closed_at))):
-        seq = int(d.partition) if d.partition.isdigit() else None
+        try:
+            seq = slice_seq(d.partition)
+        except ValueError:  # a partition added by hand, not a slice's
+            continue
         if seq in closed_at and _started_since(d.start_time or d.end_time, closed_at[seq]):
             out[seq] = d.run_id
     return out

@@ -30,8 +30,10 @@ def run_key(key: str, closed_at: int) -> str:
 
 
 def slice_seq(key: str) -> int:
-    if not key.isdigit():
-        raise ValueError(f"not a slice key: {key!r}")
+    """Only a key `slice_key` gives: a partition added by hand as `5` would read slice 5's
+    manifest while every table holds its rows under `0000000005`."""
+    if not (key.isascii() and key.isdigit() and slice_key(int(key)) == key):
+        raise ValueError(f"not a slice key: {key!r} (the slices' keys are {KEY_WIDTH} digits, e.g. {slice_key(5)})")
     return int(key)
 
 

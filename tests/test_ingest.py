@@ -97,6 +97,20 @@ def test_definitions_load():
     assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
 
 
+def test_each_group_of_the_ui_can_be_materialized_on_its_own():
+    """A step writes its tables together, so a group holding some of a step's tables would be
+    a selection the UI's Materialize could not launch."""
+    from dagster import AssetSelection
+
+    from entity_assets.definitions import defs
+
+    graph, job = defs.resolve_asset_graph(), defs.resolve_implicit_global_asset_job_def()
+    groups = {graph.get(key).group_name for key in graph.get_all_asset_keys()}
+    assert groups == {"ingest", "entity_core", "schemas", "devices", "notifications"}
+    for group in groups:
+        job.get_subset(asset_selection=AssetSelection.groups(group).resolve(graph))
+
+
 def test_every_lake_writer_is_in_the_lake_pool_and_every_run_is_in_process(project_instance):
     """What keeps slices in order under the daemon (tests/test_daemon.py runs it)."""
     from entity_assets.definitions import defs

@@ -114,7 +114,7 @@ def test_slice_keys_sort_in_slice_order():
     assert sorted(keys) == keys
     assert all(len(k) == 10 for k in keys)
     assert [slice_seq(k) for k in keys] == [1, 2, 9, 10, 11, 99, 100, 12345, 9_999_999_999]
-    for bad in ("", "abc", "-1", "1.0", " 1"):
+    for bad in ("", "abc", "-1", "1.0", " 1", "5", "00000000005", "٠٠٠٠٠٠٠٠٠٥"):
         with pytest.raises(ValueError):
             slice_seq(bad)
 

@@ -23,7 +23,8 @@ APP_VERSIONS_KEY = f"entity_assets.{APP_VERSIONS}"
     deps=["connections"],
     group_name="devices",
     kinds={"spark", "delta"},
-    description="State: per user the devices seen, first and last seen, the latest app version and client.",
+    description="State: per user the devices seen, first and last seen, the latest app version and client; "
+                "its metadata counts devices per app version, the seed's reason for the connections stream.",
     check_specs=[AssetCheckSpec("one_row_per_device", asset="devices", description="no (dbid, user, device) appears twice")],
 )
 def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource) -> MaterializeResult:

@@ -48,15 +48,18 @@ from entity_assets.storage import read_batches
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 KINDS = {"spark", "delta", "kafka"}
+CORE_GROUP = "entity_core"
+"""A group per step: a step writes its tables together (`can_subset=False`), so the UI's
+Materialize of a group must select all of them."""
 
 
 @asset(
     partitions_def=slices_partitions, pool=LAKE_POOL,
     deps=["entity_batches"],
-    group_name="entities",
+    group_name=CORE_GROUP,
     kinds=KINDS,
-    description="One patch per entity of each batch (part is 1-based in batch order); keyed and partitioned by entity "
-                "id. apply_patches publishes them, in the order it applies them (an observation counts them).",
+    description="One patch per entity of each batch (part is 1-based in batch order); its topic keyed and partitioned by "
+                "entity id. apply_patches publishes them, in the order it applies them (an observation counts them).",
 )
 def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                    kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
@@ -89,23 +92,24 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
 @multi_asset(
     name="apply_patches",
     specs=[
-        AssetSpec("entity_updates", deps=["entity_patches"], group_name="entities", kinds=KINDS,
+        AssetSpec("entity_updates", deps=["entity_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="Successful entity patches only (status 1), with ended and before/after as requested."),
-        AssetSpec("entities", deps=["entity_patches"], group_name="entities", kinds={"spark", "delta"},
+        AssetSpec("entities", deps=["entity_patches"], group_name=CORE_GROUP, kinds={"spark", "delta"},
                   description="State: current document and version per (dbid, collection, zone, entity); "
                               "Delta versions give the state as of any slice."),
-        AssetSpec("schema_updates", deps=["schema_patches"], group_name="schemas", kinds=KINDS,
+        AssetSpec("schema_updates", deps=["schema_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="Successful schema patches (status 1) with before/after as requested."),
-        AssetSpec("schemas", deps=["schema_patches"], group_name="schemas", kinds={"spark", "delta"},
+        AssetSpec("schemas", deps=["schema_patches"], group_name=CORE_GROUP, kinds={"spark", "delta"},
                   description="State: the declared schema document and version of each database."),
-        AssetSpec("schema_learning", deps=["entity_patches", "schema_patches"], group_name="schemas", kinds=KINDS,
+        AssetSpec("schema_learning", deps=["entity_patches", "schema_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="Entity updates of learning requests plus one entity-type message per type of "
-                              "every updated schema; partitioned by collection."),
-        AssetSpec("partial_responses", deps=["entity_patches", "schema_patches"], group_name="responses", kinds=KINDS,
+                              "every updated schema; its topic partitioned by collection."),
+        AssetSpec("partial_responses", deps=["entity_patches", "schema_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="One response per processed part of entity and schema requests, any status; "
-                              "keyed by request id, partitioned by client id."),
-        AssetSpec("complete_responses", deps=["partial_responses"], group_name="responses", kinds=KINDS,
-                  description="One message per request once every part is processed, responses ordered by part."),
+                              "its topic keyed by request id, partitioned by client id."),
+        AssetSpec("complete_responses", deps=["partial_responses"], group_name=CORE_GROUP, kinds=KINDS,
+                  description="One message per request once every part is processed, responses ordered by part; parts "
+                              "of requests not yet complete wait in the pending_responses state table."),
     ],
     check_specs=[
         AssetCheckSpec("updates_are_successes", asset="entity_updates",

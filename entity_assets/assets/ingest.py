@@ -32,16 +32,13 @@ DESCRIPTIONS = {
     "schema_waits": "Qlik data messages read before the metadata message of their schema: applied in the slice that "
                     "registers it; after the slicing resource's schema_wait_slices slices, also a dead letter.",
 }
-GROUPS = {"entity_batches": "entities", "schema_patches": "schemas", "connections": "devices",
-          "notification_acks": "devices", "avro_schemas": "entities", "dead_letters": "quality",
-          "schema_waits": "quality"}
 TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("avro_schemas", "dead_letters", "schema_waits")
 
 
 @multi_asset(
     name="ingest",
     specs=[
-        AssetSpec(t, description=DESCRIPTIONS[t], group_name=GROUPS[t], kinds={"spark", "delta", "kafka"})
+        AssetSpec(t, description=DESCRIPTIONS[t], group_name="ingest", kinds={"spark", "delta", "kafka"})
         for t in TABLES
     ],
     check_specs=[AssetCheckSpec("no_dead_letters", asset="dead_letters",

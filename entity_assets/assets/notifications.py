@@ -45,8 +45,8 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
 
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["entity_updates"], group_name="notifications",
        kinds=KINDS,
-       description="Entity updates by zone; changes of $zoneSubscription entities are partitioned by the zone "
-                   "they subscribe to.",
+       description="Entity updates by zone, its topic partitioned by zone; a change of a $zoneSubscription "
+                   "entity goes to the partition of the zone it subscribes to (and of the one it left).",
        check_specs=[delivery_check_spec("zone_changes", "zone-changes")])
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
@@ -112,7 +112,8 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["changes_by_device", "notification_acks"],
        group_name="notifications",
        kinds=KINDS, description="Per device, the count of unacknowledged notifications with the first (begun) and "
-                                "last (ended) notification time; one message per device whose inbox changed.",
+                                "last (ended) notification time; one message per device whose inbox changed. "
+                                "Its state, the device_inboxes table, holds each device's unacknowledged ones.",
        check_specs=[AssetCheckSpec("one_inbox_per_device", asset="device_notifications",
                                    description="the device_inboxes state holds no device twice"),
                     delivery_check_spec("device_notifications", "changes-by-device and device-notifications")])
