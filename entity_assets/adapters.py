@@ -37,6 +37,7 @@ from pydantic_core import from_json
 
 from entity_assets import messages as m
 from entity_assets import qlik
+from entity_assets.patch import MAX_DEPTH, nesting
 
 FORMATS = ("db2", "goldengate", "debezium", "qlik")
 AUTO = "auto"
@@ -211,25 +212,34 @@ def entity_id(raw: bytes | None) -> str:
     try:
         key = _json(raw, "key")
     except m.InvalidMessage as exc:
-        if exc.code is m.DeadLetterCode.OVERSIZE:
-            raise
-        key = None  # not JSON: GoldenGate's plain `pk1_pk2` text
+        if exc.code is m.DeadLetterCode.OVERSIZE or raw.lstrip()[:1] in (b"{", b"[", b'"'):
+            raise  # JSON that does not parse (NaN, say), not a plain key
+        return _plain_key(raw)  # GoldenGate's `pk1_pk2` text
+    if key is None or isinstance(key, list) or isinstance(key, str) and not key.strip():
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key: {raw[:80]!r} names no primary key")
     if isinstance(key, dict):
         if not key:
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: the primary key has no fields")
         parts = []
         for name, value in key.items():
-            if value is None or value == "" or isinstance(value, dict | list):
+            if not m.names_a_key(value):
                 raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.{name}: a key value must be a non-empty "
                                                                      "string, a number or a boolean")
             parts.append(key_text(value))
         return "_".join(parts)
-    if isinstance(key, str) and key:
-        return key
+    if isinstance(key, str) or raw.lstrip()[:1] == b"{":  # a string, or a wrapped payload's value
+        return key_text(key)
+    return raw.decode()  # a number's text as written (`12.50`), as a plain key's
+
+
+def _plain_key(raw: bytes) -> str:
     try:
-        return raw.decode()
+        text = raw.decode()
     except UnicodeDecodeError:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: neither JSON nor UTF-8 text") from None
+    if not text.strip():
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: a blank key names no primary key")
+    return text
 
 
 def key_text(value) -> str:
@@ -263,6 +273,9 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
     else:
         entity = entity_id(key)
         kind, row, table = change(source.format, value)
+    if nesting(row, MAX_DEPTH) > MAX_DEPTH:  # its patch's JSON would nest past what explode reads back
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"the row nests deeper than {MAX_DEPTH} levels, "
+                                                             "a document's limit")
     collection = table if table and source.collection == "table" else projection
     patch = {"collection": collection, "zone": source.zone or source.system, "entity": entity,
              "ops": ops(kind, row, merge=source.updates == "merge")}

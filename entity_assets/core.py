@@ -12,11 +12,12 @@ order wins.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from entity_assets.patch import STATUS_OK, apply_patch
+from entity_assets.patch import STATUS_FAILED, STATUS_OK, apply_patch
 
 STATE_BUCKETS = 32
 """Hash buckets of the entity state. Fixed for the life of a lake: changing it needs a rebuild."""
@@ -85,17 +86,21 @@ class DocState:
 
 
 def apply(state: DocState, ops: str, ended: int, include_before: bool, include_after: bool, *,
-          implicit_empty: bool = False) -> tuple[int, str | None, str | None, str | None, str | None]:
+          implicit_empty: bool = False, check: Callable[[Any], str | None] | None = None,
+          ) -> tuple[int, str | None, str | None, str | None, str | None]:
     """Applies one patch's ops (JSON text) to `state`: (status, error, before, after, action).
 
     `before`/`after` are JSON texts, given only where asked for (`before` None on a creation).
     `implicit_empty`: a missing document counts as `{}` (every database has a schema), so
-    schema patches end with status 1 or 3, never 2.
+    schema patches end with status 1 or 3, never 2. `check`: what makes a patched document
+    invalid, which fails the patch (status 3) as a failed op would.
     """
     before = state.doc
     outcome = apply_patch({} if implicit_empty and before is None else before, loads(ops))
     if outcome.status != STATUS_OK:
         return outcome.status, outcome.error, None, None, None
+    if check is not None and outcome.doc is not None and (error := check(outcome.doc)):
+        return STATUS_FAILED, error, None, None, None
     state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
     return (STATUS_OK, None, dumps(before) if include_before and before is not None else None,
             dumps(outcome.doc) if include_after and outcome.doc is not None else None,
@@ -106,14 +111,15 @@ RESULT_FIELDS = ("status", "error", "before", "after", "action")
 """What `apply` gives, in its order: a result row is the patch's row, `ended` and these."""
 
 
-def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False) -> dict:
+def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False,
+              check: Callable[[Any], str | None] | None = None) -> dict:
     """`apply` of one patch row; returns its result row (every status)."""
     ended = ended_of(patch["kafka_timestamp"], patch["begun"])
     result = dict(patch)
     result.pop("bucket", None)
     result["ended"] = ended
     result.update(zip(RESULT_FIELDS, apply(state, patch["ops"], ended, patch["includeBefore"], patch["includeAfter"],
-                                           implicit_empty=implicit_empty)))
+                                           implicit_empty=implicit_empty, check=check)))
     return result
 
 

@@ -269,6 +269,31 @@ def _compatible(observed: str, declared: str) -> bool:
     return observed == declared or (observed == INTEGER and declared == DOUBLE)
 
 
+def declaration_error(schema_doc: Any) -> str | None:
+    """What makes a database schema document not the seed's style, or None: a schema patch that
+    would leave it so fails (status 3), since learning would otherwise read `"optional": "false"`
+    as a field that may be missing, or skip a field spec that is not an object."""
+    if not isinstance(schema_doc, dict):
+        return "a database schema must be an object of entity types"
+    todo = [(f"{escape(name)}/fields", et.get("fields")) for name, et in schema_doc.items() if isinstance(et, dict)]
+    while todo:
+        path, fields = todo.pop()
+        if fields is None:
+            continue
+        if not isinstance(fields, dict):
+            return f"{path}: must be an object of field specs"
+        for name, spec in fields.items():
+            where = f"{path}/{escape(name)}"
+            if not isinstance(spec, dict):
+                return f"{where}: a field spec must be an object, such as {{\"type\": \"STRING\", \"optional\": true}}"
+            if "type" in spec and normalize_type(spec["type"]) is None:
+                return f"{where}/type: must be a type name, such as \"STRING\""
+            if not isinstance(spec.get("optional", False), bool):
+                return f"{where}/optional: must be true or false"
+            todo.append((f"{where}/fields", spec.get("fields")))
+    return None
+
+
 def _fields_of(entity_type: Any) -> dict[str, dict] | None:
     """The field specs of an entity type or DOCUMENT field, or None when it lists none."""
     if not isinstance(entity_type, dict):
@@ -285,7 +310,7 @@ def _declared_spec(spec: dict) -> dict:
     t = normalize_type(spec.get("type"))
     if t is not None:
         out["type"] = t
-    out["optional"] = bool(spec.get("optional", False))
+    out["optional"] = spec.get("optional") is True
     nested = _fields_of(spec)
     if t == DOCUMENT and nested is not None:
         out["fields"] = {n: _declared_spec(nested[n]) for n in sorted(nested)}
@@ -314,7 +339,7 @@ def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> di
             t = DOUBLE  # the one type widening observations may force on a declaration
         else:
             t = dtype  # compatible, or contradicted: the declaration wins, disagreements() reports it
-        entry = {"type": t, "optional": optional or (spec is not None and bool(spec.get("optional", False)))}
+        entry = {"type": t, "optional": optional or (spec is not None and spec.get("optional") is True)}
         if t == DOCUMENT:
             nested = _fields_of(spec) if dtype == DOCUMENT else None
             if f.doc is not None or nested is not None:
@@ -358,7 +383,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
             out.append({"path": path, "kind": "undeclared", "detail": detail})
             continue
         dtype = normalize_type(spec.get("type"))
-        optional = bool(spec.get("optional", False))
+        optional = spec.get("optional") is True
         if dtype is not None:
             bad = {
                 t: n for t, n in f.types.items()
@@ -377,7 +402,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
                 _disagree(f.doc, nested, path + "/", out)
     if total:
         for name, spec in (declared or {}).items():
-            if bool(spec.get("optional", False)):
+            if spec.get("optional") is True:
                 continue
             f = level.fields.get(name)
             missing = total - (f.present if f is not None else 0)

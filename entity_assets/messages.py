@@ -75,7 +75,6 @@ class DeadLetterCode(StrEnum):
     UNEXPECTED = "GENERR009"
     INVALID_UUID = "GENERR010"
     OVERSIZE = "EA-OVERSIZE"
-    DUPLICATE = "EA-DUPLICATE"
     SCHEMA_PENDING = "EA-SCHEMA-PENDING"
     SCHEMA_UNKNOWN = "EA-SCHEMA-UNKNOWN"
     EXPIRED = "EA-EXPIRED"
@@ -351,7 +350,7 @@ class Connection(_DbModel):
     dbid: Name = _dbid()
     user: Name
     device: Name
-    appVersion: str
+    appVersion: Name  # a version the app-version counts can name
     begun: Long
 
 
@@ -557,6 +556,11 @@ def _classify(exc: ValidationError) -> InvalidMessage:
     if len(errors) > _MAX_REASONS:
         reason += f" (+{len(errors) - _MAX_REASONS} more)"
     return InvalidMessage(code, reason)
+
+
+def names_a_key(value) -> bool:
+    """Whether a primary key column's value can be part of an entity id, as a non-blank `Name`."""
+    return value is not None and not isinstance(value, dict | list) and not (isinstance(value, str) and not value.strip())
 
 
 def check_size(raw: bytes | bytearray, what: str = "message") -> None:

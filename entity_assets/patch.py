@@ -35,6 +35,7 @@ __all__ = [
     "STATUS_FAILED",
     "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
+    "nesting",
     "PatchError",
     "PatchOutcome",
     "parse_path",
@@ -150,7 +151,7 @@ def _kind(value) -> str:
     return {dict: "object", list: "array"}.get(type(value), type(value).__name__)
 
 
-def _nesting(value, limit: int) -> int:
+def nesting(value, limit: int) -> int:
     """Containers on the deepest path of ``value`` (a scalar has 0); stops counting past ``limit``.
 
     A subtree shared by copies is walked again only when reached at a deeper level.
@@ -212,7 +213,7 @@ def _within_depth(tokens: tuple[str, ...], value) -> None:
     """A value put at ``tokens`` sits inside ``len(tokens)`` containers (the document's own included)."""
     if len(tokens) < MAX_DEPTH and not isinstance(value, (dict, list)):
         return  # a scalar at a shallow path: the common case, decided without walking anything
-    if len(tokens) + _nesting(value, MAX_DEPTH - len(tokens)) > MAX_DEPTH:
+    if len(tokens) + nesting(value, MAX_DEPTH - len(tokens)) > MAX_DEPTH:
         raise _Fail(f"the document would nest deeper than {MAX_DEPTH} levels")
 
 

@@ -167,11 +167,15 @@ def envelope(raw: bytes) -> Envelope:
 
 
 def _avro(raw: bytes, schema, what: str) -> Any:
+    stream = io.BytesIO(raw)
     try:
-        return fastavro.schemaless_reader(io.BytesIO(raw), schema, None)
+        value = fastavro.schemaless_reader(stream, schema, None)
     except Exception as exc:  # truncated or foreign bytes: fastavro raises several types
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: not decodable ({type(exc).__name__}: {exc})"[:300]) \
             from None
+    if stream.tell() != len(raw):  # bytes of something else after it: not the message its writer meant
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: {len(raw) - stream.tell()} bytes after its value")
+    return value
 
 
 def _schema(text: str, what: str):
@@ -265,10 +269,11 @@ class Decoder:
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "data message: neither data nor beforeData")
         key = None
         if registered and registered.primary_key:
-            missing = [c for c in registered.primary_key if row.get(c) is None]
+            missing = [c for c in registered.primary_key if not m.names_a_key(row.get(c))]
             if missing:
                 raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT,
-                                       f"data: primary key column(s) {', '.join(missing)} missing or null")
+                                       f"data: primary key column(s) {', '.join(missing)} missing, null, blank or "
+                                       "not a scalar")
             key = tuple(row[c] for c in registered.primary_key)
         table = registered.table if registered else None
         if msg.headers.operation == "DELETE":

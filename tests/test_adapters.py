@@ -157,12 +157,34 @@ def test_topic_names():
     ("db2", b"1", b'{"USER_ID": 1e400}', DeadLetterCode.BAD_FORMAT, "beyond the range of a double"),
     ("debezium", b"1", b'{"op": "c", "after": {"A": -Infinity}}', DeadLetterCode.MALFORMED_JSON, "value:"),
     ("db2", b"\xff\xfe", enc(ROW), DeadLetterCode.BAD_FORMAT, "key: neither JSON nor UTF-8"),
+    # a key that is JSON but no primary key, or JSON that does not parse, is not taken as a plain key's text
+    ("db2", b'{"ID": NaN}', enc(ROW), DeadLetterCode.MALFORMED_JSON, "key:"),
+    ("db2", b"null", enc(ROW), DeadLetterCode.BAD_FORMAT, "names no primary key"),
+    ("db2", b'""', enc(ROW), DeadLetterCode.BAD_FORMAT, "names no primary key"),
+    ("db2", b'{"schema": {}, "payload": null}', enc(ROW), DeadLetterCode.BAD_FORMAT, "names no primary key"),
+    ("db2", b"  ", enc(ROW), DeadLetterCode.BAD_FORMAT, "a blank key"),
+    ("db2", enc({"ID": " "}), enc(ROW), DeadLetterCode.BAD_FORMAT, "key.ID: a key value must be a non-empty"),
+    # its patch would nest past what a document may: a dead letter here, not a failed explode later
+    ("db2", b"1", enc({"A": [[[[]]]]}).replace(b"[[[[]]]]", b"[" * 100 + b"]" * 100),
+     DeadLetterCode.BAD_FORMAT, "the row nests deeper than 100 levels"),
     ("db2", b"1", b'{"a": "' + b"x" * 1_000_001 + b'"}', DeadLetterCode.OVERSIZE, "value is 1000010 bytes"),
 ])
 def test_bad_records(fmt, key, value, code, reason):
     with pytest.raises(InvalidMessage) as caught:
         batch(adapters.Source("crm", fmt), key, value)
     assert caught.value.code is code and reason in caught.value.reason, caught.value.reason
+
+
+def test_a_row_as_deep_as_a_document_may_be_is_exploded_and_applied():
+    """100 containers, a document's limit (patch.MAX_DEPTH): one more is a dead letter (above)."""
+    from entity_assets import core
+
+    row = 0
+    for _ in range(100):
+        row = {"A": row}
+    values = batch(adapters.Source("crm", "db2"), b"1", enc(row))
+    [(_, _, entity, _, _, ops, _)] = core.explode(values["dbid"], values["patches"])
+    assert entity == "1" and apply_patch(None, loads(ops)).doc == row
 
 
 def test_mutated_records_are_values_or_invalid_messages_never_crashes():

@@ -10,6 +10,7 @@ import pytest
 from entity_assets.learning import (
     TYPES,
     Summary,
+    declaration_error,
     disagreements,
     entity_types,
     escape,
@@ -36,6 +37,24 @@ CONTACTS = SEED_SCHEMA["Contacts"]
 
 def kinds(found):
     return [(d["path"], d["kind"]) for d in found]
+
+
+@pytest.mark.parametrize("schema, error", [
+    (SEED_SCHEMA, None),
+    ({**SEED_SCHEMA, "version": 3, "Notes": {}}, None),  # entries that are no entity type, and one without fields
+    ({"Contacts": {"fields": {"a": {"type": "DOCUMENT", "fields": {"b": {"type": "INTEGER"}}}}}}, None),
+    ({"Contacts": {"fields": {"a": {"type": "STRING", "optional": "false"}}}},
+     "Contacts/fields/a/optional: must be true or false"),
+    ({"Contacts": {"fields": {"a": {"type": 5}}}}, "Contacts/fields/a/type: must be a type name"),
+    ({"Contacts": {"fields": {"a": "STRING"}}}, "Contacts/fields/a: a field spec must be an object"),
+    ({"Con/tacts": {"fields": ["a"]}}, "Con~1tacts/fields: must be an object of field specs"),
+    ({"C": {"fields": {"a": {"type": "DOCUMENT", "fields": {"b": {"optional": 1}}}}}},
+     "C/fields/a/fields/b/optional: must be true or false"),
+    (["Contacts"], "a database schema must be an object of entity types"),
+])
+def test_a_declaration_is_in_the_seeds_style_or_says_where_not(schema, error):
+    found = declaration_error(schema)
+    assert found == error if error is None else found.startswith(error), found
 
 
 # ---------------------------------------------------------------- type_of / names

@@ -484,6 +484,12 @@ def test_error_codes(payload, code, reason):
     assert str(err).startswith(code.value)
 
 
+def test_a_connection_names_its_app_version():
+    """The app-version counts of `devices` (the seed's reason for the stream) name each version."""
+    err = _invalid(Connection, {**json.loads(CONNECTION), "appVersion": ""})
+    assert err.code is DeadLetterCode.BAD_FORMAT and "appVersion" in err.reason
+
+
 def test_bad_uuid_wins_over_other_errors():
     err = _invalid(EntityBatch, _batch(clientid="nope", request="2"))
     assert err.code is DeadLetterCode.INVALID_UUID

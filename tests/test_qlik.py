@@ -133,9 +133,11 @@ def _envelope(**fields) -> bytes:
     (_envelope(messageSchemaId=None), "exactly one of messageSchema and messageSchemaId"),
     (_envelope(type="XX"), "type: input should be 'MD' or 'DT'"),
     (_envelope(message=b"\x02"), "data message: not decodable"),
+    (MD + b"\x00", "envelope: 1 bytes after its value"),
     (dt_message("INSERT", None, ROW), "data: field required for operation 'INSERT'"),
     (dt_message("INSERT", None, None), "neither data nor beforeData"),
-    (dt_message("INSERT", {**ROW, "DEPT": None}), "primary key column(s) DEPT missing or null"),
+    (dt_message("INSERT", {**ROW, "DEPT": None}), "primary key column(s) DEPT missing, null, blank"),
+    (dt_message("INSERT", {**ROW, "DEPT": " "}), "primary key column(s) DEPT missing, null, blank"),
     (qlik.metadata_envelope("x", "T", {"A": "no-such-type"}, []), "dataSchema: not an Avro schema"),
 ])
 def test_bad_envelopes(raw, reason):
