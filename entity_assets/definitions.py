@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-from dagster import Definitions, EnvVar, in_process_executor
+from dagster import Definitions, EnvVar, in_process_executor, map_asset_specs
 from pydantic import ValidationError
 
+from entity_assets.assets.common import with_columns
 from entity_assets.assets.devices import devices
 from entity_assets.assets.entities import apply_patches, entity_patches
 from entity_assets.assets.ingest import ingest
@@ -135,8 +136,8 @@ def build_resources() -> dict:
 
 
 defs = Definitions(
-    assets=[ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes, changes_by_device,
-            device_notifications],
+    assets=map_asset_specs(with_columns, [ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes,
+                                          changes_by_device, device_notifications]),
     jobs=[slice_job, lake_maintenance, trace_job, history_job],
     schedules=[lake_maintenance_schedule],
     sensors=[kafka_offsets_sensor],

@@ -726,6 +726,10 @@ class DeltaRsEngine:
         and `max.<column>` statistics of the log (no data file is read)."""
         return self._actions(table)[0]
 
+    def row_count(self, table: str, version: int | None = None) -> int:
+        """Rows of the table at `version`, from its log's add actions (no data file is read)."""
+        return pc.sum(self._actions(table, version)[0]["num_records"]).as_py() or 0
+
     def files(self, table: str, version: int | None = None, layout: pa.Schema | None = None) -> list[TableFile]:
         """`layout`: the columns the caller needs, checked on the snapshot it opens (see `_check_layout`)."""
         return self._table_files(*self._actions(table, version, layout))

@@ -218,6 +218,8 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     assert meta["partial_responses"]["entity-updates status 3"] == 2
     assert meta["partial_responses"]["rows"] == 4 and meta["partial_responses"]["pending_parts"] == 0
     assert meta["entity_updates"]["rows"] == 1 and meta["entity_patches"]["duplicates"] == 0
+    # the UI's row counts: a stream's of the slice, a state table's whole (Sally, as of this slice)
+    assert meta["entity_updates"]["dagster/partition_row_count"] == 1 and meta["entities"]["dagster/row_count"] == 1
     header, _, preview = meta["entity_updates"]["preview"].splitlines()  # a markdown table of the update
     assert header == "| entity | collection | zone | part | action | ops | after |"
     assert preview.startswith(f"| {SALLY} | Contacts | default | 1 | created | [") and '"firstName"' in preview

@@ -94,6 +94,11 @@ def test_definitions_load():
     assert set(job.asset_layer.executable_asset_keys) == set(graph.materializable_asset_keys)
     sensor = defs.resolve_sensor_def("kafka_offsets_sensor")
     assert sensor.job_name == "slice_job"
+    # each asset's columns, for the UI's Columns tab, are its table's
+    from entity_assets.tables import SCHEMAS
+    for key in graph.get_all_asset_keys():
+        columns = graph.get(key).metadata["dagster/column_schema"].columns
+        assert [c.name for c in columns] == SCHEMAS[key.to_user_string()].names
     assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
 
 

@@ -162,7 +162,11 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     assert [(r["device"], r["upTo"]) for r in rows(pipeline, "notification_acks")] == [(DEVICE, 1415747100000)]
     meta1 = pipeline.materializations(r1)
     assert meta1["dead_letters"]["rows"] == len(BAD)
-    assert meta1["schema_patches"]["dead_letters"] == len(BAD)  # the slice's count
+    # each input table's own records' dead letters, and the UI's row counts of the slice
+    assert {t: meta1[t]["dead_letters"] for t in ("entity_batches", "schema_patches", "connections",
+                                                  "notification_acks")} == {
+        "entity_batches": 0, "schema_patches": 3, "connections": 1, "notification_acks": 1}
+    assert meta1["dead_letters"]["dagster/partition_row_count"] == len(BAD) and "dead_letters" not in meta1["avro_schemas"]
     assert meta1["devices"]["app_versions"] == {"1.0": 1}
 
     # ---- slice 2: the seed's homePhone patch, learning entities, more connections

@@ -8,10 +8,11 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
 
-from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Failure, MetadataValue
+from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetSpec, Failure, MetadataValue, TableColumn,
+                     TableColumnConstraints, TableSchema)
 
 from entity_assets.storage import DataFile, DeltaRsEngine, TableFile, repeated_deliveries
-from entity_assets.tables import ADDED_IN_PLACE, SCHEMAS
+from entity_assets.tables import ADDED_IN_PLACE, APPLIED_IN_ORDER, SCHEMAS
 from resources import SparkResource
 
 
@@ -167,11 +168,25 @@ def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]
 
 
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
-    return {
+    """`rows` as `entity-assets run` prints it; in the UI, the slice's rows of a stream
+    (Dagster's partition row count) and the rows of a state table at its new version."""
+    meta = {
         "rows": MetadataValue.int(summary["rows"]),
         "delta_version": MetadataValue.int(summary["version"]),
         "table_uri": MetadataValue.path(engine.uri(table)),
     }
+    if table in APPLIED_IN_ORDER:
+        meta["dagster/row_count"] = MetadataValue.int(engine.row_count(table, summary["version"]))
+    else:
+        meta["dagster/partition_row_count"] = MetadataValue.int(summary["rows"])
+    return meta
+
+
+def with_columns(spec: AssetSpec) -> AssetSpec:
+    """The asset's table's columns, for the UI's Columns tab."""
+    schema = SCHEMAS[spec.key.to_user_string()]
+    return spec.merge_attributes(metadata={"dagster/column_schema": TableSchema(columns=[
+        TableColumn(f.name, str(f.type), constraints=TableColumnConstraints(nullable=f.nullable)) for f in schema])})
 
 
 # --------------------------------------------------------------------------- redeliveries

@@ -19,6 +19,7 @@ from entity_assets.messages import DeadLetterCode
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import slice_key as key_of, slice_seq, split_ranges
 from entity_assets.storage import filesystem, read_table
+from entity_assets.tables import INPUT_TABLES
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
 DESCRIPTIONS = {
@@ -33,6 +34,8 @@ DESCRIPTIONS = {
                     "registers it; after the slicing resource's schema_wait_slices slices, also a dead letter.",
 }
 TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("avro_schemas", "dead_letters", "schema_waits")
+LETTER_TABLES = {s.name: s.table for s in INPUT_STREAMS.values()} | {IngestionStream.name: IngestionStream.table}
+"""A dead letter's stream -> the table its record was read for: a CDC record's is entity_batches."""
 
 
 @multi_asset(
@@ -86,16 +89,18 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     for r in ranges:
         table = streams_by_topic[r.topic].table
         offsets.setdefault(table, {})[f"{r.topic}[{r.partition}]"] = f"[{r.start}, {r.end})"
+    letters = _letters(engine, manifest.key, summary["dead_letters"]["rows"])
     for table in TABLES:
         meta = table_metadata(engine, table, summary[table])
         if table == "entity_batches":
             meta["schema_pending_applied"] = MetadataValue.int(resolved)
-        if table != "dead_letters":
-            meta["dead_letters"] = MetadataValue.int(summary["dead_letters"]["rows"])
+        if table in INPUT_TABLES:  # its own records' dead letters (CDC records' are entity_batches')
+            meta["dead_letters"] = MetadataValue.int(sum(n for (stream, _), n in letters.items()
+                                                         if LETTER_TABLES.get(stream) == table))
             meta["offsets"] = MetadataValue.json(offsets.get(table, {}))
         meta["slice_messages"] = MetadataValue.int(manifest.messages)
         yield MaterializeResult(asset_key=table, metadata=meta)
-    yield _dead_letters_check(engine, manifest.key, summary["dead_letters"]["rows"])
+    yield _dead_letters_check(letters)
 
 
 def _registry(engine, slice_key: str, streams: dict) -> dict | None:
@@ -225,16 +230,21 @@ def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, k
             meta["kept"] = MetadataValue.text(f"records expired from Kafka: the rows ingested before are kept "
                                               f"({len(letters)} span(s) of offsets gone)")
         yield MaterializeResult(asset_key=table, metadata=meta)
-    yield _dead_letters_check(engine, slice_key, summary["dead_letters"]["rows"])
+    yield _dead_letters_check(_letters(engine, slice_key, summary["dead_letters"]["rows"]))
 
 
-def _dead_letters_check(engine, slice_key: str, dead: int) -> AssetCheckResult:
+def _letters(engine, slice_key: str, dead: int) -> Counter:
+    """(stream, code) -> the slice's dead letters; the table is read only when it has some."""
+    if not dead:
+        return Counter()
+    rows = engine.read("dead_letters", columns=["slice", "stream", "code"], where={"slice": slice_key})
+    return Counter((r["stream"], r["code"]) for r in rows.to_pylist())  # `where` kept the slice's rows only
+
+
+def _dead_letters_check(letters: Counter) -> AssetCheckResult:
     """A warning, not a failure: bad input is expected of producers, and the slice's good records went on."""
-    by_code: Counter = Counter()
-    if dead:
-        rows = engine.read("dead_letters", columns=["slice", "stream", "code"], where={"slice": slice_key})
-        by_code.update(f"{r['stream']} {r['code']}" for r in rows.to_pylist())  # `where` kept the slice's rows only
-    return AssetCheckResult(asset_key="dead_letters", check_name="no_dead_letters", passed=not dead,
+    by_code = {f"{stream} {code}": n for (stream, code), n in sorted(letters.items())}
+    return AssetCheckResult(asset_key="dead_letters", check_name="no_dead_letters", passed=not letters,
                             severity=AssetCheckSeverity.WARN,
-                            metadata={"dead_letters": MetadataValue.int(dead),
-                                      "by_stream_and_code": MetadataValue.json(dict(sorted(by_code.items())))})
+                            metadata={"dead_letters": MetadataValue.int(letters.total()),
+                                      "by_stream_and_code": MetadataValue.json(by_code)})
