@@ -212,9 +212,9 @@ def entity_id(raw: bytes | None) -> str:
     try:
         key = _json(raw, "key")
     except m.InvalidMessage as exc:
-        if exc.code is m.DeadLetterCode.OVERSIZE or raw.lstrip()[:1] in (b"{", b"[", b'"'):
-            raise  # JSON that does not parse (NaN, say), not a plain key
-        return _plain_key(raw)  # GoldenGate's `pk1_pk2` text
+        if exc.code is m.DeadLetterCode.OVERSIZE or _json_but_nan(raw):
+            raise
+        return _plain_key(raw)  # GoldenGate's `pk1_pk2` text, a braced GUID
     if key is None or isinstance(key, list) or isinstance(key, str) and not key.strip():
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key: {raw[:80]!r} names no primary key")
     if isinstance(key, dict):
@@ -230,6 +230,15 @@ def entity_id(raw: bytes | None) -> str:
     if isinstance(key, str) or raw.lstrip()[:1] == b"{":  # a string, or a wrapped payload's value
         return key_text(key)
     return raw.decode()  # a number's text as written (`12.50`), as a plain key's
+
+
+def _json_but_nan(raw: bytes) -> bool:
+    """Whether a key is a JSON object or array but for NaN or Infinity, which JSON has not: a
+    key object with a bad value, not a plain key's text."""
+    try:
+        return isinstance(from_json(raw, allow_inf_nan=True), dict | list)
+    except ValueError:
+        return False
 
 
 def _plain_key(raw: bytes) -> str:
@@ -273,7 +282,7 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
     else:
         entity = entity_id(key)
         kind, row, table = change(source.format, value)
-    if nesting(row, MAX_DEPTH) > MAX_DEPTH:  # its patch's JSON would nest past what explode reads back
+    if nesting(row, MAX_DEPTH) > MAX_DEPTH:  # every patch of it would fail; past ~196, explode could not read it
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"the row nests deeper than {MAX_DEPTH} levels, "
                                                              "a document's limit")
     collection = table if table and source.collection == "table" else projection

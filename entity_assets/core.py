@@ -86,20 +86,20 @@ class DocState:
 
 
 def apply(state: DocState, ops: str, ended: int, include_before: bool, include_after: bool, *,
-          implicit_empty: bool = False, check: Callable[[Any], str | None] | None = None,
+          implicit_empty: bool = False, check: Callable[[Any, Any], str | None] | None = None,
           ) -> tuple[int, str | None, str | None, str | None, str | None]:
     """Applies one patch's ops (JSON text) to `state`: (status, error, before, after, action).
 
     `before`/`after` are JSON texts, given only where asked for (`before` None on a creation).
     `implicit_empty`: a missing document counts as `{}` (every database has a schema), so
-    schema patches end with status 1 or 3, never 2. `check`: what makes a patched document
-    invalid, which fails the patch (status 3) as a failed op would.
+    schema patches end with status 1 or 3, never 2. `check(before, after)`: what makes the
+    patched document invalid, which fails the patch (status 3) as a failed op would.
     """
     before = state.doc
     outcome = apply_patch({} if implicit_empty and before is None else before, loads(ops))
     if outcome.status != STATUS_OK:
         return outcome.status, outcome.error, None, None, None
-    if check is not None and outcome.doc is not None and (error := check(outcome.doc)):
+    if check is not None and outcome.doc is not None and (error := check(before, outcome.doc)):
         return STATUS_FAILED, error, None, None, None
     state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
     return (STATUS_OK, None, dumps(before) if include_before and before is not None else None,
@@ -112,7 +112,7 @@ RESULT_FIELDS = ("status", "error", "before", "after", "action")
 
 
 def apply_one(state: DocState, patch: dict, *, implicit_empty: bool = False,
-              check: Callable[[Any], str | None] | None = None) -> dict:
+              check: Callable[[Any, Any], str | None] | None = None) -> dict:
     """`apply` of one patch row; returns its result row (every status)."""
     ended = ended_of(patch["kafka_timestamp"], patch["begun"])
     result = dict(patch)

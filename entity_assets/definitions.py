@@ -36,13 +36,19 @@ def _number(name: str, default: str, kind: type = int):
 
 def _settings(name: str) -> dict[str, str]:
     """Environment variable `name`, `key=value,key=value` (the form of Kafka's own CLI tools), as
-    a dict; an item without `=` is refused here, where librdkafka or Spark would name no variable."""
-    settings = {}
+    a dict. An item without `=` continues the value before it (`cleanup.policy=compact,delete`);
+    with none before, it is refused here, where librdkafka or Spark would name no variable."""
+    settings: dict[str, str] = {}
+    key = None
     for item in filter(str.strip, _env(name, "").split(",")):
-        key, equals, value = item.partition("=")
-        if not equals or not key.strip():
+        name_part, equals, value = item.partition("=")
+        if equals and name_part.strip():
+            key = name_part.strip()
+            settings[key] = value.strip()
+        elif key is not None and not equals:
+            settings[key] += "," + item.strip()
+        else:
             raise SettingError(f"{name}: {item.strip()!r} is not KEY=VALUE")
-        settings[key.strip()] = value.strip()
     return settings
 
 

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from entity_assets import core, encode, notify, shards
-from entity_assets.learning import declaration_error
+from entity_assets.learning import new_declaration_error
 from entity_assets.publish import UNDELIVERABLE, Publisher, Publishing
 from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, files_ahead, from_rows, is_remote,
                                    key_string, key_strings, prefetched, read_files, read_table, read_tables, to_rows)
@@ -581,7 +581,7 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
         for patch in patches:
             if patch["dbid"] != dbid:
                 dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
-            result = core.apply_one(state, patch, implicit_empty=True, check=declaration_error)
+            result = core.apply_one(state, patch, implicit_empty=True, check=new_declaration_error)
             result["stream"] = "schema-updates"
             if result["status"] == core.STATUS_OK:
                 for row in core.entity_type_rows(result, state.doc or {}):

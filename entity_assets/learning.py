@@ -269,29 +269,39 @@ def _compatible(observed: str, declared: str) -> bool:
     return observed == declared or (observed == INTEGER and declared == DOUBLE)
 
 
-def declaration_error(schema_doc: Any) -> str | None:
-    """What makes a database schema document not the seed's style, or None: a schema patch that
-    would leave it so fails (status 3), since learning would otherwise read `"optional": "false"`
-    as a field that may be missing, or skip a field spec that is not an object."""
+def declaration_errors(schema_doc: Any) -> list[str]:
+    """What makes a database schema document not the seed's style: learning would read
+    `"optional": "false"` as a field that may be missing, and skip a field spec that is not an
+    object. A null `type` or `optional` counts as absent."""
     if not isinstance(schema_doc, dict):
-        return "a database schema must be an object of entity types"
-    todo = [(f"{escape(name)}/fields", et.get("fields")) for name, et in schema_doc.items() if isinstance(et, dict)]
+        return ["a database schema must be an object of entity types"]
+    errors, todo = [], [(f"{escape(n)}/fields", et.get("fields")) for n, et in schema_doc.items() if isinstance(et, dict)]
     while todo:
         path, fields = todo.pop()
         if fields is None:
             continue
         if not isinstance(fields, dict):
-            return f"{path}: must be an object of field specs"
+            errors.append(f"{path}: must be an object of field specs")
+            continue
         for name, spec in fields.items():
             where = f"{path}/{escape(name)}"
             if not isinstance(spec, dict):
-                return f"{where}: a field spec must be an object, such as {{\"type\": \"STRING\", \"optional\": true}}"
-            if "type" in spec and normalize_type(spec["type"]) is None:
-                return f"{where}/type: must be a type name, such as \"STRING\""
-            if not isinstance(spec.get("optional", False), bool):
-                return f"{where}/optional: must be true or false"
+                errors.append(f"{where}: a field spec must be an object, such as {{\"type\": \"STRING\", \"optional\": true}}")
+                continue
+            if spec.get("type") is not None and normalize_type(spec["type"]) is None:
+                errors.append(f"{where}/type: must be a type name, such as \"STRING\"")
+            if spec.get("optional") is not None and not isinstance(spec["optional"], bool):
+                errors.append(f"{where}/optional: must be true or false")
             todo.append((f"{where}/fields", spec.get("fields")))
-    return None
+    return errors
+
+
+def new_declaration_error(before: Any, after: Any) -> str | None:
+    """The first of `after`'s declaration errors that `before` (None: no schema yet) did not have:
+    a schema patch that makes one fails (status 3); one a schema already held, from a release
+    that did not check, neither fails the patches that leave it be nor hides a new one."""
+    held = set(declaration_errors(before)) if before is not None else set()
+    return next((error for error in declaration_errors(after) if error not in held), None)
 
 
 def _fields_of(entity_type: Any) -> dict[str, dict] | None:

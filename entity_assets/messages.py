@@ -559,7 +559,8 @@ def _classify(exc: ValidationError) -> InvalidMessage:
 
 
 def names_a_key(value) -> bool:
-    """Whether a primary key column's value can be part of an entity id, as a non-blank `Name`."""
+    """Whether a CDC primary key column's value can be part of an entity id: a scalar, not blank
+    (a stricter rule than a native batch's `entity`, which any non-empty `Name` may be)."""
     return value is not None and not isinstance(value, dict | list) and not (isinstance(value, str) and not value.strip())
 
 

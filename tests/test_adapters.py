@@ -175,6 +175,21 @@ def test_bad_records(fmt, key, value, code, reason):
     assert caught.value.code is code and reason in caught.value.reason, caught.value.reason
 
 
+@pytest.mark.parametrize("key, entity", [
+    (b"123", "123"), (b"12.50", "12.50"), (b"true", "true"), (b'"k"', "k"),  # JSON scalars: their text as written
+    (b'{"ID": 1, "T": "x"}', "1_x"), (b'{"ID": 1.5, "OK": false}', "1.5_false"),
+    (b'{"schema": {"type": "struct"}, "payload": {"ID": 1}}', "1"),  # Kafka Connect's wrapper, unwrapped
+    (b'{"schema": {"type": "string"}, "payload": "k"}', "k"),
+    (b'{"schema": {"type": "int64"}, "payload": 12}', "12"),
+    (b"abc_1", "abc_1"), (b"NaN", "NaN"), (b"1e400", "1e400"),  # plain text (GoldenGate's), JSON or not
+    (b"{3F2504E0-4F89-11D3-9A0C-0305E82C3301}", "{3F2504E0-4F89-11D3-9A0C-0305E82C3301}"),
+    (b'"O\'Brien"_7', '"O\'Brien"_7'), (b"[A]_1", "[A]_1"), (b"{abc", "{abc"),
+])
+def test_an_entity_id_is_the_keys_values_or_its_text(key, entity):
+    """Pinned: an entity's id may not change between releases, or its history would split."""
+    assert adapters.entity_id(key) == entity
+
+
 def test_a_row_as_deep_as_a_document_may_be_is_exploded_and_applied():
     """100 containers, a document's limit (patch.MAX_DEPTH): one more is a dead letter (above)."""
     from entity_assets import core

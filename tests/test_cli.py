@@ -268,8 +268,9 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_PUBLISH", "partial-respones", "partial-respones"),
     ("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "lots", "ENTITY_ASSETS_SLICE_MAX_MESSAGES='lots' is not an integer"),
     ("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", "{", "ENTITY_ASSETS_STREAM_TOPIC_CONFIG is not JSON"),
-    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.key.location=/k, /etc/kafka/client.pem",
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "/etc/kafka/client.pem, ssl.key.location=/k",
      "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: '/etc/kafka/client.pem' is not KEY=VALUE"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.ui.enabled=false, =true", "ENTITY_ASSETS_SPARK_CONF: '=true' is not KEY=VALUE"),
     ("ENTITY_ASSETS_INGESTION", "crm=qlik,erp=odbc", "ENTITY_ASSETS_INGESTION: system 'erp': format: Input should be"),
     ("ENTITY_ASSETS_INGESTION", '{"crm": {"formt": "qlik"}}', "ENTITY_ASSETS_INGESTION: system 'crm': no setting formt"),
 ])

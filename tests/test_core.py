@@ -84,8 +84,9 @@ def test_failed_patch_leaves_state_and_reports_status_3():
 
 def test_a_schema_patch_that_leaves_a_declaration_learning_cannot_read_fails_with_status_3():
     """The seed's schema patch applies; the same field declared `"optional": "false"` (a string,
-    which learning would read as optional) fails as a failed op does, the schema unchanged."""
-    from entity_assets.learning import declaration_error
+    which learning would read as optional) fails as a failed op does, the schema unchanged. A bad
+    declaration a schema already held (from a release that did not check) blocks no other patch."""
+    from entity_assets.learning import new_declaration_error
 
     state = core.DocState()
     patch = {**LINEAGE, "clientid": "c", "request": 1, "user": "u", "dbid": "my-db", "parts": 1, "part": 1,
@@ -93,13 +94,18 @@ def test_a_schema_patch_that_leaves_a_declaration_learning_cannot_read_fails_wit
 
     def declare(spec):
         ops = [{"op": "add", "path": "Contacts/fields/homePhone", "value": spec}]
-        return core.apply_one(state, {**patch, "ops": json.dumps(ops)}, implicit_empty=True, check=declaration_error)
+        return core.apply_one(state, {**patch, "ops": json.dumps(ops)}, implicit_empty=True,
+                              check=new_declaration_error)
 
     assert declare({"type": "STRING", "optional": True})["status"] == 1
     failed = declare({"type": "STRING", "optional": "false"})
     assert failed["status"] == 3 and failed["error"] == "Contacts/fields/homePhone/optional: must be true or false"
     assert state.doc == {"Contacts": {"fields": {"homePhone": {"type": "STRING", "optional": True}}}}
     assert state.version == 1
+    held = {"Groups": {"fields": {"groupName": {"type": "STRING", "optional": "no"}}}}
+    state = core.DocState({"document": json.dumps(held), "version": 7, "deleted": False, "ended": 1})
+    assert declare({"type": "STRING", "optional": True})["status"] == 1 and state.version == 8
+    assert declare({"type": "STRING", "optional": 0})["status"] == 3 and state.version == 8
 
 
 def test_two_part_request_yields_the_seed_complete_response():

@@ -200,6 +200,8 @@ def test_kafka_and_lake_settings_come_from_the_environment(monkeypatch):
     assert resources["kafka"].config()["ssl.key.location"] == "/etc/kafka/client.key"
     monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "")  # set but empty: the default
     assert build_resources()["kafka"].new_topic_partitions == 4
+    monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "cleanup.policy=compact,delete, retention.ms=86400000")
+    assert build_resources()["kafka"].new_topic_config == {"cleanup.policy": "compact,delete", "retention.ms": "86400000"}
 
 
 def test_with_settings_copies_a_resource_as_dagster_builds_it():

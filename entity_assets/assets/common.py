@@ -259,6 +259,15 @@ class OutOfOrder(Failure):
         super().__init__(description=message)
 
 
+def slice_of(context) -> str:
+    """The run's slice key: a partition added by hand that is none (`5`) fails the step here,
+    before it reads or writes a table under a key no slice has."""
+    from entity_assets.slices import slice_seq
+
+    slice_seq(context.partition_key)
+    return context.partition_key
+
+
 def require_inputs(engine: DeltaRsEngine, slice_key: str, tables: Iterable[str], step: str) -> None:
     """Refuses a state step of a slice whose input tables hold no commit of it (a subset of the
     graph materialized out of order): applied to no rows, the state would record the slice as

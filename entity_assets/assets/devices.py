@@ -8,7 +8,7 @@ from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, Me
 
 from entity_assets import fold
 from entity_assets.assets.common import (STATE_APP, ensure_tables, fold_buckets, one_row_per_key, require_inputs,
-                                         table_metadata)
+                                         slice_of, table_metadata)
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from resources import LakeResource, SparkResource
@@ -32,7 +32,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
 
     A bucketed state like entities: a slice rewrites only the files of the devices it saw.
     """
-    engine, key = lake.open(snapshot=True), context.partition_key
+    engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["devices"], reads=["connections"])
     require_inputs(engine, key, ("connections",), "devices")
     connections = engine.slice_files("connections", [key])

@@ -36,6 +36,7 @@ from entity_assets.assets.common import (
     require_published,
     run_buckets,
     run_tasks,
+    slice_of,
     state_as_of,
     state_snapshot,
     table_metadata,
@@ -70,7 +71,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     log, and is counted here. Spark finds duplicates on the identity columns alone; the
     tasks then read the batch files, explode, write and publish in one pass.
     """
-    engine, key = lake.open(snapshot=True), context.partition_key
+    engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["entity_patches"], reads=["entity_batches"])
     batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"),
                                            slicing.dedupe_window_slices)
@@ -130,7 +131,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     Entity and schema results share one step because both feed partial and complete
     responses and schema learning.
     """
-    engine, key = lake.open(snapshot=True), context.partition_key
+    engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, APPLY_TABLES, reads=["entity_patches", "schema_patches"])
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
     require_inputs(engine, key, ("entity_patches", "schema_patches"), "apply_patches")

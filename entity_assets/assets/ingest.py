@@ -10,7 +10,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 
 from entity_assets import qlik
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
-                                         run_tasks, table_metadata)
+                                         run_tasks, slice_of, table_metadata)
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
                                   new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
 from entity_assets.kafka_io import read_range, warm_producer
@@ -56,7 +56,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     engine = lake.open(snapshot=True)
     if kafka.publish:  # the later steps publish from this process: their producer starts now
         warm_producer(kafka.config())
-    manifest = ManifestStore(engine).get(context.partition_key)
+    manifest = ManifestStore(engine).get(slice_of(context))
     ensure_tables(engine, TABLES)
     streams_by_topic = {r.topic: kafka.input_stream(r.topic) for r in manifest.ranges if r.count > 0}
     if unread := sorted(t for t, s in streams_by_topic.items() if s is None):

@@ -22,6 +22,7 @@ from entity_assets.assets.common import (
     publishing,
     require_inputs,
     require_published,
+    slice_of,
     table_metadata,
     undeliverable_check,
     write_stream,
@@ -50,7 +51,7 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
        check_specs=[delivery_check_spec("zone_changes", "zone-changes")])
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
-    engine, key = lake.open(snapshot=True), context.partition_key
+    engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["zone_changes"], reads=["entity_updates"])
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
                                     "zone_changes", key, fold.zone_changes_task)
@@ -83,7 +84,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     field missing, an unknown action) is applied as any entity and notifies nobody: the check
     warns with its key and why.
     """
-    engine, key = lake.open(snapshot=True), context.partition_key
+    engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["changes_by_device"], reads=["zone_changes", "entities"])
     version = engine.version_after("entities", key, "apply")
     if version is None:
@@ -121,7 +122,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                          kafka: KafkaResource) -> MaterializeResult:
     """Device inboxes are bucketed state; acks of a slice apply after its new notifications. Its
     tasks have each device's change summaries in order, so they publish changes-by-device too."""
-    engine, key = lake.open(snapshot=True), context.partition_key
+    engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["device_notifications", "device_inboxes"],
                   reads=["changes_by_device", "notification_acks"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])

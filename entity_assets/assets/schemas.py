@@ -16,7 +16,7 @@ from dagster import (
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, state_as_of, table_metadata, task_slots,
+    collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, slice_of, state_as_of, table_metadata, task_slots,
 )
 from entity_assets.learning import Summary, disagreements, entity_types, escape, infer
 from entity_assets.partitions import LAKE_POOL, slices_partitions
@@ -38,7 +38,7 @@ from resources import LakeResource, SlicingResource, SparkResource
 )
 def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, slicing: SlicingResource):
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
-    engine, key = lake.open(snapshot=True), context.partition_key
+    engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["learned_schemas"], reads=["schema_learning", "schemas"])
     require_inputs(engine, key, ("schema_learning",), "learn_schemas")
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
