@@ -255,6 +255,7 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     assert groups["observed"] == 1 and json.loads(groups["disagreements"]) == []
     assert json.loads(groups["learned"]) == SEED_SCHEMA_AFTER["Groups"]
     checks2 = pipeline.checks(r2)
+    assert checks2["schema_updates_are_successes"].passed is True  # the homePhone patch, status 1
     check = checks2["entities_match_declared_schema"]
     assert check.passed is False and check.severity == AssetCheckSeverity.WARN  # what clients sent, learned anyway
     assert check.metadata["collections_disagreeing"].value == 1 and check.metadata["disagreement_count"].value == 1

@@ -115,6 +115,8 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
     check_specs=[
         AssetCheckSpec("updates_are_successes", asset="entity_updates",
                        description="entity-updates holds only status 1"),
+        AssetCheckSpec("schema_updates_are_successes", asset="schema_updates",
+                       description="schema-updates holds only status 1"),
         AssetCheckSpec("responses_have_every_part", asset="complete_responses",
                        description="every complete response carries `parts` responses"),
         AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
@@ -209,10 +211,10 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
             processed = sum(n for (stream, _), n in by_status.items() if stream == "schema-updates")
             meta["duplicates"] = MetadataValue.int(schema_in - processed)
         yield MaterializeResult(asset_key=table, metadata=meta)
-    statuses = engine.column_bounds("entity_updates", key, "status")
-    yield AssetCheckResult(asset_key="entity_updates", check_name="updates_are_successes",
-                           passed=statuses in (None, (1, 1)),
-                           metadata={"status_min_max": str(statuses), "checked": "parquet statistics of every file"})
+    for table, check in (("entity_updates", "updates_are_successes"), ("schema_updates", "schema_updates_are_successes")):
+        statuses = engine.column_bounds(table, key, "status")
+        yield AssetCheckResult(asset_key=table, check_name=check, passed=statuses in (None, (1, 1)),
+                               metadata={"status_min_max": str(statuses), "checked": "parquet statistics of every file"})
     yield AssetCheckResult(asset_key="complete_responses", check_name="responses_have_every_part",
                            passed=counts["check:incomplete"] == 0, metadata={"incomplete": counts["check:incomplete"]})
     yield one_row_per_key(engine, "entities", key, counts, entities, asset_key="entities",
