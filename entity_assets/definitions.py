@@ -34,7 +34,13 @@ def _number(name: str, default: str, kind: type = int):
         raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
-def _settings(name: str) -> dict[str, str]:
+SECRET_WORDS = ("password", "secret", "jaas", "token", "credential")
+"""Words of a setting's key that hold a secret (`ssl.key.password`, `sasl.jaas.config`,
+`spark.hadoop.fs.s3a.secret.key`): a resource's plain setting is shown in the UI and stored with
+the code location's snapshot, so a secret comes only through an EnvVar-bound variable."""
+
+
+def _settings(name: str, *, secrets_refused: bool = False) -> dict[str, str]:
     """Environment variable `name`, `key=value,key=value` (the form of Kafka's own CLI tools), as
     a dict. An item without `=` continues the value before it (`cleanup.policy=compact,delete`);
     with none before, it is refused here, where librdkafka or Spark would name no variable."""
@@ -49,6 +55,10 @@ def _settings(name: str) -> dict[str, str]:
             settings[key] += "," + item.strip()
         else:
             raise SettingError(f"{name}: {item.strip()!r} is not KEY=VALUE")
+    if secrets_refused and (secret := next((k for k in settings if any(w in k.lower() for w in SECRET_WORDS)), None)):
+        raise SettingError(f"{name}: {secret} holds a secret, which the UI would show: give it through "
+                           "KAFKA_SASL_PASSWORD or KAFKA_SSL_KEY_PASSWORD, or the object store's own variables "
+                           "(docs/operations.md)")
     return settings
 
 
@@ -103,7 +113,7 @@ def build_resources() -> dict:
     kafka = {
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
-        "client_config": _settings("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG"),
+        "client_config": _settings("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", secrets_refused=True),
         "new_topic_partitions": _number("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "4"),
         "new_topic_config": _settings("ENTITY_ASSETS_NEW_TOPIC_CONFIG"),
         "new_topic_replication_factor": _number("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "-1"),
@@ -116,7 +126,8 @@ def build_resources() -> dict:
                        ("ssl_ca_location", "KAFKA_SSL_CA_LOCATION")):
         if os.environ.get(var):
             kafka[field] = os.environ[var]
-    for field, var in (("sasl_username", "KAFKA_SASL_USERNAME"), ("sasl_password", "KAFKA_SASL_PASSWORD")):
+    for field, var in (("sasl_username", "KAFKA_SASL_USERNAME"), ("sasl_password", "KAFKA_SASL_PASSWORD"),
+                       ("ssl_key_password", "KAFKA_SSL_KEY_PASSWORD")):
         if os.environ.get(var):
             kafka[field] = EnvVar(var)  # resolved at run time, never stored in run config
     lake = {"root": os.environ["ENTITY_ASSETS_LAKE"]} if os.environ.get("ENTITY_ASSETS_LAKE") else {}
@@ -127,7 +138,7 @@ def build_resources() -> dict:
         if os.environ.get("ENTITY_ASSETS_SPARK_DRIVER_ROWS") else {}
     return {
         "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]"),
-                               conf=_settings("ENTITY_ASSETS_SPARK_CONF"), **spark),
+                               conf=_settings("ENTITY_ASSETS_SPARK_CONF", secrets_refused=True), **spark),
         "kafka": KafkaResource(**kafka),
         "lake": LakeResource(**lake),
         "slicing": SlicingResource(

@@ -11,7 +11,7 @@ from dagster import (AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, Ru
 
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
-from entity_assets.partitions import slices_partitions
+from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import behind, plan_slices, run_key, slice_key, slice_seq
 from entity_assets.tables import APPLIED_IN_ORDER
 from resources import KafkaResource, LakeResource, SlicingResource
@@ -88,11 +88,26 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
                                                     + (f"; {went_back}" if went_back else "")), cursor=cursor)
     context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
+    if warning := pool_warning(context.instance):
+        context.log.warning(warning)
     return SensorResult(
         run_requests=[RunRequest(run_key=requested[seq], partition_key=slice_key(seq)) for seq in sorted(requested)],
         dynamic_partitions_requests=[slices_partitions.build_add_request(keys)],
         cursor=cursor,
     )
+
+
+def pool_warning(instance: DagsterInstance) -> str | None:
+    """What the instance lacks for the slices' runs to apply in order, or None. Pools count per
+    step unless the instance says `granularity: run`: two slices' runs could then interleave
+    their steps, and the later one's state step refuses (OutOfOrder), failing its run."""
+    granularity = instance.get_concurrency_config().pool_config.pool_granularity
+    per = getattr(granularity, "value", granularity) or "op"  # Dagster's PoolGranularity; unset: per op
+    if per == "run":
+        return None
+    return (f"this instance's concurrency pools count per {per}, not per run: two slices' runs may "
+            f"interleave their steps and fail with OutOfOrder. Set `concurrency: pools: granularity: run` in its "
+            f"dagster.yaml and limit the pool {LAKE_POOL} to 1 (docs/operations.md)")
 
 
 def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq: int, last: int,

@@ -58,6 +58,8 @@ class KafkaResource(ConfigurableResource):
     sasl_username: str | None = None
     sasl_password: str | None = Field(default=None, description="set through EnvVar, never inline")
     ssl_ca_location: str | None = None
+    ssl_key_password: str | None = Field(default=None, description="the client key's password (mutual TLS), set "
+                                                                   "through EnvVar, never inline")
     client_config: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings, passed through")
     publish: bool = Field(default=True, description="publish derived streams back to their topics")
     published_streams: list[str] | None = Field(
@@ -86,6 +88,7 @@ class KafkaResource(ConfigurableResource):
             "sasl.username": self.sasl_username,
             "sasl.password": self.sasl_password,
             "ssl.ca.location": self.ssl_ca_location,
+            "ssl.key.password": self.ssl_key_password,
         }
         conf.update({k: v for k, v in optional.items() if v is not None})
         conf.update(self.client_config)

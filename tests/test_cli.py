@@ -186,10 +186,20 @@ def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_va
     monkeypatch.setenv("KAFKA_SASL_MECHANISM", "SCRAM-SHA-512")
     monkeypatch.setenv("KAFKA_SASL_USERNAME", "pipeline")
     monkeypatch.setenv("KAFKA_SASL_PASSWORD", "s3cret")
+    monkeypatch.setenv("KAFKA_SSL_KEY_PASSWORD", "k3y")
     config = cli.kafka_resource().config()
-    assert {k: config[k] for k in ("security.protocol", "sasl.mechanism", "sasl.username", "sasl.password")} == {
+    assert {k: config[k] for k in ("security.protocol", "sasl.mechanism", "sasl.username", "sasl.password",
+                                   "ssl.key.password")} == {
         "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "pipeline",
-        "sasl.password": "s3cret"}
+        "sasl.password": "s3cret", "ssl.key.password": "k3y"}
+    # the code location's snapshot, which the UI shows and the instance stores, names the variables only
+    from dagster._core.remote_representation.external_data import RepositorySnap
+
+    from entity_assets.definitions import Definitions, build_resources
+
+    defs = Definitions(resources={"kafka": build_resources()["kafka"]})
+    snap = str(RepositorySnap.from_def(defs.get_repository_def()))
+    assert "s3cret" not in snap and "k3y" not in snap and "KAFKA_SSL_KEY_PASSWORD" in snap
 
 
 def test_a_command_without_an_answer_from_kafka_fails_fast_naming_the_servers(monkeypatch, tmp_path, capfd):
@@ -271,6 +281,10 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "/etc/kafka/client.pem, ssl.key.location=/k",
      "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: '/etc/kafka/client.pem' is not KEY=VALUE"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.ui.enabled=false, =true", "ENTITY_ASSETS_SPARK_CONF: '=true' is not KEY=VALUE"),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.key.password=hunter2",
+     "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: ssl.key.password holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.secret.key=abc",
+     "ENTITY_ASSETS_SPARK_CONF: spark.hadoop.fs.s3a.secret.key holds a secret"),
     ("ENTITY_ASSETS_INGESTION", "crm=qlik,erp=odbc", "ENTITY_ASSETS_INGESTION: system 'erp': format: Input should be"),
     ("ENTITY_ASSETS_INGESTION", '{"crm": {"formt": "qlik"}}', "ENTITY_ASSETS_INGESTION: system 'crm': no setting formt"),
 ])
@@ -307,3 +321,18 @@ def test_run_ticks_the_sensor_with_the_slicing_settings_of_the_environment(monke
     assert cli.run_pending(max_messages=7, log=lambda _: None) == []
     [slicing] = seen
     assert (slicing.offsets_went_back, slicing.min_interval_seconds, slicing.max_messages) == ("restart", 0, 7)
+
+
+def test_an_install_without_the_projects_dagster_yaml_says_which_instance_it_records_runs_in(monkeypatch, tmp_path,
+                                                                                            capsys):
+    """A wheel carries no dagster.yaml: without DAGSTER_HOME, the commands would record runs in a
+    default instance that no deployment's daemon sees, and they say so."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # restored after: prepare sets what is unset
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.setattr(cli, "REPO", tmp_path / "site-packages")
+    cli.prepare_environment()
+    assert "DAGSTER_HOME is not set and no dagster.yaml is beside this install" in capsys.readouterr().err
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "instance"))
+    cli.prepare_environment()
+    assert capsys.readouterr().err == ""

@@ -231,3 +231,15 @@ def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
         1: DagsterRunStatus.SUCCESS, 2: DagsterRunStatus.SUCCESS, 3: DagsterRunStatus.STARTED,
         5: DagsterRunStatus.SUCCESS, 6: DagsterRunStatus.FAILURE}
     assert newest_whole(instance, {1: closed + 3_600_000 * 24}) == {}  # created before the slice closed
+
+
+def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(project_instance):
+    """The project's dagster.yaml counts the lake pool per run; an instance left at Dagster's
+    default (per op) would let two slices' steps interleave."""
+    from dagster import DagsterInstance
+
+    from entity_assets.sensors import pool_warning
+
+    assert pool_warning(project_instance) is None
+    with DagsterInstance.ephemeral() as instance:
+        assert "count per op, not per run" in pool_warning(instance)
