@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from entity_assets.local_service import LocalService
+from entity_assets.local_service import LocalService, NotInstalled
 
 DEFAULT_PORT = 29092
 """Below Linux's ephemeral ports (32768-60999 by default), which the kernel gives to outgoing
@@ -18,8 +18,11 @@ connections: right after a busy test run one of those may still hold a port in t
 
 
 def _binary() -> Path:
-    import noida_db
-
+    try:
+        import noida_db
+    except ImportError:  # a deployment's install, which has a cluster of its own
+        raise NotInstalled("the embedded broker comes with the package's `local` extra: "
+                           "pip install 'entity-assets[local]' (scripts/setup.sh installs it)") from None
     return Path(noida_db.__file__).parent / "noida-db"
 
 

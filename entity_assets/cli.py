@@ -31,7 +31,7 @@ from entity_assets.broker import DEFAULT_PORT, LocalBroker
 from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import KafkaUnreachable
-from entity_assets.local_service import PortInUse
+from entity_assets.local_service import NotInstalled, PortInUse
 from resources import SettingError, with_settings
 from resources.lake import default_home
 
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                "demo": cmd_demo}
     try:
         return handler[args.command](args)
-    except (KafkaUnreachable, PortInUse) as exc:  # a setting or a broker to fix, not a bug: no traceback
+    except (KafkaUnreachable, PortInUse, NotInstalled) as exc:  # a setting or a broker to fix, not a bug: no traceback
         print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
         return 1
     except UsageError as exc:

@@ -22,6 +22,10 @@ class PortInUse(RuntimeError):
     """Another process listens on the service's port: the operator's to stop, or to pick another."""
 
 
+class NotInstalled(RuntimeError):
+    """The service's program is not installed: an extra of the package brings it."""
+
+
 @dataclass(frozen=True)
 class LocalService:
     data_dir: Path

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a clone: a Python 3.11 virtualenv in .venv with the project installed
-# (editable, with the dev extras). Re-installs only when pyproject.toml changed since the last
+# (editable, with the dev and local extras). Re-installs only when pyproject.toml changed since the last
 # install (a hash stamp in .venv). Needs no network but the package registries.
 #
 #   bash scripts/setup.sh            other scripts call it first; safe to run any time
@@ -47,7 +47,7 @@ installed=$(cat "$STAMP" 2>/dev/null || true)
 if [ "$wanted" != "$installed" ] || [ ! -x "$VENV/bin/entity-assets" ] \
     || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("entity-assets")' 2>/dev/null; then
     echo "setup: installing the project into $VENV (pyproject.toml changed or first install)"
-    "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet -e '.[dev]'
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet -e '.[dev,local]'
     echo "$wanted" > "$STAMP"
 fi
 

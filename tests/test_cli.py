@@ -336,3 +336,21 @@ def test_an_install_without_the_projects_dagster_yaml_says_which_instance_it_rec
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "instance"))
     cli.prepare_environment()
     assert capsys.readouterr().err == ""
+
+
+def test_broker_start_without_the_local_extra_says_which_extra_brings_it(monkeypatch, tmp_path, capsys):
+    """A deployment's install has no embedded broker: `broker start` says how to get it, on one line."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_noida(name, *args, **kwargs):
+        if name == "noida_db":
+            raise ModuleNotFoundError("No module named 'noida_db'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setattr(builtins, "__import__", without_noida)
+    assert cli.main(["--port", "1", "broker", "start"]) == 1
+    assert "pip install 'entity-assets[local]'" in capsys.readouterr().err
