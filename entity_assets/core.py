@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from entity_assets.patch import STATUS_FAILED, STATUS_OK, apply_patch
+from entity_assets.patch import MAX_DOCUMENT_BYTES, STATUS_FAILED, STATUS_OK, apply_patch
 
 STATE_BUCKETS = 32
 """Hash buckets of the entity state. Fixed for the life of a lake: changing it needs a rebuild."""
@@ -70,7 +70,7 @@ def ended_of(kafka_timestamp: int | None, begun: int) -> int:
 class DocState:
     """A document (an entity, or a database schema) and its version while a slice folds over it."""
 
-    __slots__ = ("doc", "version", "changed", "ended")
+    __slots__ = ("doc", "version", "changed", "ended", "size")
 
     def __init__(self, row: dict | None = None):
         if row is None:
@@ -79,6 +79,7 @@ class DocState:
             self.doc = None if row["deleted"] or row["document"] is None else loads(row["document"])
             self.version, self.ended = row["version"], row["ended"]
         self.changed = False
+        self.size = 0 if self.doc is None else len(row["document"])  # at least its JSON text's (`_bounded_size`)
 
     def row(self, key: dict, slice_key: str, bucket: int) -> dict:
         return {**key, "slice": slice_key, "version": self.version, "deleted": self.doc is None,
@@ -101,10 +102,26 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
         return outcome.status, outcome.error, None, None, None
     if check is not None and outcome.doc is not None and (error := check(before, outcome.doc)):
         return STATUS_FAILED, error, None, None, None
+    size = _bounded_size(state.size, ops, outcome.doc)
+    if size > MAX_DOCUMENT_BYTES:
+        return STATUS_FAILED, f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON", None, None, None
     state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
+    state.size = size
     return (STATUS_OK, None, dumps(before) if include_before and before is not None else None,
             dumps(outcome.doc) if include_after and outcome.doc is not None else None,
             "created" if before is None else ("deleted" if outcome.deleted else "updated"))
+
+
+def _bounded_size(before: int, ops: str, doc) -> int:
+    """A bound of a patched document's JSON text that only documents near `MAX_DOCUMENT_BYTES`,
+    or patched by a copy, pay a measure for: each add grows it by up to its ops' text, and
+    unbounded, patches of a few bytes would grow it past what a column of text holds (2 GiB)."""
+    if doc is None:
+        return 0
+    bound = before + len(ops)
+    if bound > MAX_DOCUMENT_BYTES or '"copy"' in ops:
+        return len(dumps(doc))
+    return bound
 
 
 RESULT_FIELDS = ("status", "error", "before", "after", "action")

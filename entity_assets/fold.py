@@ -111,6 +111,16 @@ class Outputs:
         if len(self._results) >= BATCH_ROWS:
             self._respond_held()
 
+    def flush_held(self, tables: tuple[str, ...] | None = None) -> None:
+        """What is held as dicts, made Arrow and written now: the results, the rows batched for
+        publishing, and the rows of `tables`' writers (None: all; a stream table gains a file)."""
+        self._respond_held()
+        for table in list(self._batched):
+            self._write_batched(table)
+        for table, w in self.writers.items():  # every table's last file on its way before any is waited for
+            if tables is None or table in tables:
+                w.flush()
+
     def _respond_held(self) -> None:
         if self._results:
             rows, self._results = self._results, []
@@ -170,11 +180,7 @@ class Outputs:
 
     def report(self) -> list[dict]:
         """The files written (the outbox spool included: see publish.OUTBOX) and the counters."""
-        self._respond_held()
-        for table in list(self._batched):
-            self._write_batched(table)
-        for w in self.writers.values():  # every table's last file on its way before any is waited for
-            w.flush()
+        self.flush_held()
         files = [f.to_dict() for w in self.writers.values() for f in w.close()]
         spool, undeliverable = None, []
         if self.publisher is not None:
@@ -188,6 +194,10 @@ class Outputs:
 BATCH_ROWS = 20_000
 """Results, and rows whose messages are made a batch at a time, held as dicts before their one
 conversion to Arrow (`Outputs.respond`, `Outputs.emit`); the entity fold's batches of patches."""
+RESULT_TEXT_BYTES = 256 * 1024 * 1024
+"""The documents (`before`, `after`, learning's) that a batch of results holds at most: a column
+of text holds 2 GiB, and with documents of up to 16 MiB asked for, a batch of `BATCH_ROWS` would
+pass it; past this, the fold's batch is cut where it is."""
 
 
 def _where(values, mask, every: bool):
@@ -542,9 +552,9 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
         if not batch.num_rows:
             continue
         # results stay in Arrow: the patch's columns, and the columns the fold adds
-        added, learned = [], []
-        for dbid, collection, zone, entity, timestamp, begun, ops, include_before, include_after, learning in zip(
-                *(batch.column(name).to_pylist() for name in _FOLD_READS)):
+        added, learned, start, texts = [], [], 0, 0
+        for i, (dbid, collection, zone, entity, timestamp, begun, ops, include_before, include_after, learning) in \
+                enumerate(zip(*(batch.column(name).to_pylist() for name in _FOLD_READS))):
             k = (dbid, collection, zone, entity)
             if k != key:
                 save()
@@ -558,15 +568,26 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
                 subject, left = notify.subject_zones(collection, zone, state.doc, before)
                 if learning and state.doc is not None:
                     learn = core.learned_after(after, state.doc)
+                if before_text or after or learn:
+                    texts += len(before_text or "") + len(after or "") + len(learn or "")
             added.append((ended, status, error, before_text, after, action, subject, left, previous))
             learned.append(learn)
-        results = pa.Table.from_batches([batch])
-        out.publish_rows("entity_patches", results)
-        for name, values in zip(_FOLD_ADDS, zip(*added)):
-            results = results.append_column(name, pa.array(values, _RESULT_TYPES.field(name).type))
-        results = results.append_column("stream", pa.repeat(pa.scalar("entity-updates"), batch.num_rows))
-        out.respond_rows(results, pa.array(learned, pa.string()))
+            if texts > RESULT_TEXT_BYTES:  # documents asked for that would outgrow a column of text
+                _respond(out, batch.slice(start, i + 1 - start), added, learned)
+                added, learned, start, texts = [], [], i + 1, 0
+        if added:
+            _respond(out, batch.slice(start), added, learned)
     save()
+
+
+def _respond(out: Outputs, batch: pa.RecordBatch, added: list[tuple], learned: list[str | None]) -> None:
+    """The results of `batch`'s patches, in Arrow: its columns and those the fold adds."""
+    results = pa.Table.from_batches([batch])
+    out.publish_rows("entity_patches", results)
+    for name, values in zip(_FOLD_ADDS, zip(*added)):
+        results = results.append_column(name, pa.array(values, _RESULT_TYPES.field(name).type))
+    results = results.append_column("stream", pa.repeat(pa.scalar("entity-updates"), batch.num_rows))
+    out.respond_rows(results, pa.array(learned, pa.string()))
 
 
 def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
@@ -577,17 +598,22 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
     store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options, state_file_rows)
     for bucket, patches, keys in _buckets(batches, ("dbid",)):
         store.switch(bucket, keys)
-        dbid, state = None, None
+        dbid, state, held = None, None, 0
         for patch in patches:
             if patch["dbid"] != dbid:
                 dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
             result = core.apply_one(state, patch, implicit_empty=True, check=new_declaration_error)
             result["stream"] = "schema-updates"
+            held += len(result["before"] or "") + len(result["after"] or "")
             if result["status"] == core.STATUS_OK:
-                for row in core.entity_type_rows(result, state.doc or {}):
+                for row in core.entity_type_rows(result, state.doc or {}):  # the schema again, a type a row
                     out.emit("schema_learning", row)
+                    held += len(row["after"])
                 store.put((dbid,), state.row({"dbid": dbid}, slice_key, bucket))
             out.respond(result)
+            if held > RESULT_TEXT_BYTES:  # a column of text holds 2 GiB
+                out.flush_held(("schema_learning",))
+                held = 0
     out.close_state("schemas", store)
     yield _arrow(out.report())
 

@@ -108,6 +108,22 @@ def test_a_schema_patch_that_leaves_a_declaration_learning_cannot_read_fails_wit
     assert declare({"type": "STRING", "optional": 0})["status"] == 3 and state.version == 8
 
 
+def test_a_document_grown_by_adds_stops_at_the_size_a_copy_may_grow_it_to():
+    """Each patch of a megabyte is a valid message; the one that would take the document past
+    16 MiB fails (status 3) and leaves it as it was, so no text of it outgrows an Arrow column."""
+    from entity_assets.patch import MAX_DOCUMENT_BYTES
+
+    state, statuses = core.DocState(), []
+    for n in range(18):
+        ops = json.dumps([{"op": "add", "path": f"/f{n}", "value": "x" * 1_000_000}])
+        statuses.append(core.apply(state, ops, 1, False, False)[:2])
+    assert statuses[:16] == [(1, None)] * 16
+    assert statuses[16] == (3, f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON")
+    assert state.version == 16 and len(core.dumps(state.doc)) <= MAX_DOCUMENT_BYTES
+    shrunk = json.dumps([{"op": "remove", "path": "/f0"}, {"op": "add", "path": "/g", "value": "y" * 500_000}])
+    assert core.apply(state, shrunk, 1, False, False)[0] == 1 and state.version == 17  # measured, it fits
+
+
 def test_two_part_request_yields_the_seed_complete_response():
     parts = []
     for part, (entity, first, last, path, phone) in enumerate(

@@ -1,5 +1,6 @@
 """Bucketed folds whose tasks read their own input files (fold.over_buckets): pure Python."""
 
+import json
 import os
 import pickle
 import zlib
@@ -264,3 +265,49 @@ def test_tasks_in_the_step_s_process_hold_their_spools_in_memory_and_tasks_elsew
         assert list(kafka_io.spooled(pa.BufferReader(here.held[spools["here"]["path"]]))) == list(
             kafka_io.spooled(source))
     assert pickle.loads(pickle.dumps(here)).held == {}  # shipped to tasks without them
+
+
+def test_a_batch_of_results_is_cut_where_its_documents_would_outgrow_a_column_of_text(monkeypatch):
+    """Documents asked for (`includeAfter`, learning) are cut into batches of at most
+    `RESULT_TEXT_BYTES`: the same results, in the same order, as one batch gives."""
+    class Store:
+        def __init__(self):
+            self.rows = {}
+
+        def get(self, key):
+            return None
+
+        def put(self, key, row):
+            self.rows[key] = row
+
+    class Out:
+        def __init__(self):
+            self.published, self.results = [], []
+
+        def publish_rows(self, table, rows):
+            self.published.append(rows)
+
+        def respond_rows(self, rows, learned):
+            self.results.append((rows, learned))
+
+    patches = pa.Table.from_batches([from_rows([
+        {"slice": "0000000001", "kafka_topic": "entity-batches", "kafka_partition": 0, "kafka_offset": n,
+         "kafka_timestamp": 5, "clientid": "c", "request": n, "user": "u", "dbid": "db", "collection": "C",
+         "zone": "A", "entity": "e" if n < 5 else "f", "parts": 1, "part": 1, "begun": n,
+         "ops": json.dumps([{"op": "add", "path": f"/f{n}", "value": "x" * 100}]), "learning": n % 2 == 0,
+         "includeBefore": False, "includeAfter": n != 3, "bucket": 1} for n in range(8)],
+        pa.struct(list(SCHEMAS["entity_patches"])))])
+
+    def fold_with(limit):
+        monkeypatch.setattr(fold, "RESULT_TEXT_BYTES", limit)
+        out, store = Out(), Store()
+        fold._fold_bucket(out, store, patches, 1, "0000000001")
+        return out, store
+
+    whole, whole_store = fold_with(2**40)
+    cut, cut_store = fold_with(500)
+    assert len(whole.results) == 1 and len(cut.results) > 2
+    assert pa.concat_tables([r for r, _ in cut.results]) == whole.results[0][0]
+    assert pa.concat_arrays([learned for _, learned in cut.results]) == whole.results[0][1]
+    assert pa.concat_tables(cut.published) == pa.concat_tables(whole.published)
+    assert cut_store.rows == whole_store.rows and len(cut_store.rows) == 2
