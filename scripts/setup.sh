@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a clone: a Python 3.11 virtualenv in .venv with the project installed
-# (editable, with the dev and local extras). Re-installs only when pyproject.toml changed since the last
-# install (a hash stamp in .venv). Needs no network but the package registries.
+# (editable, with the dev and local extras, at the versions of constraints.txt). Re-installs only
+# when pyproject.toml or constraints.txt changed since the last install (a hash stamp in .venv).
+# Needs no network but the package registries.
 #
 #   bash scripts/setup.sh            other scripts call it first; safe to run any time
 #   bash scripts/setup.sh --test     also the test-only servers that come from npm (Azurite)
@@ -42,12 +43,12 @@ if ! { [ -x "$VENV/bin/python" ] && supported "$VENV/bin/python"; }; then
     command -v flock >/dev/null 2>&1 && flock 9
 fi
 
-wanted=$(sha256sum < pyproject.toml | cut -d' ' -f1)
+wanted=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 installed=$(cat "$STAMP" 2>/dev/null || true)
 if [ "$wanted" != "$installed" ] || [ ! -x "$VENV/bin/entity-assets" ] \
     || ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("entity-assets")' 2>/dev/null; then
-    echo "setup: installing the project into $VENV (pyproject.toml changed or first install)"
-    "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet -e '.[dev,local]'
+    echo "setup: installing the project into $VENV (pyproject.toml or constraints.txt changed, or first install)"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet -c constraints.txt -e '.[dev,local]'
     echo "$wanted" > "$STAMP"
 fi
 

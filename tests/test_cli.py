@@ -354,3 +354,21 @@ def test_broker_start_without_the_local_extra_says_which_extra_brings_it(monkeyp
     monkeypatch.setattr(builtins, "__import__", without_noida)
     assert cli.main(["--port", "1", "broker", "start"]) == 1
     assert "pip install 'entity-assets[local]'" in capsys.readouterr().err
+
+
+def test_constraints_pin_every_dependency_at_the_version_pyproject_names():
+    """constraints.txt (what setup.sh installs with) must hold what pyproject.toml asks for: a
+    dependency changed in one and not the other would fail a fresh set-up, or test another release."""
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((cli.REPO / "pyproject.toml").read_text())["project"]
+    wanted = [Requirement(r) for r in [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]]
+    pinned = dict(re.match(r"([^=\s]+)==(\S+)", line).groups() for line in
+                  (cli.REPO / "constraints.txt").read_text().splitlines() if line and not line.startswith("#"))
+    pinned = {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in pinned.items()}
+    for requirement in wanted:
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        assert name in pinned and requirement.specifier.contains(pinned[name], prereleases=True), (requirement, pinned.get(name))
