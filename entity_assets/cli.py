@@ -60,11 +60,6 @@ def prepare_environment(port: int = DEFAULT_PORT) -> None:
         dagster_home.mkdir(parents=True, exist_ok=True)
         if (REPO / "dagster.yaml").exists():
             shutil.copyfile(REPO / "dagster.yaml", dagster_home / "dagster.yaml")
-        elif not (dagster_home / "dagster.yaml").exists():  # installed from a wheel, away from the repository
-            print(f"entity-assets: DAGSTER_HOME is not set and no dagster.yaml is beside this install: runs are "
-                  f"recorded in a default instance in {dagster_home}, without the lake pool or run monitoring, "
-                  "which a deployment's daemon does not see; set DAGSTER_HOME to your instance's folder",
-                  file=sys.stderr)
         os.environ["DAGSTER_HOME"] = str(dagster_home)
 
 
@@ -226,6 +221,11 @@ def _instance_for_runs():
     from entity_assets.launcher import settle_runs
     from entity_assets.sensors import kafka_offsets_sensor
 
+    home = Path(os.environ["DAGSTER_HOME"])
+    if not (home / "dagster.yaml").exists():  # installed from a wheel, away from the repository, say
+        print(f"entity-assets: no dagster.yaml in DAGSTER_HOME ({home}): runs are recorded in a default instance, "
+              "without the lake pool or run monitoring, which a deployment's daemon does not see; set DAGSTER_HOME "
+              "to your instance's folder", file=sys.stderr)
     instance = DagsterInstance.get()
     blockers = settle_runs(instance, kafka_offsets_sensor.name)
     if blockers:

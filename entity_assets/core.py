@@ -88,13 +88,15 @@ class DocState:
 
 def apply(state: DocState, ops: str, ended: int, include_before: bool, include_after: bool, *,
           implicit_empty: bool = False, check: Callable[[Any, Any], str | None] | None = None,
-          ) -> tuple[int, str | None, str | None, str | None, str | None]:
+          sized: bool = True) -> tuple[int, str | None, str | None, str | None, str | None]:
     """Applies one patch's ops (JSON text) to `state`: (status, error, before, after, action).
 
     `before`/`after` are JSON texts, given only where asked for (`before` None on a creation).
     `implicit_empty`: a missing document counts as `{}` (every database has a schema), so
     schema patches end with status 1 or 3, never 2. `check(before, after)`: what makes the
-    patched document invalid, which fails the patch (status 3) as a failed op would.
+    patched document invalid, which fails the patch (status 3) as a failed op would. `sized`:
+    a patch that takes the document past `MAX_DOCUMENT_BYTES` fails; a replay of updates applied
+    already (`history`) leaves that out, as a lake written before the limit may hold such ones.
     """
     before = state.doc
     outcome = apply_patch({} if implicit_empty and before is None else before, loads(ops))
@@ -102,7 +104,7 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
         return outcome.status, outcome.error, None, None, None
     if check is not None and outcome.doc is not None and (error := check(before, outcome.doc)):
         return STATUS_FAILED, error, None, None, None
-    size = _bounded_size(state.size, ops, outcome.doc)
+    size = _bounded_size(state.size, ops, outcome.doc) if sized else 0
     if size > MAX_DOCUMENT_BYTES:
         return STATUS_FAILED, f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON", None, None, None
     state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
@@ -112,13 +114,18 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
             "created" if before is None else ("deleted" if outcome.deleted else "updated"))
 
 
+GROWTH_PER_OPS_CHARACTER = 7
+"""How much a patch's ops text may grow its document's, a copy aside: a value by its own text,
+a parent that an add or move creates by its token's and 6 more (`"a":{},` for `/a`)."""
+
+
 def _bounded_size(before: int, ops: str, doc) -> int:
-    """A bound of a patched document's JSON text that only documents near `MAX_DOCUMENT_BYTES`,
-    or patched by a copy, pay a measure for: each add grows it by up to its ops' text, and
-    unbounded, patches of a few bytes would grow it past what a column of text holds (2 GiB)."""
+    """A bound of a patched document's JSON text (characters) that only documents near
+    `MAX_DOCUMENT_BYTES`, or patched by a copy, pay a measure for. Unbounded, patches of a few
+    bytes would grow a document past what a column of text holds (2 GiB)."""
     if doc is None:
         return 0
-    bound = before + len(ops)
+    bound = before + GROWTH_PER_OPS_CHARACTER * len(ops)
     if bound > MAX_DOCUMENT_BYTES or '"copy"' in ops:
         return len(dumps(doc))
     return bound

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from dagster import Definitions, EnvVar, in_process_executor, map_asset_specs
 from pydantic import ValidationError
@@ -34,10 +35,13 @@ def _number(name: str, default: str, kind: type = int):
         raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
-SECRET_WORDS = ("password", "secret", "jaas", "token", "credential")
-"""Words of a setting's key that hold a secret (`ssl.key.password`, `sasl.jaas.config`,
-`spark.hadoop.fs.s3a.secret.key`): a resource's plain setting is shown in the UI and stored with
-the code location's snapshot, so a secret comes only through an EnvVar-bound variable."""
+SECRET_KEYS = re.compile(r"(password|secret|secret\.key|session\.token|jaas\.config|oauthbearer\.config|key\.pem)$"
+                         r"|account\.key")
+"""Keys of librdkafka and Spark (Hadoop) settings that hold a secret (`ssl.keystore.password`,
+`sasl.oauthbearer.client.secret`, `ssl.key.pem`, `spark.hadoop.fs.s3a.secret.key`,
+`fs.azure.account.key.<account>`): a resource's plain setting is shown in the UI and stored
+with the code location's snapshot, so a secret comes through the environment
+(`ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV`; Spark's object stores read their own variables)."""
 
 
 def _settings(name: str, *, secrets_refused: bool = False) -> dict[str, str]:
@@ -55,10 +59,10 @@ def _settings(name: str, *, secrets_refused: bool = False) -> dict[str, str]:
             settings[key] += "," + item.strip()
         else:
             raise SettingError(f"{name}: {item.strip()!r} is not KEY=VALUE")
-    if secrets_refused and (secret := next((k for k in settings if any(w in k.lower() for w in SECRET_WORDS)), None)):
-        raise SettingError(f"{name}: {secret} holds a secret, which the UI would show: give it through "
-                           "KAFKA_SASL_PASSWORD or KAFKA_SSL_KEY_PASSWORD, or the object store's own variables "
-                           "(docs/operations.md)")
+    if secrets_refused and (secret := next((k for k in settings if SECRET_KEYS.search(k.lower())), None)):
+        raise SettingError(f"{name}: {secret} holds a secret, which the UI would show: name the variable that holds "
+                           f"it in ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV ({secret}=VARIABLE), or for Spark use the "
+                           "object store's own variables (docs/operations.md)")
     return settings
 
 
@@ -114,6 +118,7 @@ def build_resources() -> dict:
         "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
         "client_config": _settings("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", secrets_refused=True),
+        "client_secret_env": _settings("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV"),
         "new_topic_partitions": _number("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "4"),
         "new_topic_config": _settings("ENTITY_ASSETS_NEW_TOPIC_CONFIG"),
         "new_topic_replication_factor": _number("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "-1"),

@@ -194,10 +194,11 @@ class Outputs:
 BATCH_ROWS = 20_000
 """Results, and rows whose messages are made a batch at a time, held as dicts before their one
 conversion to Arrow (`Outputs.respond`, `Outputs.emit`); the entity fold's batches of patches."""
-RESULT_TEXT_BYTES = 256 * 1024 * 1024
-"""The documents (`before`, `after`, learning's) that a batch of results holds at most: a column
-of text holds 2 GiB, and with documents of up to 16 MiB asked for, a batch of `BATCH_ROWS` would
-pass it; past this, the fold's batch is cut where it is."""
+RESULT_TEXT_BYTES = 128 * 1024 * 1024
+"""The text (ops, and the documents asked for: `before`, `after`, learning's; characters, up to
+4 bytes each) that a batch of results holds at most: a column of text holds 2 GiB, and with
+documents of up to 16 Mi characters, a batch of `BATCH_ROWS` would pass it; past this, the
+fold's batch is cut where it is."""
 
 
 def _where(values, mask, every: bool):
@@ -570,6 +571,7 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
                     learn = core.learned_after(after, state.doc)
                 if before_text or after or learn:
                     texts += len(before_text or "") + len(after or "") + len(learn or "")
+            texts += len(ops)  # each message holds its ops too
             added.append((ended, status, error, before_text, after, action, subject, left, previous))
             learned.append(learn)
             if texts > RESULT_TEXT_BYTES:  # documents asked for that would outgrow a column of text
@@ -604,7 +606,7 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
                 dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
             result = core.apply_one(state, patch, implicit_empty=True, check=new_declaration_error)
             result["stream"] = "schema-updates"
-            held += len(result["before"] or "") + len(result["after"] or "")
+            held += len(patch["ops"]) + len(result["before"] or "") + len(result["after"] or "")
             if result["status"] == core.STATUS_OK:
                 for row in core.entity_type_rows(result, state.doc or {}):  # the schema again, a type a row
                     out.emit("schema_learning", row)

@@ -42,7 +42,7 @@ def versions(updates: Iterable[dict]) -> list[dict]:
     update that made it (slice, action, ended, request identity, Kafka coordinates)."""
     state, out, start = core.DocState(), [], None
     for u in sorted(updates, key=lambda u: (u["slice"], *(u[c] for c in core.ORDER))):
-        status, error, _, _, action = core.apply(state, u["ops"], u["ended"], False, False)
+        status, error, _, _, action = core.apply(state, u["ops"], u["ended"], False, False, sized=False)
         if status != STATUS_OK or action != u["action"]:
             raise Diverged(f"update {u['clientid']}/{u['request']}/{u['part']} of slice {u['slice']} gives status "
                            f"{status} ({error}), action {action}, where entity_updates says it was applied "

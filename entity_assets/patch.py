@@ -47,7 +47,7 @@ STATUS_OK = 1  # patch applied
 STATUS_NOT_FOUND = 2  # entity did not exist and the patch is not a creation
 STATUS_FAILED = 3  # patch could not be applied (see error)
 MAX_DEPTH = 100  # containers on a document's deepest path, the document itself included
-MAX_DOCUMENT_BYTES = 16 * 1024 * 1024  # JSON text a copy may grow a document to
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024  # JSON text (characters) a patch may grow a document to: a copy here, any op in core
 
 
 class PatchError(Exception):

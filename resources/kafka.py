@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from dagster import Config, ConfigurableResource
@@ -61,6 +62,10 @@ class KafkaResource(ConfigurableResource):
     ssl_key_password: str | None = Field(default=None, description="the client key's password (mutual TLS), set "
                                                                    "through EnvVar, never inline")
     client_config: dict[str, str] = Field(default_factory=dict, description="extra librdkafka settings, passed through")
+    client_secret_env: dict[str, str] = Field(
+        default_factory=dict, description="librdkafka settings that hold secrets -> the environment variable each is "
+                                          "read from when a client is made, e.g. {'ssl.keystore.password': "
+                                          "'KAFKA_KEYSTORE_PASSWORD'}: only the names are settings")
     publish: bool = Field(default=True, description="publish derived streams back to their topics")
     published_streams: list[str] | None = Field(
         default=None, description="with publish: only these derived streams (the seed's names, e.g. "
@@ -92,6 +97,10 @@ class KafkaResource(ConfigurableResource):
         }
         conf.update({k: v for k, v in optional.items() if v is not None})
         conf.update(self.client_config)
+        missing = [var for var in self.client_secret_env.values() if var not in os.environ]
+        if missing:
+            raise ValueError(f"client_secret_env: {', '.join(missing)} not set in this process's environment")
+        conf.update({key: os.environ[var] for key, var in self.client_secret_env.items()})
         return conf
 
     @field_validator("published_streams", "stream_topic_config")

@@ -187,7 +187,15 @@ def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_va
     monkeypatch.setenv("KAFKA_SASL_USERNAME", "pipeline")
     monkeypatch.setenv("KAFKA_SASL_PASSWORD", "s3cret")
     monkeypatch.setenv("KAFKA_SSL_KEY_PASSWORD", "k3y")
+    monkeypatch.setenv("KAFKA_KEYSTORE_PASSWORD", "st0re")
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "ssl.keystore.password=KAFKA_KEYSTORE_PASSWORD")
+    # settings that name a secret's provider, endpoint or file are no secrets
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "sasl.oauthbearer.token.endpoint.url=https://idp/token, "
+                                                            "ssl.keystore.location=/etc/kafka/client.p12")
+    monkeypatch.setenv("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.aws.credentials.provider=x.Provider, "
+                                                   "spark.hadoop.fs.azure.sas.token.provider.type=y.Provider")
     config = cli.kafka_resource().config()
+    assert config["ssl.keystore.password"] == "st0re" and config["ssl.keystore.location"] == "/etc/kafka/client.p12"
     assert {k: config[k] for k in ("security.protocol", "sasl.mechanism", "sasl.username", "sasl.password",
                                    "ssl.key.password")} == {
         "security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "pipeline",
@@ -199,7 +207,7 @@ def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_va
 
     defs = Definitions(resources={"kafka": build_resources()["kafka"]})
     snap = str(RepositorySnap.from_def(defs.get_repository_def()))
-    assert "s3cret" not in snap and "k3y" not in snap and "KAFKA_SSL_KEY_PASSWORD" in snap
+    assert "s3cret" not in snap and "k3y" not in snap and "st0re" not in snap and "KAFKA_SSL_KEY_PASSWORD" in snap
 
 
 def test_a_command_without_an_answer_from_kafka_fails_fast_naming_the_servers(monkeypatch, tmp_path, capfd):
@@ -285,6 +293,10 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
      "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: ssl.key.password holds a secret"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.secret.key=abc",
      "ENTITY_ASSETS_SPARK_CONF: spark.hadoop.fs.s3a.secret.key holds a secret"),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.keystore.location=/k.p12, ssl.keystore.password=hunter2",
+     "ssl.keystore.password holds a secret, which the UI would show: name the variable"),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "sasl.oauthbearer.client.secret=s", "sasl.oauthbearer.client.secret holds"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.account.key.acct.blob.core.windows.net=k", "account.key"),
     ("ENTITY_ASSETS_INGESTION", "crm=qlik,erp=odbc", "ENTITY_ASSETS_INGESTION: system 'erp': format: Input should be"),
     ("ENTITY_ASSETS_INGESTION", '{"crm": {"formt": "qlik"}}', "ENTITY_ASSETS_INGESTION: system 'crm': no setting formt"),
 ])
@@ -323,18 +335,21 @@ def test_run_ticks_the_sensor_with_the_slicing_settings_of_the_environment(monke
     assert (slicing.offsets_went_back, slicing.min_interval_seconds, slicing.max_messages) == ("restart", 0, 7)
 
 
-def test_an_install_without_the_projects_dagster_yaml_says_which_instance_it_records_runs_in(monkeypatch, tmp_path,
-                                                                                            capsys):
-    """A wheel carries no dagster.yaml: without DAGSTER_HOME, the commands would record runs in a
-    default instance that no deployment's daemon sees, and they say so."""
+def test_an_instance_without_the_projects_dagster_yaml_is_named_before_runs_are_recorded_in_it(monkeypatch, tmp_path,
+                                                                                               capsys):
+    """A wheel carries no dagster.yaml: without DAGSTER_HOME, `run` would record its runs in a
+    default instance that no deployment's daemon sees, and it says so; the commands that use no
+    instance say nothing."""
     monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # restored after: prepare sets what is unset
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     monkeypatch.setattr(cli, "REPO", tmp_path / "site-packages")
     cli.prepare_environment()
-    assert "DAGSTER_HOME is not set and no dagster.yaml is beside this install" in capsys.readouterr().err
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "instance"))
-    cli.prepare_environment()
+    assert capsys.readouterr().err == ""
+    cli._instance_for_runs()
+    assert "no dagster.yaml in DAGSTER_HOME" in capsys.readouterr().err
+    (tmp_path / "home" / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    cli._instance_for_runs()
     assert capsys.readouterr().err == ""
 
 

@@ -124,6 +124,27 @@ def test_a_document_grown_by_adds_stops_at_the_size_a_copy_may_grow_it_to():
     assert core.apply(state, shrunk, 1, False, False)[0] == 1 and state.version == 17  # measured, it fits
 
 
+def test_adds_of_deep_paths_stop_at_the_limit_too(monkeypatch):
+    """An add creates the parents its path names, growing the text by more than the ops' own
+    length: the bound covers them, so the document never passes the limit (scaled down here),
+    and a replay (`sized=False`) of what was applied gives the same document."""
+    MAX_DOCUMENT_BYTES = 200_000
+    monkeypatch.setattr(core, "MAX_DOCUMENT_BYTES", MAX_DOCUMENT_BYTES)
+    state, applied, deep = core.DocState(), [], "/".join(["a"] * 98)
+    for n in range(1_000):
+        ops = core.dumps([{"op": "add", "path": f"k{n}/{deep}", "value": 1}])
+        if core.apply(state, ops, 0, False, False)[0] != 1:
+            break
+        applied.append(ops)
+    else:
+        raise AssertionError("no patch failed")
+    assert len(core.dumps(state.doc)) <= MAX_DOCUMENT_BYTES < len(core.dumps(state.doc)) + 800
+    replay = core.DocState()
+    for ops in applied:
+        assert core.apply(replay, ops, 0, False, False, sized=False)[0] == 1
+    assert replay.doc == state.doc
+
+
 def test_two_part_request_yields_the_seed_complete_response():
     parts = []
     for part, (entity, first, last, path, phone) in enumerate(
