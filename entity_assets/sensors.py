@@ -88,8 +88,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
                                                     + (f"; {went_back}" if went_back else "")), cursor=cursor)
     context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
-    if context.sensor_name and (warning := pool_warning(context.instance)):  # the daemon's tick, not `run`'s,
-        context.log.warning(warning)  # whose slices run one after another in its own process
+    if warning := pool_warning(context.instance):
+        context.log.warning(warning)
     return SensorResult(
         run_requests=[RunRequest(run_key=requested[seq], partition_key=slice_key(seq)) for seq in sorted(requested)],
         dynamic_partitions_requests=[slices_partitions.build_add_request(keys)],
