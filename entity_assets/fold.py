@@ -569,9 +569,7 @@ def _fold_bucket(out: Outputs, store: BucketStore, patches: pa.Table, bucket: in
                 subject, left = notify.subject_zones(collection, zone, state.doc, before)
                 if learning and state.doc is not None:
                     learn = core.learned_after(after, state.doc)
-                if before_text or after or learn:
-                    texts += len(before_text or "") + len(after or "") + len(learn or "")
-            texts += len(ops)  # each message holds its ops too
+            texts += len(ops) + len(before_text or "") + len(after or "") + len(learn or "")  # what its messages hold
             added.append((ended, status, error, before_text, after, action, subject, left, previous))
             learned.append(learn)
             if texts > RESULT_TEXT_BYTES:  # documents asked for that would outgrow a column of text
@@ -598,9 +596,10 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
     """Input: the slice's schema patches, sorted by (bucket, dbid, core.ORDER)."""
     out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by=RESULT_ROW_GROUPS, updates="schema_updates")
     store = BucketStore(out.writer("schemas"), ("dbid",), state_files, write_state, storage_options, state_file_rows)
+    held = 0  # the text the outputs hold, over every bucket of the task
     for bucket, patches, keys in _buckets(batches, ("dbid",)):
         store.switch(bucket, keys)
-        dbid, state, held = None, None, 0
+        dbid, state = None, None
         for patch in patches:
             if patch["dbid"] != dbid:
                 dbid, state = patch["dbid"], core.DocState(store.get((patch["dbid"],)))
