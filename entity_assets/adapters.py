@@ -215,7 +215,7 @@ def entity_id(raw: bytes | None) -> str:
         if exc.code is m.DeadLetterCode.OVERSIZE or _json_but_nan(raw):
             raise
         return _plain_key(raw)  # GoldenGate's `pk1_pk2` text, a braced GUID
-    if key is None or isinstance(key, list) or isinstance(key, str) and not key.strip():
+    if not isinstance(key, dict) and not m.names_a_key(key):
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key: {raw[:80]!r} names no primary key")
     if isinstance(key, dict):
         if not key:
