@@ -735,6 +735,10 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     yield _arrow(out.report())
 
 
+EXPIRED = "expired_notifications"
+"""inbox_task's counter of notifications that inboxes past notify.MAX_PENDING let go."""
+
+
 def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
                state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
                publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
@@ -764,6 +768,10 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                 else:
                     ids = json.loads(row["notifications"]) if row["notifications"] else None
                     dirty = inbox.ack(ids, row["upTo"]) > 0 or dirty
+            expired = inbox.expire(notify.MAX_PENDING)
+            if expired:
+                out.count(EXPIRED, expired)
+                dirty = True
             if dirty:
                 out.emit("device_notifications", {"slice": slice_key, **_message_row(inbox)})
                 store.put((device,), {"slice": slice_key, "dbid": inbox.dbid, "user": inbox.user, "device": device,

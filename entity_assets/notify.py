@@ -8,6 +8,7 @@ Spark jobs call these functions per row, and the tests exercise the rules withou
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import uuid
 from collections.abc import Iterable
@@ -29,6 +30,7 @@ __all__ = [
     "recipients",
     "RECIPIENT_INPUTS",
     "DeviceInbox",
+    "MAX_PENDING",
     "DEVICE_KEY",
     "seen",
 ]
@@ -178,6 +180,11 @@ def recipients(index: SubscriptionIndex, dbid: str, collection: str, zone: str, 
     return out
 
 
+MAX_PENDING = 10_000
+"""Unacknowledged notifications an inbox keeps: past it the oldest expire, so a device that never
+acks (an app uninstalled) costs a bounded row, about 60 bytes per notification."""
+
+
 class DeviceInbox:
     """The unacknowledged notifications of one device; state kept between slices as JSON.
 
@@ -225,6 +232,19 @@ class DeviceInbox:
                 del self.pending[notification]
             removed += len(covered)
         return removed
+
+    def expire(self, limit: int) -> int:
+        """Keeps the `limit` newest notifications (by ``ended``, then id); how many expired.
+
+        Applied once per slice, after its acks, so the outcome does not depend on how the slice's
+        events were batched.
+        """
+        over = len(self.pending) - limit
+        if over <= 0:
+            return 0
+        for notification, _ in heapq.nsmallest(over, self.pending.items(), key=lambda item: (item[1], item[0])):
+            del self.pending[notification]
+        return over
 
     @property
     def count(self) -> int:

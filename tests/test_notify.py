@@ -249,6 +249,15 @@ def test_inbox_ack_from_notification_ack_message():
     assert list(inbox.pending) == ["n2"]
 
 
+def test_an_inbox_past_its_limit_keeps_its_newest_notifications():
+    inbox = DeviceInbox(DB, "jsmith", "device1", {"n1": 100, "n2": 300, "n3": 200, "n0": 100, "n4": 400})
+    assert inbox.expire(5) == 0 and inbox.count == 5
+    assert inbox.expire(3) == 2  # the oldest, n0 then n1 on equal ended
+    assert inbox.pending == {"n2": 300, "n3": 200, "n4": 400}
+    assert (inbox.count, inbox.begun, inbox.ended) == (3, 200, 400)
+    assert inbox.expire(0) == 3 and inbox.message()["count"] == 0 and inbox.message()["ended"] == 400
+
+
 def test_inbox_json_round_trip():
     inbox = DeviceInbox(DB, "jsmith", "device1", {"n1": 100, "n2": 200})
     inbox.ack(["n2"])

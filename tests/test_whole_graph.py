@@ -697,6 +697,32 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
         ("device1", "bob", 6, ["n2"])]
 
 
+def test_an_inbox_that_is_never_acknowledged_stays_bounded(tmp_path, monkeypatch):
+    """A device that never acks (an app uninstalled) keeps notify.MAX_PENDING notifications, the
+    newest; the slice counts those that expired. Pure Python, as the test above."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from entity_assets import fold, notify
+
+    monkeypatch.setattr(notify, "MAX_PENDING", 3)
+    uris = {t: str(tmp_path / t) for t in ("device_notifications", "device_inboxes")}
+    for uri in uris.values():
+        Path(uri).mkdir()
+    events = [{"dbid": DB, "user": "alice", "device": "device1", "kind": fold.NOTIFY, "notification": f"n{i}",
+               "ended": i, "notifications": None, "upTo": None, "bucket": 6} for i in range(5)]
+    report = [f for b in fold.inbox_task(iter([pa.RecordBatch.from_pylist(events)]), slice_key=K1, uris=uris,
+                                         storage_options=None, state_files={}, write_state=True)
+              for f in b.to_pylist()]
+    assert {f["table"]: f["rows"] for f in report}[fold.COUNTER + fold.EXPIRED] == 2
+    [inbox] = [pq.read_table(f"{uris['device_inboxes']}/{f['path']}").to_pylist()[0]
+               for f in report if f["table"] == "device_inboxes"]
+    assert json.loads(inbox["document"])["pending"] == {"n2": 2, "n3": 3, "n4": 4}
+    [message] = [pq.read_table(f"{uris['device_notifications']}/{f['path']}").to_pylist()[0]
+                 for f in report if f["table"] == "device_notifications"]
+    assert (message["count"], message["begun"], message["ended"]) == (3, 2, 4)
+
+
 def test_a_small_slice_runs_the_whole_graph_without_a_spark_session_nor_spool_files(make_pipeline, monkeypatch):
     # A run that never needs Spark must not start a JVM (a run process of its own would pay 7-11 s),
     # and its tasks, run in the driver, keep their spools in memory (on an object store a spool
