@@ -267,16 +267,25 @@ def group_requests(rows: Iterable[dict]) -> Iterator[tuple[tuple, list[dict]]]:
         yield key, parts
 
 
-def split_complete(grouped: Iterable[tuple[tuple, list[dict]]], slice_key: str) -> Iterator[tuple[str, dict]]:
+def split_complete(grouped: Iterable[tuple[tuple, list[dict]]], slice_key: str,
+                   wait_slices: int | None = None) -> Iterator[tuple[str, dict]]:
     """Yields ("complete", row) for requests with every part, ("pending", part row) otherwise.
 
     Parts are distinct and none exceeds its own `parts` (validated), so as many parts as the
     largest count any of them gives are exactly parts 1..that count: a client that gave its
     parts different counts waits for the most it announced.
+
+    With `wait_slices`, a request still incomplete `wait_slices` slices after the slice of its
+    first part yields ("expired", what it got) instead: a client that died between its parts
+    would otherwise keep its parts pending for good. Their results went out as partial responses.
     """
-    for _, parts in grouped:
-        if len(parts) >= max(p["parts"] for p in parts):
+    for (clientid, request, _), parts in grouped:
+        expected = max(p["parts"] for p in parts)
+        if len(parts) >= expected:
             yield "complete", complete_row(sorted(parts, key=lambda r: r["part"]), slice_key)
+        elif wait_slices is not None and int(slice_key) - min(int(p["slice"]) for p in parts) >= wait_slices:
+            yield "expired", {"clientid": clientid, "request": request, "parts": expected,
+                              "received": sorted(p["part"] for p in parts), "since": min(p["slice"] for p in parts)}
         else:
             for p in parts:
                 yield "pending", p

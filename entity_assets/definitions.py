@@ -151,6 +151,7 @@ def build_resources() -> dict:
             max_messages=_number("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "5000000"),
             max_messages_per_task=_number("ENTITY_ASSETS_SLICE_MAX_PER_TASK", "200000"),
             dedupe_window_slices=_number("ENTITY_ASSETS_DEDUPE_WINDOW_SLICES", "4"),
+            parts_wait_slices=_number("ENTITY_ASSETS_PARTS_WAIT_SLICES", "96"),
             schema_wait_slices=_number("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "4"),
             offsets_went_back=_env("ENTITY_ASSETS_OFFSETS_WENT_BACK", "report"),
         ),

@@ -619,17 +619,32 @@ def schema_fold_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris:
     yield _arrow(out.report())
 
 
+EXPIRED_REQUEST = "expired_request:"
+"""complete_task's counter of requests that waited their slices in vain, and the prefix of the
+counters that name the first of them (one per request, `SHOWN_EXPIRED` a task)."""
+SHOWN_EXPIRED = 20
+
+
 def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str],
-                  storage_options, write_state: bool, publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
+                  storage_options, write_state: bool, wait_slices: int | None = None,
+                  publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: this slice's parts of multi-part requests plus pending parts, sorted by (clientid,
     request, stream, part). It publishes this slice's parts (their partial responses), each
-    request's in part order."""
+    request's in part order. A request incomplete after `wait_slices` slices leaves the pending
+    parts, counted and named."""
     out = Outputs(slice_key, uris, storage_options, publishing)
     batches = _published_as_read(out, batches, "partial_responses", "slice", slice_key)  # not the pending parts
-    for kind, row in core.split_complete(core.group_requests(_rows(batches)), slice_key):
+    expired = 0
+    for kind, row in core.split_complete(core.group_requests(_rows(batches)), slice_key, wait_slices):
         if kind == "complete":
             out.emit("complete_responses", row)
             out.count("check:incomplete", int(len(json.loads(row["responses"])) != row["parts"]))
+        elif kind == "expired":
+            out.count(EXPIRED_REQUEST)
+            if expired < SHOWN_EXPIRED:
+                out.count(f"{EXPIRED_REQUEST}{row['clientid']}/{row['request']}: parts {row['received']} "
+                          f"of {row['parts']}, the first in slice {row['since']}")
+            expired += 1
         elif write_state:
             out.emit("pending_responses", row)
     yield _arrow(out.report())

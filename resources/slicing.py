@@ -21,6 +21,10 @@ class SlicingResource(ConfigurableResource):
     schema_wait_slices: int = Field(
         default=4, ge=0, description="slices a Qlik data message waits for its schema's metadata message before it is "
                                      "also a dead letter (EA-SCHEMA-UNKNOWN); the slice that registers it applies it")
+    parts_wait_slices: int = Field(
+        default=96, ge=0, description="slices a request of several parts waits for its missing parts, counted from "
+                                      "the slice of its first (a day at the default interval); then its pending parts "
+                                      "are dropped and the no_request_expired check names it")
     offsets_went_back: Literal["report", "restart"] = Field(
         default="report", description="a partition whose offsets went below the slices' (a topic created again, "
                                       "another cluster): report it at every tick, or read it again from its first offset")

@@ -176,6 +176,22 @@ def test_incomplete_request_stays_pending():
     assert list(core.split_complete(core.group_requests([part]), "0000000001")) == [("pending", part)]
 
 
+def test_a_request_incomplete_for_its_wait_expires_from_the_slice_of_its_first_part():
+    def part(number, slice_key):
+        return {**LINEAGE, "slice": slice_key, "clientid": "c", "request": 7, "user": "u", "dbid": "d",
+                "stream": "entity-updates", "part": number, "parts": 3, "begun": 0, "ended": number, "status": 1}
+
+    rows = [part(1, "0000000002"), part(3, "0000000004")]
+    for key in ("0000000004", "0000000005"):
+        assert [kind for kind, _ in core.split_complete(core.group_requests(rows), key, 4)] == ["pending"] * 2
+    assert list(core.split_complete(core.group_requests(rows), "0000000006", 4)) == [
+        ("expired", {"clientid": "c", "request": 7, "parts": 3, "received": [1, 3], "since": "0000000002"})]
+    assert [kind for kind, _ in core.split_complete(core.group_requests(rows), "0000000009")] == ["pending"] * 2
+    # the wait never cuts short a request that is complete
+    rows.append(part(2, "0000000009"))
+    assert [kind for kind, _ in core.split_complete(core.group_requests(rows), "0000000009", 0)] == ["complete"]
+
+
 def test_a_request_whose_parts_give_different_counts_waits_for_the_largest():
     def part(number, parts):
         return {**LINEAGE, "clientid": "c", "request": 1, "user": "u", "dbid": "d", "part": number,

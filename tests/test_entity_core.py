@@ -438,6 +438,27 @@ def test_the_parts_of_a_request_reach_kafka_in_part_order(pipeline):
     assert len(rows(pipeline, "partial_responses")) == 48 and len(messages(pipeline, "complete-responses")) == 12
 
 
+def test_a_request_whose_last_part_never_comes_expires_after_its_wait(make_pipeline):
+    """A client that died between the parts of a schema request (one message a part): its part
+    waits `parts_wait_slices` slices in pending_responses, then leaves it, named by a WARN check."""
+    pipeline = make_pipeline(parts_wait_slices=1)
+    part1 = {**samples.SEED_SCHEMA_PATCH, "request": 21, "parts": 2, "part": 1}
+    pipeline.produce([("schema-patches", "my-db", samples.encode(part1))])
+    [r1] = pipeline.tick()
+    first = pipeline.run_request(r1)
+    assert first.success and pipeline.checks(first)["no_request_expired"].passed
+    assert one(rows(pipeline, "pending_responses"))["request"] == 21
+    pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
+    [r2] = pipeline.tick()
+    second = pipeline.run_request(r2)
+    assert second.success
+    assert not rows(pipeline, "pending_responses") and not rows(pipeline, "complete_responses", request=21)
+    check = pipeline.checks(second)["no_request_expired"]
+    assert not check.passed and check.metadata["expired"].value == 1
+    assert check.metadata["first"].value == [f"{part1['clientid']}/21: parts [1] of 2, the first in slice {K1}"]
+    assert one(rows(pipeline, "partial_responses", request=21))["part"] == 1  # its result went out
+
+
 def test_a_state_step_refuses_a_slice_whose_input_is_not_written_yet(pipeline):
     """Materializing a subset out of order (the UI lets one): apply_patches on a slice whose
     entity_patches has not run would apply nothing and record the slice as applied, and the

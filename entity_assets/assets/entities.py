@@ -4,6 +4,7 @@ from functools import partial
 
 from dagster import (
     AssetCheckResult,
+    AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
     AssetObservation,
@@ -119,6 +120,8 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
                        description="schema-updates holds only status 1"),
         AssetCheckSpec("responses_have_every_part", asset="complete_responses",
                        description="every complete response carries `parts` responses"),
+        AssetCheckSpec("no_request_expired", asset="complete_responses",
+                       description="no request stayed incomplete for the slicing resource's parts_wait_slices"),
         AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
         AssetCheckSpec("one_row_per_database", asset="schemas", description="no database appears twice"),
         delivery_check_spec("entity_updates", "the streams apply_patches publishes"),
@@ -177,7 +180,8 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
         completed = run_buckets(spark, sources, fold.multipart_parts, fold.complete_task,
                                 key_columns=("clientid", "request"), order=REQUEST_ORDER,
                                 rows=counts["multipart"] + sum(f.rows for f in pending), slice_key=key, uris=uris,
-                                storage_options=engine.storage_options, write_state=pending_apply, publishing=publish_to)
+                                storage_options=engine.storage_options, write_state=pending_apply,
+                                wait_slices=slicing.parts_wait_slices, publishing=publish_to)
         counts += pop_counts(completed)
         files = merge_files(files, completed)
     new_pending = files.pop("pending_responses", [])
@@ -217,6 +221,12 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                                metadata={"status_min_max": str(statuses), "checked": "parquet statistics of every file"})
     yield AssetCheckResult(asset_key="complete_responses", check_name="responses_have_every_part",
                            passed=counts["check:incomplete"] == 0, metadata={"incomplete": counts["check:incomplete"]})
+    expired = sorted(name[len(fold.EXPIRED_REQUEST):] for name in counts
+                     if name.startswith(fold.EXPIRED_REQUEST) and name != fold.EXPIRED_REQUEST)
+    yield AssetCheckResult(asset_key="complete_responses", check_name="no_request_expired",
+                           passed=not counts[fold.EXPIRED_REQUEST], severity=AssetCheckSeverity.WARN,
+                           metadata={"expired": counts[fold.EXPIRED_REQUEST],
+                                     "first": MetadataValue.json(expired[:fold.SHOWN_EXPIRED])})
     yield one_row_per_key(engine, "entities", key, counts, entities, asset_key="entities",
                           check_name="one_row_per_entity")
     yield one_row_per_key(engine, "schemas", key, counts, schemas, asset_key="schemas",
