@@ -459,6 +459,26 @@ def test_a_request_whose_last_part_never_comes_expires_after_its_wait(make_pipel
     assert one(rows(pipeline, "partial_responses", request=21))["part"] == 1  # its result went out
 
 
+def test_patches_refuse_a_slice_while_any_slice_of_its_dedupe_window_is_not_ingested(pipeline):
+    """Slice 2 failed at ingest while slices 3 and 4 went on: slice 4's patches would miss slice
+    2's deliveries of its requests, and apply one redelivered there a second time."""
+    keys = []
+    for r in range(4):
+        pipeline.produce([record(batch(60 + r, [patch(f"window-{r}", [{"op": "add", "path": "n", "value": r}])],
+                                       begun=BEGUN + r))])
+        [request] = pipeline.tick()
+        keys.append(request.partition_key)
+    k1, k2, k3, k4 = keys
+    assert pipeline.run(k1).success
+    for key in (k3, k4):
+        assert pipeline.run(key, assets=pipeline.asset_keys_of("entity_batches")).success
+    early = pipeline.run(k4, assets=pipeline.asset_keys_of("entity_patches"), raise_on_error=False)
+    [failure] = [e for e in early.all_events if e.is_step_failure]
+    assert f"entity_batches holds no slice {k2}" in pipeline.failure_text(failure)
+    assert pipeline.run(k2, assets=pipeline.asset_keys_of("entity_batches")).success
+    assert pipeline.run(k4, assets=pipeline.asset_keys_of("entity_patches")).success
+
+
 def test_a_state_step_refuses_a_slice_whose_input_is_not_written_yet(pipeline):
     """Materializing a subset out of order (the UI lets one): apply_patches on a slice whose
     entity_patches has not run would apply nothing and record the slice as applied, and the
@@ -470,6 +490,12 @@ def test_a_state_step_refuses_a_slice_whose_input_is_not_written_yet(pipeline):
     [failure] = [e for e in early.all_events if e.is_step_failure]
     assert failure.step_key == "apply_patches"
     assert f"slice {K1}: entity_patches holds no rows of it yet" in pipeline.failure_text(failure)
+    # so do the stream steps after it, which would write the slice empty and hand that on
+    for step, table in (("zone_changes", "entity_updates"), ("changes_by_device", "zone_changes")):
+        early = pipeline.run(K1, assets=pipeline.asset_keys_of(step), raise_on_error=False)
+        [failure] = [e for e in early.all_events if e.is_step_failure]
+        assert failure.step_key == step
+        assert f"slice {K1}: {table} holds no rows of it yet" in pipeline.failure_text(failure)
     assert pipeline.run_request(request).success
     assert one(rows(pipeline, "entities"))["entity"] == SALLY
     # the tables whose stream a later step publishes promise no publish record of their own: the

@@ -203,17 +203,19 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     """The slice's rows of an input table, and the Kafka coordinates of its redeliveries: (rows in, coordinates).
 
     A row is a redelivery when a row with the same `identity` came earlier in this slice (by
-    Kafka coordinates) or in the `window` slices before it. Those slices must be ingested,
-    so a slice refuses to go before them. Only identity and coordinate columns are read
+    Kafka coordinates) or in the `window` slices before it. Each of those slices must be
+    ingested, so a slice refuses to go before them: one that failed at ingest while later ones
+    went on would hide its deliveries from them. Only identity and coordinate columns are read
     (`storage.repeated_deliveries`): by the driver for a small slice, else by tasks that
     split the identities among them, from which only the redeliveries come back.
     """
     from entity_assets.slices import slice_key as key_of, slice_seq
 
     seq = slice_seq(slice_key)
-    if seq > 1 and not engine.reached(table, key_of(seq - 1), "replace_slice"):
-        raise OutOfOrder(f"slice {slice_key}: {table} holds no slice {key_of(seq - 1)}, so redeliveries cannot "
-                         f"be found; slice {key_of(seq - 1)} is missing: materialize the slices in order")
+    for before in range(seq - 1, max(0, seq - max(window, 1) - 1), -1):
+        if not engine.reached(table, key_of(before), "replace_slice"):
+            raise OutOfOrder(f"slice {slice_key}: {table} holds no slice {key_of(before)}, so redeliveries cannot "
+                             f"be found; slice {key_of(before)} is missing: materialize the slices in order")
     files = engine.slice_files(table, [slice_key])
     rows_in = sum(f.rows for f in files)
     if not rows_in:  # nothing to look for: no Spark job (most slices carry no schema patches)
@@ -269,14 +271,15 @@ def slice_of(context) -> str:
 
 
 def require_inputs(engine: DeltaRsEngine, slice_key: str, tables: Iterable[str], step: str) -> None:
-    """Refuses a state step of a slice whose input tables hold no commit of it (a subset of the
-    graph materialized out of order): applied to no rows, the state would record the slice as
-    applied (`state_version`), and the slice's later runs would only replay it, so its changes
-    would never reach the state."""
+    """Refuses a step of a slice whose input tables hold no commit of it (a subset of the graph
+    materialized out of order, or a step whose commits one failure split). Applied to no rows,
+    a state would record the slice as applied (`state_version`), and the slice's later runs
+    would only replay it, so its changes would never reach the state; a stream would hold the
+    slice empty, and hand that on to the steps after it."""
     if missing := [t for t in tables if not (engine.exists(t) and engine.reached(t, slice_key, "replace_slice"))]:
         names = ", ".join(missing)
-        raise OutOfOrder(f"slice {slice_key}: {names} holds no rows of it yet, and {step} would record the slice "
-                         f"as applied without them: materialize {names} for slice {slice_key} first")
+        raise OutOfOrder(f"slice {slice_key}: {names} holds no rows of it yet, and {step} would write the slice "
+                         f"without them: materialize {names} for slice {slice_key} first")
 
 
 def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bool, int | None]:

@@ -53,6 +53,7 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["zone_changes"], reads=["entity_updates"])
+    require_inputs(engine, key, ("entity_updates",), "zone_changes")
     summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
                                     "zone_changes", key, fold.zone_changes_task)
     zones = sorted(((name.split(":", 1)[1], n) for name, n in counts.items() if name.startswith("subjectZone:")),
@@ -86,6 +87,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["changes_by_device"], reads=["zone_changes", "entities"])
+    require_inputs(engine, key, ("zone_changes",), "changes_by_device")
     version = engine.version_after("entities", key, "apply")
     if version is None:
         raise Failure(f"entities has no state for slice {key}: materialize apply_patches for it first")
