@@ -594,6 +594,23 @@ last checkpoint: at Delta's default of 100, up to 99 commit files, which a step 
 opens (measured at 65 commits: 35 ms, and 134 requests to an S3 endpoint; at 10: 12 ms and 25
 requests). A checkpoint of a 20,000-file table took 0.09 s to write."""
 LOG_RETENTION_SETTING = "delta.logRetentionDuration"
+DONE_PROPERTY = "entity_assets.slicesDone."
+"""Table property per operation: the slices whose commits `expire_log` may delete, as ranges
+("1-40,42-97"), so that `reached` still knows them (a gap is a slice that never succeeded)."""
+
+
+def _parse_ranges(text: str) -> list[tuple[int, int]]:
+    return [(int(low), int(high or low)) for low, _, high in (part.partition("-") for part in text.split(",") if part)]
+
+
+def _format_ranges(ranges: Iterable[tuple[int, int]]) -> str:
+    merged: list[list[int]] = []
+    for low, high in sorted(ranges):
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], high)
+        else:
+            merged.append([low, high])
+    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in merged)
 
 
 def _post_commit():
@@ -690,18 +707,20 @@ class DeltaRsEngine:
                               configuration={CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)},
                               storage_options=self.storage_options, post_commithook_properties=_post_commit())
             return
-        self._set_property(table, CHECKPOINT_SETTING, str(CHECKPOINT_INTERVAL))
+        self._set_properties(table, {CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)})
         dt = self._open(table)
         present = set(pa.schema(dt.schema().to_arrow()).names)
         if missing := [schema.field(n) for n in added_in_place if n not in present]:
             dt.alter.add_columns([Field.from_arrow(f) for f in missing], post_commithook_properties=_post_commit())
             self._written.add(table)
 
-    def _set_property(self, table: str, name: str, value: str) -> None:
-        """Sets a table property on the step's handle of the table, in a commit only when it changes."""
+    def _set_properties(self, table: str, properties: dict[str, str]) -> None:
+        """Sets table properties on the step's handle of the table, in one commit only when one changes."""
         dt = self._open(table)
-        if dt.metadata().configuration.get(name) != value:
-            dt.alter.set_table_properties({name: value}, post_commithook_properties=_post_commit())
+        configuration = dt.metadata().configuration
+        if changed := {name: value for name, value in properties.items() if configuration.get(name) != value}:
+            dt.alter.set_table_properties(changed, raise_if_not_exists=False,  # DONE_PROPERTY is none of Delta's
+                                          post_commithook_properties=_post_commit())
             self._written.add(table)
 
     def _check_layout(self, table: str, dt, schema: pa.Schema) -> None:
@@ -836,11 +855,10 @@ class DeltaRsEngine:
                      and e.get("entity_assets.operation") == operation), None)
 
     def reached(self, table: str, slice_key: str, operation: str) -> bool:
-        """Whether `operation` was done for `slice_key`: the log holds its commit, or the log no
-        longer reaches back to it. `expire_log` keeps the last slice's commit but not older ones,
-        so a re-run of a slice older than the log's retention (a rebuild) cannot find the commit
-        of the slice before it, but it holds a later slice's. A whole log is checked as it is: a
-        later slice's commit there does not make an earlier one (ingest takes slices in any order)."""
+        """Whether `operation` was done for `slice_key`: the log holds its commit, or the slices
+        `expire_log` recorded before it deleted older commits hold it. A whole log is checked as
+        it is: a later slice's commit there does not make an earlier one (ingest takes slices in
+        any order, so a slice that failed may sit between two that did not)."""
         later, first_version = False, 0
         for entry in self._history(table):
             first_version = entry["version"]
@@ -848,7 +866,12 @@ class DeltaRsEngine:
                 if entry["entity_assets.slice"] == slice_key:
                     return True
                 later = later or entry["entity_assets.slice"] > slice_key
-        return first_version > 0 and later
+        if first_version == 0:
+            return False
+        recorded = self._open(table).metadata().configuration.get(DONE_PROPERTY + operation)
+        if recorded is None:  # a log that an older release trimmed: a later slice's commit stands for it
+            return later
+        return any(low <= int(slice_key) <= high for low, high in _parse_ranges(recorded))
 
     def slices_done(self, table: str, operation: str) -> Iterator[str]:
         """The slice keys of the commits of `operation` that the log holds, newest first."""
@@ -947,13 +970,28 @@ class DeltaRsEngine:
         while that commit is old and a checkpoint follows it (maintenance commits of an idle
         lake), nothing is deleted.
         """
-        self._set_property(table, LOG_RETENTION_SETTING, f"interval {retention_hours} hours")
-        dt = self._open(table)
+        entries = self._open(table).history()
+        history = [e for e in entries if "entity_assets.slice" in e]
+        # the slices done, by operation, as `reached` needs them once their commits are deleted
+        done: dict[str, list[tuple[int, int]]] = {}
+        for entry in history:
+            done.setdefault(entry.get("entity_assets.operation", ""), []).append((int(entry["entity_assets.slice"]),) * 2)
+        configuration = self._open(table).metadata().configuration
+        recorded = {name[len(DONE_PROPERTY):]: value for name, value in configuration.items()
+                    if name.startswith(DONE_PROPERTY)}
+        for op, value in recorded.items():
+            done.setdefault(op, []).extend(_parse_ranges(value))
+        if not recorded and min((e["version"] for e in entries), default=0) > 0:
+            # a log an older release trimmed: what it deleted is taken as done, as that release did
+            for ranges in done.values():
+                ranges.append((1, min(low for low, _ in ranges) - 1))
+        self._set_properties(table, {LOG_RETENTION_SETTING: f"interval {retention_hours} hours",
+                                     **{DONE_PROPERTY + op: _format_ranges(ranges) for op, ranges in done.items() if op}})
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)
         before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
         # the last slice's commit: not always the newest slice commit, as a re-run of an older slice comes after it
-        last = max((e for e in dt.history() if "entity_assets.slice" in e), default=None,
-                   key=lambda e: (e["entity_assets.slice"], e["version"]))
+        last = max(history, default=None, key=lambda e: (e["entity_assets.slice"], e["version"]))
+        dt = self._open(table)
         checkpoints = [int(info.base_name[:20]) for info in before if ".checkpoint." in info.base_name]
         cutoff_ms = (time.time() - retention_hours * 3600) * 1000
         if last and checkpoints and last["version"] < max(checkpoints) and last["timestamp"] < cutoff_ms:

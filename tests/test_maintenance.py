@@ -134,6 +134,58 @@ def test_the_log_keeps_the_commit_of_a_table_s_last_slice_which_the_next_slice_l
     assert not other.reached("dead_letters", "0000000001", "replace_slice")
 
 
+def test_a_slice_that_never_succeeded_is_not_taken_as_done_once_the_log_is_trimmed(tmp_path):
+    """Slice 4 failed while slices 3 and 5 went on: after the log lost the commits of slices 1
+    and 2, a later slice's commit must not stand for slice 4's, which the guards of the steps
+    after it (redeliveries, inputs, publish order) ask for."""
+    from deltalake import DeltaTable
+
+    engine = DeltaRsEngine(str(tmp_path))
+
+    def commit(seq: int) -> None:
+        key = f"{seq:010d}"
+        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+
+    for seq in (1, 2):
+        commit(seq)
+    engine.expire_log("dead_letters", 0)
+    DeltaTable(engine.uri("dead_letters")).create_checkpoint()
+    commit(3)
+    assert engine.expire_log("dead_letters", 0) > 0
+    commit(5)
+    assert engine.version_after("dead_letters", "0000000001", "replace_slice") is None
+    assert [engine.reached("dead_letters", f"{seq:010d}", "replace_slice") for seq in range(1, 7)] == [
+        True, True, True, False, True, False]
+    assert not engine.reached("dead_letters", "0000000001", "apply")
+    # the next trim keeps what this one recorded, and adds slice 5
+    DeltaTable(engine.uri("dead_letters")).create_checkpoint()
+    engine.expire_log("dead_letters", 0)
+    assert DeltaTable(engine.uri("dead_letters")).metadata().configuration[
+        "entity_assets.slicesDone.replace_slice"] == "1-3,5"
+    assert [engine.reached("dead_letters", f"{seq:010d}", "replace_slice") for seq in range(1, 7)] == [
+        True, True, True, False, True, False]
+
+
+def test_a_log_an_older_release_trimmed_takes_what_it_lost_as_done(tmp_path):
+    from deltalake import DeltaTable
+
+    engine = DeltaRsEngine(str(tmp_path))
+    for seq in (1, 2, 3):
+        key = f"{seq:010d}"
+        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+    table = DeltaTable(engine.uri("dead_letters"))
+    table.alter.set_table_properties({"delta.logRetentionDuration": "interval 0 hours"})
+    table.create_checkpoint()
+    table.cleanup_metadata()  # as that release's expire_log did, recording nothing
+    key = "0000000005"
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+    assert engine.version_after("dead_letters", "0000000003", "replace_slice") is None
+    assert engine.reached("dead_letters", "0000000002", "replace_slice")
+    engine.expire_log("dead_letters", 0)  # records the slices before the log's first one, and those it holds
+    assert DeltaTable(engine.uri("dead_letters")).metadata().configuration[
+        "entity_assets.slicesDone.replace_slice"] == "1-5"
+
+
 def test_a_stream_publishes_a_slice_after_the_slice_before_unless_the_table_starts_there(tmp_path):
     """`require_published`: what a step checks before it runs, on its stream table's log."""
     from entity_assets.assets.common import OutOfOrder, record_published, require_published
