@@ -25,6 +25,12 @@ def _parquet(engine: DeltaRsEngine, table: str) -> set[str]:
     return {f for f in os.listdir(engine.uri(table)) if f.endswith(".parquet")}
 
 
+def _commit_slice(engine: DeltaRsEngine, seq: int) -> None:
+    """Slice `seq`'s one dead letter, as its ingest commits it."""
+    key = f"{seq:010d}"
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+
+
 def test_vacuum_keeps_the_snapshot_and_deletes_what_no_version_needs(tmp_path):
     engine = DeltaRsEngine(str(tmp_path))
     engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", "0000000001", 3),
@@ -77,8 +83,7 @@ def test_commits_leave_expired_log_files_to_maintenance_at_the_vacuum_retention(
 
     engine = DeltaRsEngine(str(tmp_path))
     for seq in range(1, 13):  # a checkpoint at version 9, the tenth commit
-        key = f"{seq:010d}"
-        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+        _commit_slice(engine, seq)
     log = tmp_path / "dead_letters" / "_delta_log"
     assert (log / f"{0:020d}.json").exists() and (log / f"{9:020d}.checkpoint.parquet").exists()
 
@@ -104,19 +109,15 @@ def test_the_log_keeps_the_commit_of_a_table_s_last_slice_which_the_next_slice_l
 
     engine = DeltaRsEngine(str(tmp_path))
 
-    def commit(seq: int) -> None:
-        key = f"{seq:010d}"
-        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
-
     for seq in (1, 2):
-        commit(seq)
+        _commit_slice(engine, seq)
     assert engine.expire_log("dead_letters", 0) == 0  # version 3 sets the retention; no checkpoint yet
     DeltaTable(engine.uri("dead_letters")).create_checkpoint()  # as an idle lake's maintenance commits make one
-    commit(1)  # version 4: a re-run of slice 1, after the checkpoint
+    _commit_slice(engine, 1)  # version 4: a re-run of slice 1, after the checkpoint
     assert engine.expire_log("dead_letters", 0) == 0
     assert engine.version_after("dead_letters", "0000000002", "replace_slice") == 2
 
-    commit(3)
+    _commit_slice(engine, 3)
     assert engine.expire_log("dead_letters", 0) == 3  # versions 0-2, before the checkpoint
     assert engine.version_after("dead_letters", "0000000002", "replace_slice") is None
     assert engine.version_after("dead_letters", "0000000003", "replace_slice") == 5
@@ -142,17 +143,13 @@ def test_a_slice_that_never_succeeded_is_not_taken_as_done_once_the_log_is_trimm
 
     engine = DeltaRsEngine(str(tmp_path))
 
-    def commit(seq: int) -> None:
-        key = f"{seq:010d}"
-        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
-
     for seq in (1, 2):
-        commit(seq)
+        _commit_slice(engine, seq)
     engine.expire_log("dead_letters", 0)
     DeltaTable(engine.uri("dead_letters")).create_checkpoint()
-    commit(3)
+    _commit_slice(engine, 3)
     assert engine.expire_log("dead_letters", 0) > 0
-    commit(5)
+    _commit_slice(engine, 5)
     assert engine.version_after("dead_letters", "0000000001", "replace_slice") is None
     assert [engine.reached("dead_letters", f"{seq:010d}", "replace_slice") for seq in range(1, 7)] == [
         True, True, True, False, True, False]
@@ -171,14 +168,12 @@ def test_a_log_an_older_release_trimmed_takes_what_it_lost_as_done(tmp_path):
 
     engine = DeltaRsEngine(str(tmp_path))
     for seq in (1, 2, 3):
-        key = f"{seq:010d}"
-        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+        _commit_slice(engine, seq)
     table = DeltaTable(engine.uri("dead_letters"))
     table.alter.set_table_properties({"delta.logRetentionDuration": "interval 0 hours"})
     table.create_checkpoint()
     table.cleanup_metadata()  # as that release's expire_log did, recording nothing
-    key = "0000000005"
-    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", key, 1), key)
+    _commit_slice(engine, 5)
     assert engine.version_after("dead_letters", "0000000003", "replace_slice") is None
     assert engine.reached("dead_letters", "0000000002", "replace_slice")
     engine.expire_log("dead_letters", 0)  # records the slices before the log's first one, and those it holds
