@@ -273,14 +273,17 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     return _materialize(instance, pending, selection, log)
 
 
-def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=print) -> list[dict]:
+def run_slices(first: int, last: int, *, assets: list[str] | None = None, republish: bool = False,
+               log=print) -> list[dict]:
     """Materializes slices `first`..`last` again, in order, whatever their runs so far: the rebuild
     of a table deleted after an upgrade (docs/operations.md), or slices re-run after a fix.
 
     One run per slice in this process, as `run_pending` makes them: a backfill through the
     daemon starts a process per slice, which costs each small slice ~4 s more (bench/README.md).
     `assets`: those assets (with the other assets of their steps) instead of the whole graph.
+    `republish`: publish slices older than the newest published too (`assets.common.publishes_slice`).
     """
+    from entity_assets.assets.common import REPUBLISH_TAG
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
     from entity_assets.slices import run_key, slice_key
@@ -300,7 +303,8 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, log=pr
             raise ValueError(f"no asset {', '.join(unknown)}; the assets are {', '.join(sorted(ops))}")
         steps = sorted({ops[a] for a in assets})
     runs = [(slice_key(s), run_key(slice_key(s), closed[s])) for s in range(first, last + 1)]
-    return _materialize(instance, runs, _steps_selection(steps), log)
+    return _materialize(instance, runs, _steps_selection(steps), log,
+                        tags={REPUBLISH_TAG: "true"} if republish else {})
 
 
 def _step_of_asset() -> dict:
@@ -317,7 +321,7 @@ def _steps_selection(steps: list[str] | None):
     return [key for key, op in _step_of_asset().items() if op in steps]
 
 
-def _materialize(instance, runs: list[tuple[str, str]], selection, log) -> list[dict]:
+def _materialize(instance, runs: list[tuple[str, str]], selection, log, tags: dict | None = None) -> list[dict]:
     """One slice_job run per (slice key, run key), in order, until one fails: later slices would
     be refused, as state applies in slice order."""
     from entity_assets.definitions import defs
@@ -329,7 +333,8 @@ def _materialize(instance, runs: list[tuple[str, str]], selection, log) -> list[
     for key, run in runs:
         started = time.monotonic()
         outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
-                                         tags={"dagster/run_key": run, **worker_tag()}, asset_selection=selection)
+                                         tags={"dagster/run_key": run, **worker_tag(), **(tags or {})},
+                                         asset_selection=selection)
         materialized = Counter()
         for event in outcome.get_asset_materialization_events():
             mat = event.event_specific_data.materialization
@@ -365,8 +370,9 @@ def _run_all(runs=run_pending) -> int:
 
 def cmd_run(args) -> int:
     if args.slices is None:
-        if args.assets:
-            print("--assets needs --slices: pending slices run through the whole graph", file=sys.stderr)
+        if args.assets or args.republish:
+            print(f"{'--assets' if args.assets else '--republish'} needs --slices: pending slices run through "
+                  "the whole graph, and publish", file=sys.stderr)
             return 2
         return _run_all(lambda: run_pending(max_messages=args.max_messages))
     first, dots, last = args.slices.partition("..")
@@ -374,7 +380,7 @@ def cmd_run(args) -> int:
         print(f"--slices {args.slices}: give slice numbers, FIRST or FIRST..LAST", file=sys.stderr)
         return 2
     assets = [a.strip() for a in args.assets.split(",")] if args.assets else None
-    return _run_all(lambda: run_slices(int(first), int(last or first), assets=assets))
+    return _run_all(lambda: run_slices(int(first), int(last or first), assets=assets, republish=args.republish))
 
 
 def lake_summary() -> dict[str, dict]:
@@ -565,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="materialize these closed slices again, in order (numbers), instead of the pending ones")
     run.add_argument("--assets", metavar="NAME[,NAME]", default=None,
                      help="with --slices: only these assets (and the other assets of their steps)")
+    run.add_argument("--republish", action="store_true",
+                     help="with --slices: publish slices older than the newest published too (their messages "
+                          "overtake newer ones of the same keys), e.g. messages left out as too large")
     sub.add_parser("summary", help="rows per table and dead letters per code")
     trace_ = sub.add_parser("trace", help="one input record's rows in every table, down to the notified devices' inboxes")
     trace_.add_argument("record", metavar="TOPIC:PARTITION:OFFSET",

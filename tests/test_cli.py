@@ -54,6 +54,7 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     for args, says in ((("--slices", f"1..{slices + 1}"), f"the sensor has closed slices 1..{slices}"),
                        (("--slices", "1", "--assets", "zone_change"), "no asset zone_change"),
                        (("--assets", "devices"), "--assets needs --slices"),
+                       (("--republish",), "--republish needs --slices"),
                        (("--slices", "first"), "give slice numbers"),
                        (("--slices", "2..1"), "the first comes after the last")):
         assert cli.main(["run", *args]) == 2

@@ -459,6 +459,33 @@ def test_a_request_whose_last_part_never_comes_expires_after_its_wait(make_pipel
     assert one(rows(pipeline, "partial_responses", request=21))["part"] == 1  # its result went out
 
 
+def test_a_slice_run_again_after_a_later_one_publishes_only_when_told(pipeline):
+    """Slice 1's messages carry older values of the keys slice 2 updated: published again, they
+    would be the last word for consumers, and for compaction, which keeps a key's last message."""
+    keys = []
+    for r in range(3):
+        pipeline.produce([record(batch(80 + r, [patch("again", [{"op": "add", "path": "n", "value": r}])],
+                                       begun=BEGUN + r))])
+        [request] = pipeline.tick()
+        keys.append(request.partition_key)
+    k1, k2, k3 = keys
+    for key in (k1, k2):
+        assert pipeline.run(key).success
+    streams = ("entity-updates", "zone-changes", "partial-responses")
+    counts = {s: len(messages(pipeline, s)) for s in streams}
+    again = pipeline.run(k1)
+    assert again.success and {s: len(messages(pipeline, s)) for s in streams} == counts
+    assert pipeline.materializations(again)["entity_updates"]["published"] == 0
+    assert any(f"slice {k1} publishes nothing: slice {k2} has published" in entry.user_message
+               for entry in pipeline.instance.all_logs(again.run_id))
+    told = pipeline.run(k1, tags={common.REPUBLISH_TAG: "true"})
+    assert told.success and {s: len(messages(pipeline, s)) for s in streams} == {s: n + 1 for s, n in counts.items()}
+    # the newest slice run again publishes as any run; the next slice follows it
+    assert pipeline.run(k2).success and len(messages(pipeline, "entity-updates")) == counts["entity-updates"] + 2
+    assert pipeline.run(k3).success
+    assert [m["value"]["after"]["n"] for m in messages(pipeline, "entity-updates")][-1] == 2
+
+
 def test_patches_refuse_a_slice_while_any_slice_of_its_dedupe_window_is_not_ingested(pipeline):
     """Slice 2 failed at ingest while slices 3 and 4 went on: slice 4's patches would miss slice
     2's deliveries of its requests, and apply one redelivered there a second time."""

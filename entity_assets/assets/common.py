@@ -102,8 +102,8 @@ def task_slots(spark: SparkResource, rows: int) -> int:
     return spark.parallelism() if rows > SMALL_TASK_ROWS else 1
 
 
-def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str, slice_key: str, body: Callable,
-                 published: bool = True, **body_args) -> tuple[dict, Counter]:
+def write_stream(context, spark, kafka, slicing, engine: DeltaRsEngine, files, table: str, slice_key: str,
+                 body: Callable, published: bool = True, **body_args) -> tuple[dict, Counter]:
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
     writes and publishes `table`, committed here as the slice's rows (see `commit_stream`).
 
@@ -116,7 +116,8 @@ def write_stream(spark, kafka, slicing, engine: DeltaRsEngine, files, table: str
     publish_to = None
     if published:
         require_published(engine, table, slice_key)
-        publish_to = publishing(kafka, engine, [table])
+        if publishes_slice(context, engine, table, slice_key):
+            publish_to = publishing(kafka, engine, [table])
     fn = partial(over_files, body=body, slice_key=slice_key, uris={table: engine.uri(table)},
                  storage_options=engine.storage_options, publishing=publish_to, **body_args)
     rows = sum(f.rows for f in files)
@@ -543,8 +544,40 @@ def require_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None
                      f"or has not run): run slice {before} first, so that a key's messages reach Kafka in order")
 
 
+REPUBLISH_TAG = "entity_assets/republish"
+"""A run tagged with it "true" publishes a slice older than one already published (see `publishes_slice`)."""
+
+
+def _published_after(engine: DeltaRsEngine, table: str, slice_key: str) -> str | None:
+    """The newest slice `table`'s stream published, if later than `slice_key`. Slices publish in
+    order, and a re-run of an older one records no publish, so the newest publish commit is it."""
+    newest = next(engine.slices_done(table, PUBLISH), None)
+    return newest if newest is not None and newest > slice_key else None
+
+
+def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) -> bool:
+    """Whether this run of the slice publishes the streams of `table`'s step: not when a later
+    slice's messages are out already. The slice's messages carry older values of keys that
+    later ones updated: consumers would take them as the latest, and so would compaction, which
+    keeps a key's last message. Its rows are rewritten all the same."""
+    later = _published_after(engine, table, slice_key)
+    if later is None:
+        return True
+    if context.run.tags.get(REPUBLISH_TAG) == "true":
+        context.log.warning(f"slice {slice_key} publishes again after slice {later} ({REPUBLISH_TAG}): "
+                            "its messages overtake newer ones of their keys")
+        return True
+    context.log.warning(f"slice {slice_key} publishes nothing: slice {later} has published {table}'s stream, "
+                        f"whose newer values of the same keys its messages would overtake (tag the run "
+                        f"{REPUBLISH_TAG}=true, or `entity-assets run --republish`, to publish them anyway)")
+    return False
+
+
 def record_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None:
-    engine.commit(table, SCHEMAS[table], add=[], operation=PUBLISH, slice_key=slice_key)
+    """A `publish` commit, which the next slice asks for; none for a slice older than the newest
+    published, whose own is there from its first run."""
+    if _published_after(engine, table, slice_key) is None:
+        engine.commit(table, SCHEMAS[table], add=[], operation=PUBLISH, slice_key=slice_key)
 
 
 OUTBOX_FOLDER = "_outbox"

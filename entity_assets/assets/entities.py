@@ -29,6 +29,7 @@ from entity_assets.assets.common import (
     pop_counts,
     pop_undeliverable,
     publish_outbox,
+    publishes_slice,
     publishing,
     record_published,
     redeliveries,
@@ -76,7 +77,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     ensure_tables(engine, ["entity_patches"], reads=["entity_batches"])
     batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"),
                                            slicing.dedupe_window_slices)
-    summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
+    summary, counts = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
                                    "entity_patches", key, fold.explode_task, published=False, redelivered=redelivered)
     meta = table_metadata(engine, "entity_patches", summary)
     meta.update(batches=batches_in, duplicates=counts["redelivered"])
@@ -141,7 +142,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
     require_inputs(engine, key, ("entity_patches", "schema_patches"), "apply_patches")
     require_published(engine, "entity_updates", key)
-    publish_to = publishing(kafka, engine, PUBLISHED)
+    publish_to = publishing(kafka, engine, PUBLISHED) if publishes_slice(context, engine, "entity_updates", key) else None
 
     # entities: each task folds whole buckets, reading their row groups of the slice's patches
     apply, snapshot, state_files = state_snapshot(engine, "entities", key)

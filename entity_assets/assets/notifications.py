@@ -19,6 +19,7 @@ from entity_assets.assets.common import (
     ensure_tables,
     fold_buckets,
     one_row_per_key,
+    publishes_slice,
     publishing,
     require_inputs,
     require_published,
@@ -54,7 +55,7 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["zone_changes"], reads=["entity_updates"])
     require_inputs(engine, key, ("entity_updates",), "zone_changes")
-    summary, counts = write_stream(spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
+    summary, counts = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
                                     "zone_changes", key, fold.zone_changes_task)
     zones = sorted(((name.split(":", 1)[1], n) for name, n in counts.items() if name.startswith("subjectZone:")),
                    key=lambda zn: (-zn[1], zn[0]))
@@ -99,7 +100,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
             for r in to_rows(state) if not r["deleted"]] if state.num_rows else []
     subscriptions = [(dbid, zone, entity, sub) for dbid, zone, entity, sub, _ in read if sub is not None]
     invalid = {f"{dbid}/{zone}/{entity}": error for dbid, zone, entity, _, error in read if error}
-    summary, _ = write_stream(spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
+    summary, _ = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
                                "changes_by_device", key, fold.fan_out_task, published=False,
                                subscriptions=subscriptions, columns=fold.FAN_OUT_COLUMNS)
     shown = dict(sorted(invalid.items())[:INVALID_SHOWN])
@@ -131,7 +132,8 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}
     require_inputs(engine, key, ("changes_by_device", "notification_acks"), "device_notifications")
     require_published(engine, "device_notifications", key)
-    publish_to = publishing(kafka, engine, ["changes_by_device", "device_notifications"])
+    publish_to = (publishing(kafka, engine, ["changes_by_device", "device_notifications"])
+                  if publishes_slice(context, engine, "device_notifications", key) else None)
     files, inboxes = fold_buckets(spark, {"changes_by_device": note_files, "notification_acks": ack_files},
                                   fold.inbox_events, fold.inbox_task, key_columns=("device",),
                                   order=fold.INBOX_ORDER, engine=engine,
