@@ -145,14 +145,14 @@ def produce_records(records, kafka=None, streams: set[str] | None = None) -> Cou
 
     kafka = kafka or kafka_resource()
     held = cluster_metadata(kafka.config()).topics
-    if missing := sorted(kafka.topic(s) for s in streams or () if kafka.topic(s) not in held):
+    if missing := sorted(kafka.topic_named(s) for s in streams or () if kafka.topic_named(s) not in held):
         raise UsageError(f"no topic {', '.join(missing)} on the cluster: give an input stream "
                          f"({', '.join(INPUT_STREAMS)}) or an ingestion topic that exists "
                          "(`entity-assets topics` creates the input topics)")
     counts: Counter = Counter()
     # streamed, one producer per run of records of one stream: memory stays flat in N
     for stream, run in groupby(records, key=lambda r: r[0]):
-        counts[stream] += produce(kafka.config(), kafka.topic(stream), ((k, v) for _, k, v in run))
+        counts[stream] += produce(kafka.config(), kafka.topic_named(stream), ((k, v) for _, k, v in run))
     return counts
 
 
@@ -417,7 +417,7 @@ def cmd_trace(args) -> int:
 
     resources = build_resources()
     try:
-        record = parse_record(args.record, resources["kafka"].topic)
+        record = parse_record(args.record, resources["kafka"].topic_named)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     trail = trace(resources["lake"].open(), *record)

@@ -27,7 +27,7 @@ def trace_record(context: OpExecutionContext, config: TraceConfig, lake: LakeRes
     documents (a dead letter's value can be megabytes) stay out of the event log: `entity-assets
     trace --json`."""
     try:
-        record = parse_record(config.record, kafka.topic)
+        record = parse_record(config.record, kafka.topic_named)
     except ValueError as exc:
         raise Failure(str(exc)) from None
     trail = trace(lake.open(), *record)

@@ -16,7 +16,6 @@ import pyarrow as pa
 
 from entity_assets import core
 from entity_assets.fold import key_buckets
-from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import RecordsExpired
 from entity_assets.manifests import TABLE as MANIFESTS
 from entity_assets.messages import DeadLetterCode
@@ -65,12 +64,12 @@ class Trail:
 
 
 def parse_record(text: str, topic_of) -> tuple[str, int, int]:
-    """TOPIC:PARTITION:OFFSET (a topic name may hold colons, the numbers cannot); an input
-    stream's name stands for its topic, `topic_of(stream)` (the configured prefix)."""
+    """TOPIC:PARTITION:OFFSET (a topic name may hold colons, the numbers cannot); `topic_of`
+    gives the topic of the name (`KafkaResource.topic_named`: the prefix where it lacks it)."""
     topic, partition, offset = (text.rsplit(":", 2) + ["", ""])[:3]
     if not (topic and partition.isdigit() and offset.isdigit()):
         raise ValueError(f"{text!r} is not TOPIC:PARTITION:OFFSET (e.g. entity-batches:0:17)")
-    return topic_of(topic) if topic in INPUT_STREAMS else topic, int(partition), int(offset)
+    return topic_of(topic), int(partition), int(offset)
 
 
 def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> str | None:

@@ -126,6 +126,13 @@ class KafkaResource(ConfigurableResource):
     def topic(self, stream: str) -> str:
         return f"{self.topic_prefix}{stream}"
 
+    def topic_named(self, name: str) -> str:
+        """The topic a user names (`produce file`, `trace`): an input stream's, or a topic's with or
+        without the prefix, which ingestion topics hold too."""
+        if name in INPUT_STREAMS or not name.startswith(self.topic_prefix):
+            return self.topic(name)
+        return name
+
     def new_topic_settings(self, stream: str) -> dict[str, str]:
         """Topic configs of the derived stream `stream`'s topic, for when this project creates it:
         the seed's durability, under `new_topic_config`, under the stream's own."""

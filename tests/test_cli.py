@@ -14,6 +14,7 @@ import pytest
 
 from entity_assets import cli, history, samples
 from entity_assets.slices import slice_key
+from entity_assets.trace import parse_record
 from resources import LakeResource
 
 
@@ -262,6 +263,13 @@ def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(br
     path.write_text(good + "\n")
     assert cli.main(["produce", "file", str(path)]) == 0
     assert capsys.readouterr().out == "produced 1 to connections\n"
+    # a topic named with its prefix, as `trace` takes it too, is that topic
+    path.write_text(good.replace('"connections"', f'"{prefix}connections"') + "\n")
+    assert cli.main(["produce", "file", str(path)]) == 0
+    assert partition_counts(config, [f"{prefix}{prefix}connections"]) == {}
+    topic_named = cli.kafka_resource().topic_named
+    assert parse_record(f"{prefix}connections:0:1", topic_named) == parse_record("connections:0:1", topic_named) \
+        == (f"{prefix}connections", 0, 1)
 
 
 @pytest.mark.parametrize("argv, said", [
