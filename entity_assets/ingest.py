@@ -191,9 +191,10 @@ def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, to
 def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, InputStream | IngestionStream],
                  slice_key: str, table_uris: dict[str, str], storage_options: dict | None,
                  max_rows_per_file: int = 250_000) -> Iterator[dict]:
-    """mapPartitions body: yields one dict per data file written (see storage.DataFile), and the
+    """mapPartitions body: yields one dict per data file written (see storage.DataFile), the
     count of spans of offsets that Kafka no longer held (`COUNTER + "expired"`): each is an
-    EA-EXPIRED dead letter, never a silent gap."""
+    EA-EXPIRED dead letter, never a silent gap; and of the records read (`COUNTER + "read"`),
+    fewer than a compacted topic held at the slice's first run."""
     from entity_assets.fold import COUNTER
 
     writers: dict[str, FileWriter] = {}
@@ -206,7 +207,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
-    expired = 0
+    expired = read = 0
 
     def lost(stream: str, gone: RecordsExpired) -> None:
         """One dead letter per span of offsets gone, at its first offset (no key, value or timestamp)."""
@@ -221,6 +222,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
         rows = _Rows(stream.fields, r, slice_key, writer(stream.table))
         routed: dict[str, _Rows] = {}
         for msg in read_range(kafka_config, r, expired=partial(lost, stream.name)):
+            read += 1
             try:
                 values = stream.read(msg)
             except Exception as exc:  # InvalidMessage: its code; anything else (a bug) must not lose the record either
@@ -239,6 +241,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
         for f in w.close():
             yield f.to_dict()
     yield {"table": COUNTER + "expired", "path": "", "size": 0, "rows": expired, "stats": ""}
+    yield {"table": COUNTER + "read", "path": "", "size": 0, "rows": read, "stats": ""}
 
 
 # --------------------------------------------------------------------------- Qlik data waiting for its schema

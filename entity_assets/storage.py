@@ -832,17 +832,18 @@ class DeltaRsEngine:
         return self.version(table)
 
     def replace_slice(self, table: str, schema: pa.Schema, files: Sequence[DataFile], slice_key: str,
-                      published: bool = True) -> int:
+                      published: bool = True, metadata: dict[str, str] | None = None) -> int:
         """Replaces every row of `slice_key` with `files`: a re-run rewrites, never duplicates.
 
         Its commit says that a publish commit follows it once the slice's messages are out
         (`assets.common.require_published`), which commits of older releases do not; nor do those
         of a table whose stream a later step publishes (not `published`), so that the release
-        before, which published it from this table's step, still runs after this one."""
+        before, which published it from this table's step, still runs after this one.
+        `metadata`: more commit info, see `commit`."""
         self.ensure(table, schema)
         return self.commit(table, schema, add=files, remove=self.slice_files(table, [slice_key]),
                            operation="replace_slice", slice_key=slice_key,
-                           metadata={"publish_recorded": "1"} if published else {})
+                           metadata={**({"publish_recorded": "1"} if published else {}), **(metadata or {})})
 
     def version_after(self, table: str, slice_key: str, operation: str) -> int | None:
         """The table version whose commit did `operation` for `slice_key` (newest first; None if never)."""

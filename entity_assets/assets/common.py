@@ -147,19 +147,19 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
 
 
 def commit_slice(engine: DeltaRsEngine, tables: Iterable[str], files: dict[str, list[DataFile]], slice_key: str,
-                 published: bool = True) -> dict[str, dict]:
+                 published: bool = True, metadata: dict[str, str] | None = None) -> dict[str, dict]:
     """Replaces the slice in each table (the tables at once on an object store); returns rows and
-    Delta version per table. `published`: see `DeltaRsEngine.replace_slice`."""
-    return commit_at_once(engine, {table: partial(replace_slice, engine, table, files, slice_key, published)
+    Delta version per table. `published`, `metadata`: see `DeltaRsEngine.replace_slice`."""
+    return commit_at_once(engine, {table: partial(replace_slice, engine, table, files, slice_key, published, metadata)
                                    for table in tables})
 
 
 def replace_slice(engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str,
-                  published: bool = True) -> dict:
+                  published: bool = True, metadata: dict[str, str] | None = None) -> dict:
     """Replaces the slice in one stream table with its files of `files`: its rows, files and Delta version."""
     written = files.get(table, [])
     return {"rows": sum(f.rows for f in written), "files": len(written),
-            "version": engine.replace_slice(table, SCHEMAS[table], written, slice_key, published)}
+            "version": engine.replace_slice(table, SCHEMAS[table], written, slice_key, published, metadata)}
 
 
 def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]) -> dict[str, dict]:

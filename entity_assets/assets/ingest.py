@@ -76,13 +76,15 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
         storage_options=engine.storage_options,
     )
     files = run_tasks(spark, tasks, fn, manifest.messages)
-    if pop_counts(files)["expired"] and (kept := _committed(engine, manifest.key)):
-        yield from _keep(context, engine, manifest.key, files, kept)
+    counts = pop_counts(files)
+    fewer = _fewer_than_before(engine, manifest.key, counts["read"])
+    if (counts["expired"] or fewer) and (kept := _committed(engine, manifest.key)):
+        yield from _keep(context, engine, manifest.key, files, kept, fewer)
         return
     resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing, due)
     if resolved:
         context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
-    summary = commit_slice(engine, TABLES, files, manifest.key)
+    summary = commit_slice(engine, TABLES, files, manifest.key, metadata={READ: str(counts["read"])})
     context.log.info(f"slice {manifest.key}: {manifest.messages} records in {len(tasks)} tasks -> "
                      + ", ".join(f"{t}={s['rows']}" for t, s in summary.items()))
     offsets: dict[str, dict[str, str]] = {}
@@ -199,25 +201,43 @@ def _discard(engine, files: dict) -> None:
             fs.delete_file(f"{root}/{f.path}")
 
 
+READ = "records"
+"""Commit info of an ingest commit: the slice's records that Kafka held, which a re-run compares."""
+
+
+def _fewer_than_before(engine, slice_key: str, read: int) -> str | None:
+    """Why a re-run read fewer of the slice's records than the run that committed it (a compacted
+    topic dropped some since, or records were deleted); None if it did not, or on its first run.
+    Only a slice with rows has a commit to look for (a lake's history is long)."""
+    for table in TABLES:
+        if engine.slice_files(table, [slice_key]):
+            entry = engine.commit_after(table, slice_key, "replace_slice") or {}
+            before = int(entry.get(f"entity_assets.{READ}", -1))  # an older release's commit records none
+            return f"Kafka now holds {read} of its {before} records" if read < before else None
+    return None
+
+
 def _committed(engine, slice_key: str) -> list[str]:
     """The tables that a run of the slice committed before (all of them, or the first ones of a
     run that failed between its commits)."""
     return [table for table in TABLES if engine.reached(table, slice_key, "replace_slice")]
 
 
-def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, kept: list[str]):
-    """A re-run of an ingested slice whose records Kafka no longer all holds (retention): the rows
-    of `kept`, the tables a run committed before, are their only copy, so they stay as they are and
-    the steps after this one run on them. The other tables (a run that failed between its commits)
-    take what Kafka still holds, and a dead letter for each span gone."""
+def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, kept: list[str], fewer: str | None):
+    """A re-run of an ingested slice whose records Kafka no longer all holds (retention, or
+    compaction: `fewer`): the rows of `kept`, the tables a run committed before, are their only
+    copy, so they stay as they are and the steps after this one run on them. The other tables (a
+    run that failed between its commits) take what Kafka still holds, and a dead letter for each
+    span gone."""
     letters = [r["reason"] for f in files.get("dead_letters", [])
                for r in read_table(f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options).to_pylist()
                if r["code"] == DeadLetterCode.EXPIRED.value]
+    said = letters[:3] + (["..."] if len(letters) > 3 else []) + ([fewer] if fewer else [])
     files.setdefault("schema_waits", []).extend(files.pop(HELD, []))  # they wait, as in a slice with no new schema
     _discard(engine, {table: files.pop(table, []) for table in kept})
     summary = commit_slice(engine, [t for t in TABLES if t not in kept], files, slice_key)
     context.log.warning(f"slice {slice_key} was ingested before, and Kafka no longer holds all of its records "
-                        f"({'; '.join(letters[:3])}{'; ...' if len(letters) > 3 else ''}): its rows in "
+                        f"({'; '.join(said)}): its rows in "
                         f"{', '.join(kept)}, their only copy, are kept as they are"
                         + (f"; {', '.join(summary)} had no commit of the slice and take what Kafka still holds"
                            if summary else ""))
@@ -227,8 +247,8 @@ def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, k
     for table in TABLES:
         meta = table_metadata(engine, table, summary[table])
         if table in kept:
-            meta["kept"] = MetadataValue.text(f"records expired from Kafka: the rows ingested before are kept "
-                                              f"({len(letters)} span(s) of offsets gone)")
+            meta["kept"] = MetadataValue.text(f"Kafka no longer holds all of the slice's records: the rows ingested "
+                                              f"before are kept ({'; '.join(said)})")
         yield MaterializeResult(asset_key=table, metadata=meta)
     yield _dead_letters_check(_letters(engine, slice_key, summary["dead_letters"]["rows"]))
 
