@@ -22,12 +22,59 @@ from resources import KafkaResource, LakeResource, SettingError, SlicingResource
 from resources.kafka import DEFAULT_BOOTSTRAP, IngestionSource
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+VARIABLES = {
+    # KafkaResource
+    "bootstrap_servers": "ENTITY_ASSETS_KAFKA_BOOTSTRAP",
+    "topic_prefix": "ENTITY_ASSETS_TOPIC_PREFIX",
+    "client_config": "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG",
+    "client_secret_env": "ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV",
+    "new_topic_partitions": "ENTITY_ASSETS_NEW_TOPIC_PARTITIONS",
+    "new_topic_config": "ENTITY_ASSETS_NEW_TOPIC_CONFIG",
+    "new_topic_replication_factor": "ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR",
+    "stream_topic_config": "ENTITY_ASSETS_STREAM_TOPIC_CONFIG",
+    "published_streams": "ENTITY_ASSETS_PUBLISH",
+    "ingestion": "ENTITY_ASSETS_INGESTION",
+    "security_protocol": "KAFKA_SECURITY_PROTOCOL",
+    "sasl_mechanism": "KAFKA_SASL_MECHANISM",
+    "ssl_ca_location": "KAFKA_SSL_CA_LOCATION",
+    "sasl_username": "KAFKA_SASL_USERNAME",
+    "sasl_password": "KAFKA_SASL_PASSWORD",
+    "ssl_key_password": "KAFKA_SSL_KEY_PASSWORD",
+    # LakeResource
+    "root": "ENTITY_ASSETS_LAKE",
+    "vacuum_retention_hours": "ENTITY_ASSETS_VACUUM_RETENTION_HOURS",
+    "state_file_rows": "ENTITY_ASSETS_STATE_FILE_ROWS",
+    # SparkResource
+    "master": "ENTITY_ASSETS_SPARK_MASTER",
+    "conf": "ENTITY_ASSETS_SPARK_CONF",
+    "driver_rows": "ENTITY_ASSETS_SPARK_DRIVER_ROWS",
+    # SlicingResource
+    "min_interval_seconds": "ENTITY_ASSETS_SLICE_INTERVAL_SECONDS",
+    "max_messages": "ENTITY_ASSETS_SLICE_MAX_MESSAGES",
+    "max_messages_per_task": "ENTITY_ASSETS_SLICE_MAX_PER_TASK",
+    "dedupe_window_slices": "ENTITY_ASSETS_DEDUPE_WINDOW_SLICES",
+    "parts_wait_slices": "ENTITY_ASSETS_PARTS_WAIT_SLICES",
+    "schema_wait_slices": "ENTITY_ASSETS_SCHEMA_WAIT_SLICES",
+    "offsets_went_back": "ENTITY_ASSETS_OFFSETS_WENT_BACK",
+}
+"""The environment variable of each resource setting a deployment sets (docs/operations.md):
+an error in a value names the variable, not the field."""
 
 
-def _number(name: str, default: str, kind: type = int):
-    """Environment variable `name` as an int (or `kind`), its default when unset or empty."""
+def _env(field: str, default: str = "") -> str:
+    """The variable of `field`, its default when unset or set empty (a deployment's template
+    often sets every variable, some to nothing)."""
+    return os.environ.get(VARIABLES[field]) or default
+
+
+def _given(fields: tuple[str, ...]) -> dict[str, str]:
+    """Those of `fields` whose variable is set (and not empty): the others keep the resource's default."""
+    return {field: os.environ[VARIABLES[field]] for field in fields if os.environ.get(VARIABLES[field])}
+
+
+def _number(field: str, default: str, kind: type = int):
+    """The variable of `field` as an int (or `kind`), its default when unset or empty."""
+    name = VARIABLES[field]
     text = os.environ.get(name) or default
     try:
         return kind(text)
@@ -44,13 +91,14 @@ with the code location's snapshot, so a secret comes through the environment
 (`ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV`; Spark's object stores read their own variables)."""
 
 
-def _settings(name: str, *, secrets_refused: bool = False) -> dict[str, str]:
-    """Environment variable `name`, `key=value,key=value` (the form of Kafka's own CLI tools), as
+def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
+    """The variable of `field`, `key=value,key=value` (the form of Kafka's own CLI tools), as
     a dict. An item without `=` continues the value before it (`cleanup.policy=compact,delete`);
     with none before, it is refused here, where librdkafka or Spark would name no variable."""
+    name = VARIABLES[field]
     settings: dict[str, str] = {}
     key = None
-    for item in filter(str.strip, _env(name, "").split(",")):
+    for item in filter(str.strip, _env(field).split(",")):
         name_part, equals, value = item.partition("=")
         if equals and name_part.strip():
             key = name_part.strip()
@@ -78,12 +126,13 @@ def _json_object(name: str, text: str) -> dict:
     return value
 
 
-def _ingestion(name: str) -> dict[str, IngestionSource]:
+def _ingestion() -> dict[str, IngestionSource]:
     """`system=format,...` (`*` for any other system), or a JSON object of each system's
     `IngestionSource` settings; empty: no ingestion topics are read."""
+    name = VARIABLES["ingestion"]
     text = os.environ[name]
     sources = _json_object(name, text) if text.lstrip().startswith("{") else {
-        system: {"format": fmt} for system, fmt in _settings(name).items()}
+        system: {"format": fmt} for system, fmt in _settings("ingestion").items()}
     ingestion = {}
     for system, settings in sources.items():
         if unknown := sorted(set(settings) - set(IngestionSource.model_fields)):  # Config keeps them, unused
@@ -96,15 +145,16 @@ def _ingestion(name: str) -> dict[str, IngestionSource]:
     return ingestion
 
 
-def _stream_topic_config(text: str) -> dict[str, dict[str, str]]:
+def _stream_topic_config() -> dict[str, dict[str, str]]:
     """A JSON object of each derived stream's topic configs, `{"device-notifications":
     {"cleanup.policy": "compact"}}`; a value may be a JSON number (`"retention.ms": 86400000`)."""
     return {stream: {key: str(value) for key, value in settings.items()}
-            for stream, settings in _json_object("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", text).items()}
+            for stream, settings in _json_object(VARIABLES["stream_topic_config"], _env("stream_topic_config")).items()}
 
 
-def _publish(text: str) -> dict:
+def _publish() -> dict:
     """`true`, `false`, or the derived streams to publish, `stream,stream` (their seed names)."""
+    text = _env("published_streams", "true")
     switch = text.strip().lower()
     if switch in ("true", "false"):
         return {"publish": switch == "true"}
@@ -113,49 +163,50 @@ def _publish(text: str) -> dict:
 
 def build_resources() -> dict:
     """Embedded defaults (local broker, local lake, local Spark); the settings a deployment sets
-    are overridable by env (docs/operations.md lists them), secrets through EnvVar."""
+    are overridable by env (`VARIABLES`, docs/operations.md), secrets through EnvVar."""
     kafka = {
-        "bootstrap_servers": _env("ENTITY_ASSETS_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP),
-        "topic_prefix": _env("ENTITY_ASSETS_TOPIC_PREFIX", ""),
-        "client_config": _settings("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", secrets_refused=True),
-        "client_secret_env": _settings("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV"),
-        "new_topic_partitions": _number("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "4"),
-        "new_topic_config": _settings("ENTITY_ASSETS_NEW_TOPIC_CONFIG"),
-        "new_topic_replication_factor": _number("ENTITY_ASSETS_NEW_TOPIC_REPLICATION_FACTOR", "-1"),
-        "stream_topic_config": _stream_topic_config(_env("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", "")),
-        **_publish(_env("ENTITY_ASSETS_PUBLISH", "true")),
+        "bootstrap_servers": _env("bootstrap_servers", DEFAULT_BOOTSTRAP),
+        "topic_prefix": _env("topic_prefix"),
+        "client_config": _settings("client_config", secrets_refused=True),
+        "client_secret_env": _settings("client_secret_env"),
+        "new_topic_partitions": _number("new_topic_partitions", "4"),
+        "new_topic_config": _settings("new_topic_config"),
+        "new_topic_replication_factor": _number("new_topic_replication_factor", "-1"),
+        "stream_topic_config": _stream_topic_config(),
+        **_publish(),
+        **_given(("security_protocol", "sasl_mechanism", "ssl_ca_location")),
+        # resolved at run time, never stored in run config
+        **{field: EnvVar(VARIABLES[field]) for field in _given(("sasl_username", "sasl_password", "ssl_key_password"))},
     }
-    if "ENTITY_ASSETS_INGESTION" in os.environ:
-        kafka["ingestion"] = _ingestion("ENTITY_ASSETS_INGESTION")
-    for field, var in (("security_protocol", "KAFKA_SECURITY_PROTOCOL"), ("sasl_mechanism", "KAFKA_SASL_MECHANISM"),
-                       ("ssl_ca_location", "KAFKA_SSL_CA_LOCATION")):
-        if os.environ.get(var):
-            kafka[field] = os.environ[var]
-    for field, var in (("sasl_username", "KAFKA_SASL_USERNAME"), ("sasl_password", "KAFKA_SASL_PASSWORD"),
-                       ("ssl_key_password", "KAFKA_SSL_KEY_PASSWORD")):
-        if os.environ.get(var):
-            kafka[field] = EnvVar(var)  # resolved at run time, never stored in run config
-    lake = {"root": os.environ["ENTITY_ASSETS_LAKE"]} if os.environ.get("ENTITY_ASSETS_LAKE") else {}
-    lake["vacuum_retention_hours"] = _number("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "168")
-    if os.environ.get("ENTITY_ASSETS_STATE_FILE_ROWS"):
-        lake["state_file_rows"] = _number("ENTITY_ASSETS_STATE_FILE_ROWS", "")
-    spark = {"driver_rows": _number("ENTITY_ASSETS_SPARK_DRIVER_ROWS", "")} \
-        if os.environ.get("ENTITY_ASSETS_SPARK_DRIVER_ROWS") else {}
-    return {
-        "spark": SparkResource(master=_env("ENTITY_ASSETS_SPARK_MASTER", "local[*]"),
-                               conf=_settings("ENTITY_ASSETS_SPARK_CONF", secrets_refused=True), **spark),
-        "kafka": KafkaResource(**kafka),
-        "lake": LakeResource(**lake),
-        "slicing": SlicingResource(
-            min_interval_seconds=_number("ENTITY_ASSETS_SLICE_INTERVAL_SECONDS", "900", float),
-            max_messages=_number("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "5000000"),
-            max_messages_per_task=_number("ENTITY_ASSETS_SLICE_MAX_PER_TASK", "200000"),
-            dedupe_window_slices=_number("ENTITY_ASSETS_DEDUPE_WINDOW_SLICES", "4"),
-            parts_wait_slices=_number("ENTITY_ASSETS_PARTS_WAIT_SLICES", "96"),
-            schema_wait_slices=_number("ENTITY_ASSETS_SCHEMA_WAIT_SLICES", "4"),
-            offsets_went_back=_env("ENTITY_ASSETS_OFFSETS_WENT_BACK", "report"),
-        ),
+    if VARIABLES["ingestion"] in os.environ:  # set empty: no ingestion topics
+        kafka["ingestion"] = _ingestion()
+    lake = {**_given(("root",)), "vacuum_retention_hours": _number("vacuum_retention_hours", "168"),
+            **{field: _number(field, "") for field in _given(("state_file_rows",))}}
+    spark = {"master": _env("master", "local[*]"), "conf": _settings("conf", secrets_refused=True),
+             **{field: _number(field, "") for field in _given(("driver_rows",))}}
+    slicing = {
+        "min_interval_seconds": _number("min_interval_seconds", "900", float),
+        "max_messages": _number("max_messages", "5000000"),
+        "max_messages_per_task": _number("max_messages_per_task", "200000"),
+        "dedupe_window_slices": _number("dedupe_window_slices", "4"),
+        "parts_wait_slices": _number("parts_wait_slices", "96"),
+        "schema_wait_slices": _number("schema_wait_slices", "4"),
+        "offsets_went_back": _env("offsets_went_back", "report"),
     }
+    return {name: _resource(cls, settings) for name, cls, settings in (
+        ("spark", SparkResource, spark), ("kafka", KafkaResource, kafka), ("lake", LakeResource, lake),
+        ("slicing", SlicingResource, slicing))}
+
+
+def _resource(cls, settings: dict):
+    """The resource; a value it refuses is said on one line, naming its variable."""
+    try:
+        return cls(**settings)
+    except ValidationError as exc:
+        said = "; ".join(f"{VARIABLES.get(str(e['loc'][0]), str(e['loc'][0])) if e['loc'] else cls.__name__}="
+                         f"{os.environ.get(VARIABLES.get(str(e['loc'][0]), ''), '')!r}: {e['msg']}"
+                         for e in exc.errors())
+        raise SettingError(said) from None
 
 
 defs = Definitions(

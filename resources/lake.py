@@ -13,7 +13,7 @@ from entity_assets.storage import DeltaRsEngine
 
 def default_home() -> str:
     """Project-local state (broker data, lake, Dagster storage) unless ENTITY_ASSETS_HOME says otherwise."""
-    return os.path.abspath(os.environ.get("ENTITY_ASSETS_HOME", ".entity-assets"))
+    return os.path.abspath(os.environ.get("ENTITY_ASSETS_HOME") or ".entity-assets")  # set empty: unset
 
 
 class LakeResource(ConfigurableResource):

@@ -15,7 +15,7 @@ import pytest
 from entity_assets import cli, history, samples
 from entity_assets.slices import slice_key
 from entity_assets.trace import parse_record
-from resources import LakeResource
+from resources import KafkaResource, LakeResource
 
 
 def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables(make_pipeline, lake_rows, tmp_path,
@@ -308,6 +308,10 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.account.key.acct.blob.core.windows.net=k", "account.key"),
     ("ENTITY_ASSETS_INGESTION", "crm=qlik,erp=odbc", "ENTITY_ASSETS_INGESTION: system 'erp': format: Input should be"),
     ("ENTITY_ASSETS_INGESTION", '{"crm": {"formt": "qlik"}}', "ENTITY_ASSETS_INGESTION: system 'crm': no setting formt"),
+    # values a resource refuses: one line that names the variable, not pydantic's text naming the field
+    ("ENTITY_ASSETS_OFFSETS_WENT_BACK", "bogus", "ENTITY_ASSETS_OFFSETS_WENT_BACK='bogus': Input should be 'report'"),
+    ("ENTITY_ASSETS_STATE_FILE_ROWS", "0", "ENTITY_ASSETS_STATE_FILE_ROWS='0': Input should be greater than"),
+    ("ENTITY_ASSETS_PUBLISH", "no", "ENTITY_ASSETS_PUBLISH='no': Value error, published_streams: no derived stream"),
 ])
 def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceback(name, value, said, monkeypatch,
                                                                                     tmp_path, capsys):
@@ -316,7 +320,22 @@ def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceb
     monkeypatch.setenv(name, value)
     assert cli.main(["topics", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("entity-assets topics: a setting is not valid") and said in err
+    assert err.startswith("entity-assets topics: a setting is not valid") and said in err and err.count("\n") == 1
+
+
+def test_a_variable_set_empty_counts_as_unset(monkeypatch):
+    """A deployment's template often sets every variable, some to nothing: ENTITY_ASSETS_PUBLISH
+    set empty once published nothing at all."""
+    from entity_assets.definitions import VARIABLES, build_resources
+    from resources.lake import default_home
+
+    for name in {*VARIABLES.values(), "ENTITY_ASSETS_HOME"} - {"ENTITY_ASSETS_INGESTION"}:
+        monkeypatch.setenv(name, "")
+    resources = build_resources()
+    assert resources["kafka"].publishes("device-notifications") and resources["kafka"].sasl_password is None
+    assert resources["spark"].master == "local[*]" and resources["slicing"].offsets_went_back == "report"
+    assert resources["kafka"].bootstrap_servers == KafkaResource().bootstrap_servers
+    assert default_home() == os.path.abspath(".entity-assets")
 
 
 def test_run_ticks_the_sensor_with_the_slicing_settings_of_the_environment(monkeypatch, tmp_path):
