@@ -47,15 +47,21 @@ class _LastError(logging.Handler):
         if record.levelno >= logging.ERROR:
             self.last = record.getMessage().split("]: ", 1)[-1]
 
-
-def cluster_metadata(config: dict, timeout: float = 10.0, client: Consumer | AdminClient | None = None):
-    """`list_topics` of `client` (default: an admin client). No answer raises an error naming the
-    servers asked (a sensor tick or a command shows it), where librdkafka's names none; with no
-    `client`, the error also gives the cause librdkafka last logged (refused, TLS, SASL)."""
-    cause = None
-    if client is None:
-        cause, logger = _LastError(), logging.Logger("entity_assets.kafka_metadata")  # unregistered: freed after
+    @classmethod
+    def logger(cls, name: str) -> tuple[_LastError, logging.Logger]:
+        """A client's `logger` setting, and the handler that keeps its last error."""
+        cause, logger = cls(), logging.Logger(name)  # unregistered: freed with the client
         logger.addHandler(cause)
+        return cause, logger
+
+
+def cluster_metadata(config: dict, timeout: float = 10.0, client: Consumer | AdminClient | None = None,
+                     cause: _LastError | None = None):
+    """`list_topics` of `client` (default: an admin client). No answer raises an error naming the
+    servers asked (a sensor tick or a command shows it), where librdkafka's names none, and the
+    cause librdkafka last logged (refused, TLS, SASL) to `cause`, the client's logger's handler."""
+    if client is None:
+        cause, logger = _LastError.logger("entity_assets.kafka_metadata")
         client = AdminClient({**config, "logger": logger})
     try:
         return client.list_topics(timeout=timeout)
@@ -72,9 +78,10 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
                timeout: float = 10.0) -> dict[tuple[str, int], tuple[int, int]]:
     """(first offset held, high watermark) of every partition of `topics` (names, or a test of
     the broker's names)."""
-    consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False})
+    cause, logger = _LastError.logger("entity_assets.kafka_offsets")
+    consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False, "logger": logger})
     try:
-        metadata = cluster_metadata(config, timeout, consumer)
+        metadata = cluster_metadata(config, timeout, consumer, cause)
         out = {}
         for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else topics:
             meta = metadata.topics.get(topic)
@@ -373,8 +380,7 @@ def message_limits(config: dict, topics: Iterable[str], timeout: float = 10.0) -
     resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
     if not resources:
         return {}
-    cause, logger = _LastError(), logging.Logger("entity_assets.kafka_limits")  # unregistered: freed after
-    logger.addHandler(cause)
+    cause, logger = _LastError.logger("entity_assets.kafka_limits")
     admin = AdminClient({**config, "logger": logger})  # held until the answers are in: freed, it ends its requests
     futures = admin.describe_configs(resources, request_timeout=timeout)
     limits = {}
