@@ -163,6 +163,31 @@ def test_a_slice_that_never_succeeded_is_not_taken_as_done_once_the_log_is_trimm
         True, True, True, False, True, False]
 
 
+def test_a_step_that_reads_a_state_as_of_its_slice_says_why_it_cannot(tmp_path):
+    """changes_by_device and learn_schemas read entities and schemas as of their slice: a slice
+    not applied yet, and one whose version lake_maintenance expired, are refused, each saying so
+    (the expired one once read the newest schemas instead, and the other asked to run the step
+    that had run)."""
+    from deltalake import DeltaTable
+
+    from entity_assets.assets.common import OutOfOrder, applied_version, commit_state
+
+    engine = DeltaRsEngine(str(tmp_path))
+    engine.ensure("schemas", SCHEMAS["schemas"])
+    for seq in (1, 2):
+        commit_state(engine, "schemas", f"{seq:010d}", [], [])
+    engine.expire_log("schemas", 0)
+    DeltaTable(engine.uri("schemas")).create_checkpoint()
+    third = commit_state(engine, "schemas", "0000000003", [], [])
+    assert engine.expire_log("schemas", 0) > 0
+    assert applied_version(engine, "schemas", "0000000003", "learn_schemas") == third
+    with pytest.raises(OutOfOrder, match="slice 0000000001 cannot be run again: learn_schemas reads schemas as of "
+                                         "the slice, a version that lake_maintenance has expired"):
+        applied_version(engine, "schemas", "0000000001", "learn_schemas")
+    with pytest.raises(OutOfOrder, match="slice 0000000004: schemas has no state of it yet"):
+        applied_version(engine, "schemas", "0000000004", "learn_schemas")
+
+
 def test_a_log_an_older_release_trimmed_takes_what_it_lost_as_done(tmp_path):
     from deltalake import DeltaTable
 

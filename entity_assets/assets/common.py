@@ -309,6 +309,20 @@ def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bo
     return False, version
 
 
+def applied_version(engine: DeltaRsEngine, table: str, slice_key: str, step: str) -> int:
+    """The version of state `table` as of the slice, which `step` reads; refused, saying why,
+    when the slice is not applied yet or its version has left the log."""
+    version = engine.version_after(table, slice_key, "apply")
+    if version is not None:
+        return version
+    if engine.reached(table, slice_key, "apply"):
+        raise OutOfOrder(f"slice {slice_key} cannot be run again: {step} reads {table} as of the slice, a version "
+                         f"that lake_maintenance has expired (it keeps LakeResource.vacuum_retention_hours): rebuild "
+                         f"{table} and what it feeds from slice 1 (docs/operations.md, Upgrading)")
+    raise OutOfOrder(f"slice {slice_key}: {table} has no state of it yet: materialize the step that applies it "
+                     f"(apply_patches for entities and schemas) for slice {slice_key} first")
+
+
 def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove, metadata: dict | None = None) -> int:
     from entity_assets.slices import slice_seq
 

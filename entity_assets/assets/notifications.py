@@ -6,7 +6,6 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetObservation,
-    Failure,
     MaterializeResult,
     MetadataValue,
     asset,
@@ -14,6 +13,7 @@ from dagster import (
 
 from entity_assets import core, fold, notify
 from entity_assets.assets.common import (
+    applied_version,
     commit_stream,
     delivery_check_spec,
     ensure_tables,
@@ -89,9 +89,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["changes_by_device"], reads=["zone_changes", "entities"])
     require_inputs(engine, key, ("zone_changes",), "changes_by_device")
-    version = engine.version_after("entities", key, "apply")
-    if version is None:
-        raise Failure(f"entities has no state for slice {key}: materialize apply_patches for it first")
+    version = applied_version(engine, "entities", key, "changes_by_device")
     # state files hold a row group per collection: the others are skipped by their statistics
     state = read_row_groups(engine.files("entities", version), "collection", SUBSCRIPTIONS,
                             engine.storage_options)

@@ -16,7 +16,8 @@ from dagster import (
 
 from entity_assets import fold
 from entity_assets.assets.common import (
-    collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, slice_of, state_as_of, table_metadata, task_slots,
+    applied_version, collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, slice_of, state_as_of,
+    table_metadata, task_slots,
 )
 from entity_assets.learning import Summary, disagreements, entity_types, escape, infer
 from entity_assets.partitions import LAKE_POOL, slices_partitions
@@ -58,8 +59,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
         summaries.setdefault((row["dbid"], row["collection"]), Summary()).merge(part)
 
     declared: dict[tuple[str, str], dict] = {}
-    schemas_version = engine.version_after("schemas", key, "apply")
-    for row in engine.read("schemas", schemas_version).to_pylist():
+    for row in engine.read("schemas", applied_version(engine, "schemas", key, "learn_schemas")).to_pylist():
         if not row["deleted"] and row["document"]:
             for collection, entity_type in entity_types(json.loads(row["document"])).items():
                 declared[(row["dbid"], collection)] = entity_type
