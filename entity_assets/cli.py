@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     produce.add_argument("--learning", action="store_true")
     produce.add_argument("--devices", type=int, default=0, help="whole-graph traffic: schemas, devices, subscriptions, acks")
     produce.add_argument("--zones", type=int, default=0, help="spread entities and subscriptions over this many zones")
-    produce.add_argument("--bad", action="store_true", help="add one record per dead-letter path")
+    produce.add_argument("--bad", action="store_true", help="add bad records (malformed JSON, invalid fields, a wrong type), which become dead letters")
     produce.add_argument("--rows", type=int, default=100, help="cdc: rows of each source's projection")
     run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
     run.add_argument("--max-messages", type=int, default=None, help="cap of messages per slice")

@@ -24,7 +24,8 @@ class SlicingResource(ConfigurableResource):
     parts_wait_slices: int = Field(
         default=96, ge=0, description="slices a request of several parts waits for its missing parts, counted from "
                                       "the slice of its first (a day at the default interval); then its pending parts "
-                                      "are dropped and the no_request_expired check names it")
+                                      "are dropped and the no_request_expired check names it (0: no request "
+                                      "waits past the slice of its first part)")
     offsets_went_back: Literal["report", "restart"] = Field(
         default="report", description="a partition whose offsets went below the slices' (a topic created again, "
                                       "another cluster): report it at every tick, or read it again from its first offset")

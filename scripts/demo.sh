@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pipeline on the embedded default: starts the local broker, produces sample traffic
-# (the seed's batch, generated batches and one bad record per dead-letter path), materializes
+# (the seed's batch, generated batches and a few bad records, which become dead letters), materializes
 # every slice through the Dagster job and prints a summary of the lake.
 #
 #   bash scripts/demo.sh [--patches N] [--entities N] [--partitions N]

@@ -99,7 +99,8 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
                   description="Successful entity patches only (status 1), with ended and before/after as requested."),
         AssetSpec("entities", deps=["entity_patches"], group_name=CORE_GROUP, kinds={"spark", "delta"},
                   description="State: current document and version per (dbid, collection, zone, entity); "
-                              "Delta versions give the state as of any slice."),
+                              "Delta versions give the state as of any slice of the last "
+                              "vacuum_retention_hours (7 days)."),
         AssetSpec("schema_updates", deps=["schema_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="Successful schema patches (status 1) with before/after as requested."),
         AssetSpec("schemas", deps=["schema_patches"], group_name=CORE_GROUP, kinds={"spark", "delta"},
@@ -112,7 +113,8 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
                               "its topic keyed by request id, partitioned by client id."),
         AssetSpec("complete_responses", deps=["partial_responses"], group_name=CORE_GROUP, kinds=KINDS,
                   description="One message per request once every part is processed, responses ordered by part; parts "
-                              "of requests not yet complete wait in the pending_responses state table."),
+                              "of requests not yet complete wait in the pending_responses state table, for "
+                              "parts_wait_slices slices at most."),
     ],
     check_specs=[
         AssetCheckSpec("updates_are_successes", asset="entity_updates",
