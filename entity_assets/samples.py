@@ -62,7 +62,7 @@ def seed_records() -> list[Record]:
     ]
 
 
-# A bad record for every dead-letter path of the validation, so the demo shows them.
+# Bad records of the kinds clients send (malformed JSON, a missing field, a wrong type, an unknown op), so the demo shows their dead letters.
 BAD_VALUES: list[tuple[str, bytes]] = [
     ("malformed JSON", b'{"clientid": "c297cf20-18bd-40e2-827d-9b563ca28ccd", "request": '),
     ("missing required field", encode({k: v for k, v in SEED_ENTITY_BATCH.items() if k != "user"})),
