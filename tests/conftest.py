@@ -152,6 +152,7 @@ class Pipeline:
                  state_file_rows: int | None = None, driver_rows: int = 0, instance=None, prefix: str | None = None,
                  lake_root: str | None = None, storage_options: dict[str, str] | None = None,
                  ingestion: dict | None = None, offsets_went_back: str = "report", schema_wait_slices: int = 4, parts_wait_slices: int = 96,
+                 dedupe_window_slices: int = 4,
                  published_streams: list[str] | None = None):
         """`prefix`: another pipeline's, to read the same input topics (and publish to the same output
         topics); `lake_root` and `storage_options`: a lake elsewhere than under `root` (an object store);
@@ -166,7 +167,8 @@ class Pipeline:
                                  **({"state_file_rows": state_file_rows} if state_file_rows else {}))
         self.slicing = SlicingResource(min_interval_seconds=min_interval_seconds, max_messages=max_messages,
                                        max_messages_per_task=max_messages_per_task, offsets_went_back=offsets_went_back,
-                                       schema_wait_slices=schema_wait_slices, parts_wait_slices=parts_wait_slices)
+                                       schema_wait_slices=schema_wait_slices, parts_wait_slices=parts_wait_slices,
+                                       dedupe_window_slices=dedupe_window_slices)
         # Small slices' work runs in the driver in production (SparkResource.driver_rows); tests
         # run it in Spark tasks unless they choose the driver, so both paths are exercised.
         self.spark = spark = with_settings(spark, driver_rows=driver_rows)

@@ -486,6 +486,25 @@ def test_a_slice_run_again_after_a_later_one_publishes_only_when_told(pipeline):
     assert [m["value"]["after"]["n"] for m in messages(pipeline, "entity-updates")][-1] == 2
 
 
+def test_a_slice_run_again_keeps_the_dedupe_window_of_its_first_run(make_pipeline):
+    """The state holds what the first run's window applied: a re-run after dedupe_window_slices
+    changed would explode a redelivery that the state never applied."""
+    first = make_pipeline()
+    redelivered = record(batch(90, [patch("window", [{"op": "add", "path": "n", "value": 1}])], begun=BEGUN))
+    keys = []
+    for _ in range(2):
+        first.produce([redelivered])
+        [request] = first.tick()
+        keys.append(request.partition_key)
+        assert first.run(request.partition_key).success
+    assert len(rows(first, "entity_patches", request=90)) == 1
+    narrower = make_pipeline(prefix=first.prefix, lake_root=first.lake.root, instance=first.instance,
+                             dedupe_window_slices=0)
+    again = narrower.run(keys[1])
+    assert again.success and narrower.materializations(again)["entity_patches"]["duplicates"] == 1
+    assert len(rows(first, "entity_patches", request=90)) == 1 and not rows(first, "entity_updates", slice=keys[1])
+
+
 def test_patches_refuse_a_slice_while_any_slice_of_its_dedupe_window_is_not_ingested(pipeline):
     """Slice 2 failed at ingest while slices 3 and 4 went on: slice 4's patches would miss slice
     2's deliveries of its requests, and apply one redelivered there a second time."""

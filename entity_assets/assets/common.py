@@ -103,13 +103,14 @@ def task_slots(spark: SparkResource, rows: int) -> int:
 
 
 def write_stream(context, spark, kafka, slicing, engine: DeltaRsEngine, files, table: str, slice_key: str,
-                 body: Callable, published: bool = True, **body_args) -> tuple[dict, Counter]:
+                 body: Callable, published: bool = True, metadata: dict[str, str] | None = None,
+                 **body_args) -> tuple[dict, Counter]:
     """Runs `body` (see fold.over_files) over the rows of `files`, read by the tasks themselves: it
     writes and publishes `table`, committed here as the slice's rows (see `commit_stream`).
 
     `published` False: a later step publishes the table's stream, in each key's order, where
     these tasks split a key's rows by input file (entity_patches: the fold; changes_by_device:
-    the inbox fold).
+    the inbox fold). `metadata`: more commit info (see `DeltaRsEngine.commit`).
     """
     from entity_assets.fold import over_files
 
@@ -124,12 +125,12 @@ def write_stream(context, spark, kafka, slicing, engine: DeltaRsEngine, files, t
     written = run_tasks(spark, file_tasks(files, slicing.max_messages_per_task, task_slots(spark, rows)), fn, rows)
     if not published:
         counts = pop_counts(written)
-        return commit_slice(engine, [table], written, slice_key, published=False)[table], counts
-    return commit_stream(spark, engine, table, written, slice_key, publish_to)
+        return commit_slice(engine, [table], written, slice_key, published=False, metadata=metadata)[table], counts
+    return commit_stream(spark, engine, table, written, slice_key, publish_to, metadata=metadata)
 
 
 def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str,
-                  publish_to, counts: Counter | None = None) -> tuple[dict, Counter]:
+                  publish_to, counts: Counter | None = None, metadata: dict[str, str] | None = None) -> tuple[dict, Counter]:
     """Commits the slice's rows of a published table from its tasks' report, then publishes them.
 
     Returns the commit summary (with `published`, `published_by_table` for a step that
@@ -138,7 +139,7 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
     """
     counts = pop_counts(files) + (counts or Counter())
     undeliverable = pop_undeliverable(files)
-    summary = commit_slice(engine, [table], files, slice_key)[table]
+    summary = commit_slice(engine, [table], files, slice_key, metadata=metadata)[table]
     published = publish_outbox(spark, files, publish_to)
     summary["published"], summary["published_by_table"] = published[table], published
     summary["undeliverable"] = undeliverable

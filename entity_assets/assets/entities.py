@@ -17,6 +17,7 @@ from dagster import (
 
 from entity_assets import fold
 from entity_assets.assets.common import (
+    STATE_APP,
     bucket_tasks,
     commit_at_once,
     commit_buckets_later,
@@ -47,6 +48,7 @@ from entity_assets.assets.common import (
 )
 from entity_assets.core import ORDER, REQUEST_ORDER
 from entity_assets.partitions import LAKE_POOL, slices_partitions
+from entity_assets.slices import slice_seq
 from entity_assets.storage import read_batches
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
@@ -54,6 +56,24 @@ KINDS = {"spark", "delta", "kafka"}
 CORE_GROUP = "entity_core"
 """A group per step: a step writes its tables together (`can_subset=False`), so the UI's
 Materialize of a group must select all of them."""
+
+
+WINDOW = "dedupe_window"
+"""Commit info of entity_patches: the dedupe window its slice used, which the slice's re-runs
+use too (the state holds what that window applied)."""
+
+
+def dedupe_window(context, engine, slice_key: str, slicing: SlicingResource) -> int:
+    """The slicing resource's `dedupe_window_slices`, or, for a slice the state has applied, the
+    window its run used: with another, a re-run would drop other redeliveries than the state applied."""
+    if not engine.exists("entities") or (engine.applied("entities", STATE_APP) or 0) < slice_seq(slice_key):
+        return slicing.dedupe_window_slices
+    entry = engine.commit_after("entity_patches", slice_key, "replace_slice") or {}
+    window = int(entry.get(f"entity_assets.{WINDOW}", slicing.dedupe_window_slices))
+    if window != slicing.dedupe_window_slices:
+        context.log.info(f"slice {slice_key} keeps the dedupe window of its first run, {window} slices "
+                         f"(dedupe_window_slices is {slicing.dedupe_window_slices} now)")
+    return window
 
 
 @asset(
@@ -75,10 +95,11 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["entity_patches"], reads=["entity_batches"])
-    batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"),
-                                           slicing.dedupe_window_slices)
+    window = dedupe_window(context, engine, key, slicing)
+    batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"), window)
     summary, counts = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
-                                   "entity_patches", key, fold.explode_task, published=False, redelivered=redelivered)
+                                   "entity_patches", key, fold.explode_task, published=False,
+                                   metadata={WINDOW: str(window)}, redelivered=redelivered)
     meta = table_metadata(engine, "entity_patches", summary)
     meta.update(batches=batches_in, duplicates=counts["redelivered"])
     return MaterializeResult(metadata=meta)
@@ -157,7 +178,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     commit_entities = commit_buckets_later(engine, "entities", key, apply, snapshot, entity_files)
 
     schema_in, redelivered_parts = redeliveries(spark, engine, "schema_patches", key, ("clientid", "request", "part"),
-                                                slicing.dedupe_window_slices)
+                                                dedupe_window(context, engine, key, slicing))
     schema_files, commit_schemas = fold_buckets_later(
         spark, {"schema_patches": engine.slice_files("schema_patches", [key])},
         partial(fold.schema_patch_rows, redelivered=redelivered_parts), fold.schema_fold_task, key_columns=("dbid",),
