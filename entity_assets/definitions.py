@@ -203,9 +203,12 @@ def _resource(cls, settings: dict):
     try:
         return cls(**settings)
     except ValidationError as exc:
-        said = "; ".join(f"{VARIABLES.get(str(e['loc'][0]), str(e['loc'][0])) if e['loc'] else cls.__name__}="
-                         f"{os.environ.get(VARIABLES.get(str(e['loc'][0]), ''), '')!r}: {e['msg']}"
-                         for e in exc.errors())
+        def variable(error) -> str:
+            field = str(error["loc"][0]) if error["loc"] else ""
+            return f"{VARIABLES[field]}={os.environ.get(VARIABLES[field], '')!r}" if field in VARIABLES else \
+                field or cls.__name__
+
+        said = "; ".join(f"{variable(e)}: {e['msg']}" for e in exc.errors())
         raise SettingError(said) from None
 
 

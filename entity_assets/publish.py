@@ -4,8 +4,9 @@ The Spark tasks that write the rows encode their messages as they go and spool t
 step's outbox (a folder of the lake); once the driver has committed the rows, one Spark job
 replays every spool of the step (`replay_task`), so consumers never see a message of a row
 that is not committed, and the broker takes a step's messages in one burst. Delivery is at
-least once: a failed or re-run slice publishes its messages again (the same bytes, as outputs
-are deterministic), and consumers dedupe on the message identity (request id and part for
+least once: a failed slice's re-run publishes its messages again (the same bytes, as outputs
+are deterministic; a slice older than the newest published only when told to, see
+`assets.common.publishes_slice`), and consumers dedupe on the message identity (request id and part for
 responses, entity and version-bearing fields for updates). See docs/streams.md.
 """
 

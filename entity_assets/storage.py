@@ -860,6 +860,9 @@ class DeltaRsEngine:
         `expire_log` recorded before it deleted older commits hold it. A whole log is checked as
         it is: a later slice's commit there does not make an earlier one (ingest takes slices in
         any order, so a slice that failed may sit between two that did not)."""
+        recorded = self._open(table).metadata().configuration.get(DONE_PROPERTY + operation)
+        if recorded is not None and any(low <= int(slice_key) <= high for low, high in _parse_ranges(recorded)):
+            return True  # without a walk through the log, which an old slice's re-run would make whole
         later, first_version = False, 0
         for entry in self._history(table):
             first_version = entry["version"]
@@ -867,12 +870,8 @@ class DeltaRsEngine:
                 if entry["entity_assets.slice"] == slice_key:
                     return True
                 later = later or entry["entity_assets.slice"] > slice_key
-        if first_version == 0:
-            return False
-        recorded = self._open(table).metadata().configuration.get(DONE_PROPERTY + operation)
-        if recorded is None:  # a log that an older release trimmed: a later slice's commit stands for it
-            return later
-        return any(low <= int(slice_key) <= high for low, high in _parse_ranges(recorded))
+        # a log that an older release trimmed, recording nothing: a later slice's commit stands for it
+        return first_version > 0 and recorded is None and later
 
     def slices_done(self, table: str, operation: str) -> Iterator[str]:
         """The slice keys of the commits of `operation` that the log holds, newest first."""
@@ -983,9 +982,14 @@ class DeltaRsEngine:
         for op, value in recorded.items():
             done.setdefault(op, []).extend(_parse_ranges(value))
         if not recorded and min((e["version"] for e in entries), default=0) > 0:
-            # a log an older release trimmed: what it deleted is taken as done, as that release did
-            for ranges in done.values():
-                ranges.append((1, min(low for low, _ in ranges) - 1))
+            # a log an older release trimmed: what it deleted, the slices before its oldest commit of
+            # each operation (where the trim cut; a re-run of an older slice may come later), is
+            # taken as done, as that release did
+            for op in done:
+                oldest = min((e for e in history if e.get("entity_assets.operation", "") == op),
+                             key=lambda e: e["version"])
+                if int(oldest["entity_assets.slice"]) > 1:
+                    done[op].append((1, int(oldest["entity_assets.slice"]) - 1))
         self._set_properties(table, {LOG_RETENTION_SETTING: f"interval {retention_hours} hours",
                                      **{DONE_PROPERTY + op: _format_ranges(ranges) for op, ranges in done.items() if op}})
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)

@@ -56,7 +56,8 @@ class Trail:
     """Table -> the record's rows in it (tables without any are left out)."""
     inboxes: list[dict] = field(default_factory=list)
     """Per device the record notified: its count after the record's slice, its count now, and
-    which of the record's notifications are still unacknowledged."""
+    which of the record's notifications are still unacknowledged (not acknowledged, nor let
+    expire by an inbox past notify.MAX_PENDING)."""
     states: dict[str, list[dict]] = field(default_factory=dict)
     """State table -> the rows, as they are now, of the keys the record's rows name (`STATES`): the
     entities its patches targeted, its schema patch's database, its connection's device. A row's

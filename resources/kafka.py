@@ -97,9 +97,9 @@ class KafkaResource(ConfigurableResource):
         }
         conf.update({k: v for k, v in optional.items() if v is not None})
         conf.update(self.client_config)
-        missing = [var for var in self.client_secret_env.values() if var not in os.environ]
+        missing = [var for var in self.client_secret_env.values() if not os.environ.get(var)]
         if missing:
-            raise ValueError(f"client_secret_env: {', '.join(missing)} not set in this process's environment")
+            raise ValueError(f"client_secret_env: {', '.join(missing)} not set (or empty) in this process's environment")
         conf.update({key: os.environ[var] for key, var in self.client_secret_env.items()})
         return conf
 

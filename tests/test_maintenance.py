@@ -198,12 +198,37 @@ def test_a_log_an_older_release_trimmed_takes_what_it_lost_as_done(tmp_path):
     table.alter.set_table_properties({"delta.logRetentionDuration": "interval 0 hours"})
     table.create_checkpoint()
     table.cleanup_metadata()  # as that release's expire_log did, recording nothing
-    _commit_slice(engine, 5)
+    for seq in (4, 5, 2):  # slice 2 ran again after the trim: the log's lowest slice is not where it cut
+        _commit_slice(engine, seq)
     assert engine.version_after("dead_letters", "0000000003", "replace_slice") is None
-    assert engine.reached("dead_letters", "0000000002", "replace_slice")
-    engine.expire_log("dead_letters", 0)  # records the slices before the log's first one, and those it holds
+    assert engine.reached("dead_letters", "0000000003", "replace_slice")
+    # records the slices before the oldest commit the log holds, where the trim cut, and those it holds
+    engine.expire_log("dead_letters", 0)
     assert DeltaTable(engine.uri("dead_letters")).metadata().configuration[
         "entity_assets.slicesDone.replace_slice"] == "1-5"
+
+
+def test_older_slices_run_again_in_a_row_after_the_log_was_trimmed(tmp_path):
+    """The rebuild operations.md describes (a state deleted, `run --slices 1..N`): each older
+    slice's re-run records no publish, as later slices have published, and the original records
+    have left the log; the slice after it must still run."""
+    from deltalake import DeltaTable
+
+    from entity_assets.assets.common import PUBLISH, record_published, require_published
+
+    engine, table = DeltaRsEngine(str(tmp_path)), "dead_letters"
+    for seq in range(1, 13):
+        require_published(engine, table, f"{seq:010d}")
+        _commit_slice(engine, seq)
+        record_published(engine, table, f"{seq:010d}")
+    DeltaTable(engine.uri(table)).create_checkpoint()
+    assert engine.expire_log(table, 0) > 0 and engine.version_after(table, "0000000001", PUBLISH) is None
+    for seq in (1, 2, 3):
+        require_published(engine, table, f"{seq:010d}")
+        _commit_slice(engine, seq)
+        record_published(engine, table, f"{seq:010d}")
+    assert engine.version_after(table, "0000000002", PUBLISH) is None  # no publish recorded by the re-runs
+    assert next(engine.slices_done(table, PUBLISH)) == "0000000012"
 
 
 def test_a_stream_publishes_a_slice_after_the_slice_before_unless_the_table_starts_there(tmp_path):

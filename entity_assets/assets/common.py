@@ -7,6 +7,7 @@ import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
+from itertools import islice
 
 from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetSpec, Failure, MetadataValue, TableColumn,
                      TableColumnConstraints, TableSchema)
@@ -513,7 +514,8 @@ def pop_undeliverable(files: dict[str, list[DataFile]]) -> list[dict]:
 def undeliverable_check(asset_key: str, counts: Counter, examples: list[dict]) -> AssetCheckResult:
     """A warning, not a failure: a message over its topic's `max.message.bytes` would fail the step
     at every run of the slice, and hold back every slice after it. Its row is in the lake; raise
-    the topic's limit and run the slice again to publish it."""
+    the topic's limit and run the slice again to publish it (with REPUBLISH_TAG once later slices
+    have published)."""
     from entity_assets.publish import STREAMS, UNDELIVERABLE
 
     by_stream = {STREAMS[name[len(UNDELIVERABLE):]].name: n for name, n in sorted(counts.items())
@@ -528,7 +530,8 @@ def undeliverable_check(asset_key: str, counts: Counter, examples: list[dict]) -
 def delivery_check_spec(asset: str, streams: str) -> AssetCheckSpec:
     return AssetCheckSpec("messages_fit_their_topics", asset=asset,
                           description=f"every message of {streams} fits its topic's max.message.bytes; a warning "
-                                      "counts and names those that did not, which stay in the lake only")
+                                      "counts and names those that did not, which stay in the lake only (run "
+                                      "the slice again, tagged entity_assets/republish=true, once the limit is raised)")
 
 
 PUBLISH = "publish"
@@ -547,8 +550,8 @@ def require_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None
     if seq == 1 or not engine.exists(table):
         return
     before = key_of(seq - 1)
-    if engine.version_after(table, before, PUBLISH) is not None:
-        return
+    if _published_after(engine, table, before) is not None or engine.version_after(table, before, PUBLISH) is not None:
+        return  # a later slice published after it, or it did (a re-run of older slices records no publish)
     written = engine.commit_after(table, before, "replace_slice")
     if written is None and (engine.reached(table, before, "replace_slice")  # older than what the log holds
                             or not any(done < before for done in engine.slices_done(table, "replace_slice"))):
@@ -563,11 +566,22 @@ REPUBLISH_TAG = "entity_assets/republish"
 """A run tagged with it "true" publishes a slice older than one already published (see `publishes_slice`)."""
 
 
+RECENT_COMMITS = 16
+"""Commits of an operation that `highest_done` reads, newest first."""
+
+
+def highest_done(engine: DeltaRsEngine, table: str, operation: str) -> str:
+    """The highest slice among the newest commits of `operation` ("" if none): the highest slice
+    done, as slices run in order, and a few re-runs of older slices come after it at most (an
+    older release recorded a publish at each)."""
+    return max(islice(engine.slices_done(table, operation), RECENT_COMMITS), default="")
+
+
 def _published_after(engine: DeltaRsEngine, table: str, slice_key: str) -> str | None:
-    """The newest slice `table`'s stream published, if later than `slice_key`. Slices publish in
-    order, and a re-run of an older one records no publish, so the newest publish commit is it."""
-    newest = next(engine.slices_done(table, PUBLISH), None)
-    return newest if newest is not None and newest > slice_key else None
+    """The highest slice `table`'s stream published, if later than `slice_key` (a re-run of an
+    older slice records no publish)."""
+    highest = highest_done(engine, table, PUBLISH)
+    return highest if highest > slice_key else None
 
 
 def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) -> bool:

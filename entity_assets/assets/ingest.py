@@ -9,7 +9,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
                      MaterializeResult, MetadataValue, multi_asset)
 
 from entity_assets import qlik
-from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
+from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, highest_done, pop_counts,
                                          run_tasks, slice_of, table_metadata)
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
                                   new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
@@ -207,8 +207,11 @@ READ = "records"
 
 def _fewer_than_before(engine, slice_key: str, read: int) -> str | None:
     """Why a re-run read fewer of the slice's records than the run that committed it (a compacted
-    topic dropped some since, or records were deleted); None if it did not, or on its first run.
-    Only a slice with rows has a commit to look for (a lake's history is long)."""
+    topic dropped some since, or records were deleted); None if it did not, or on its first run,
+    which the newest ingest commits tell (slices are ingested in order), so that a first run lists
+    no table's files for it. Only a slice with rows has a commit to look for."""
+    if highest_done(engine, "entity_batches", "replace_slice") < slice_key:
+        return None
     for table in TABLES:
         if engine.slice_files(table, [slice_key]):
             entry = engine.commit_after(table, slice_key, "replace_slice") or {}
