@@ -180,9 +180,11 @@ def recipients(index: SubscriptionIndex, dbid: str, collection: str, zone: str, 
     return out
 
 
-MAX_PENDING = 10_000
+MAX_PENDING = 1_000
 """Unacknowledged notifications an inbox keeps: past it the oldest expire, so a device that never
-acks (an app uninstalled) costs a bounded row, about 60 bytes per notification."""
+acks (an app uninstalled) costs a bounded row, about 53 bytes per notification (53 KB; a state
+file of 20,000 such rows is 1 GB, and each notification to a full inbox re-reads its row). A
+badge shows "999+" long before."""
 
 
 class DeviceInbox:

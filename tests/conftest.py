@@ -253,6 +253,8 @@ class Pipeline:
             self.cursor = result.cursor
         for request in result.dynamic_partitions_requests or []:
             self.instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        for request in result.run_requests or []:  # what `run_request` takes for granted, as the daemon would not
+            assert request.job_name in (None, JOB) and request.asset_selection is None, request
         return list(result.run_requests or [])
 
     def run(self, partition_key: str, *, assets: Iterable[str | AssetKey] | None = None,

@@ -26,6 +26,7 @@ from entity_assets import samples
 from entity_assets.assets import common, entities
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
+from entity_assets.storage import DeltaRsEngine
 from entity_assets.tables import SCHEMAS
 from resources import SparkResource
 
@@ -231,22 +232,43 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     assert not os.listdir(pipeline.engine.uri(common.OUTBOX_FOLDER))  # published spools are deleted
 
 
-def test_messages_go_out_only_once_their_rows_are_committed(pipeline, monkeypatch):
-    """A step that fails before its commit publishes nothing (apply_patches publishes entity-patches
-    too); its re-run publishes everything once."""
-    pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
+STEP_STREAMS = {
+    "apply_patches": {"entity-patches": "entity_patches", "entity-updates": "entity_updates",
+                      "schema-updates": "schema_updates", "schema-learning": "schema_learning",
+                      "partial-responses": "partial_responses", "complete-responses": "complete_responses"},
+    "zone_changes": {"zone-changes": "zone_changes"},
+    "device_notifications": {"changes-by-device": "changes_by_device", "device-notifications": "device_notifications"},
+}
+"""The streams each publishing step sends, and their tables."""
+
+
+@pytest.mark.parametrize(("table", "step", "driver_rows"), [
+    ("entities", "apply_patches", 0), ("complete_responses", "apply_patches", 10_000),
+    ("zone_changes", "zone_changes", 0), ("device_notifications", "device_notifications", 10_000)])
+def test_messages_go_out_only_once_their_rows_are_committed(make_pipeline, monkeypatch, table, step, driver_rows):
+    """A step whose commit fails publishes nothing, whichever of its commits fails, from spool files
+    (Spark tasks) or from memory (tasks in the driver); its re-run publishes every message once."""
+    pipeline = make_pipeline(driver_rows=driver_rows)
+    first, _ = slice_records()
+    pipeline.produce(first)
     [request] = pipeline.tick()
+    commit = DeltaRsEngine.commit
 
-    def failing_commit(*args, **kwargs):
-        raise RuntimeError("the lake refused the commit")
+    def failing(self, name, *args, **kwargs):
+        if name == table:
+            raise OSError("the lake refused the commit")
+        return commit(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(entities, "replace_slice", failing_commit)
-    assert not pipeline.run_request(request, raise_on_error=False).success
-    assert not messages(pipeline, "entity-patches") and not messages(pipeline, "entity-updates")
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        patched.setattr(DeltaRsEngine, "commit", failing)
+        failed = pipeline.run_request(request, raise_on_error=False)
+    [failure] = [e for e in failed.all_events if e.is_step_failure]
+    assert failure.step_key == step and "the lake refused the commit" in pipeline.failure_text(failure)
+    streams = STEP_STREAMS[step]
+    assert not any(messages(pipeline, stream) for stream in streams)
     assert pipeline.run_request(request).success
-    assert one(messages(pipeline, "entity-updates"))["value"]["entity"] == SALLY
-    assert one(messages(pipeline, "entity-patches"))["value"]["entity"] == SALLY
+    on_topics = {stream: len(messages(pipeline, stream)) for stream in streams}
+    assert on_topics == {stream: len(rows(pipeline, t)) for stream, t in streams.items()} and all(on_topics.values())
 
 
 def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_again(pipeline, monkeypatch):
@@ -486,6 +508,22 @@ def test_a_slice_run_again_after_a_later_one_publishes_only_when_told(pipeline):
     assert [m["value"]["after"]["n"] for m in messages(pipeline, "entity-updates")][-1] == 2
 
 
+def test_a_redelivery_is_found_up_to_the_edge_of_the_dedupe_window_and_not_past_it(make_pipeline):
+    pipeline = make_pipeline(dedupe_window_slices=2)
+
+    def request(number: int):
+        return record(batch(number, [patch(f"edge-{number}", [{"op": "add", "path": "n", "value": number}])],
+                            begun=BEGUN + number))
+
+    # slice 3 looks back at slices 1 and 2, slice 4 at slices 2 and 3
+    for records in ([request(100), request(101)], [request(102)], [request(101), request(103)], [request(100)]):
+        pipeline.produce(records)
+        [slice_run] = pipeline.tick()
+        assert pipeline.run_request(slice_run).success
+    assert [r["slice"] for r in rows(pipeline, "entity_patches", request=101)] == [K1]
+    assert sorted(r["slice"] for r in rows(pipeline, "entity_patches", request=100)) == [K1, slice_key(4)]
+
+
 def test_a_slice_run_again_keeps_the_dedupe_window_of_its_first_run(make_pipeline):
     """The state holds what the first run's window applied: a re-run after dedupe_window_slices
     changed would explode a redelivery that the state never applied."""
@@ -587,6 +625,21 @@ def slice_records() -> tuple[list, list]:
     return first, second
 
 
+def test_apply_patches_refuses_a_slice_whose_slice_before_it_has_not_applied(pipeline):
+    """Slice 1's patches exploded but never applied (its run stopped there): slice 2's own patches
+    pass their checks, and apply_patches itself must refuse, applying nothing."""
+    first, second = slice_records()
+    pipeline.produce(first)
+    [r1] = pipeline.tick()
+    pipeline.produce(second)
+    [r2] = pipeline.tick()
+    assert pipeline.run(K1, assets=pipeline.asset_keys_of("entity_batches") + ["entity_patches"]).success
+    refused = pipeline.run_request(r2, raise_on_error=False)
+    [failure] = [e for e in refused.all_events if e.is_step_failure and e.step_key == "apply_patches"]
+    assert f"slice {K1} is missing" in pipeline.failure_text(failure)
+    assert pipeline.engine.applied("entities", "entity-assets") is None
+
+
 def snapshot(pipeline) -> dict:
     out = {("stream", t, k): slice_rows(pipeline, t, k) for t in STREAM_TABLES for k in (K1, K2)}
     out.update({("state", t): canonical(pipeline.read(t).to_pylist()) for t in STATE_TABLES})
@@ -680,7 +733,7 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
     if state_file_rows == 1:
         state = pipeline.engine.files("entities")
         assert len(state) == len(rows(pipeline, "entities")) and max(f.rows for f in state) == 1
-        assert 0 < meta2["entities"]["replaced_files"] < len(state)  # slice 2 rewrote only the files of its keys
+        assert meta2["entities"]["replaced_files"] == 1  # slice 2 rewrote only the file of its one key, LIFE
     for result in (one_, two):
         checks = pipeline.checks(result)
         for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):

@@ -378,6 +378,12 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     zone_messages = messages_on(pipeline, "zone-changes")
     assert Counter(m["key"] for m in zone_messages) == {ENTITY_A: 3, ENTITY_B: 1, "sub-device1": 1,
                                                         "sub-device2": 1, "sub-device3": 1, "sub-broken": 1}
+    # a key's messages in the order its changes applied (by offset: created, updated, deleted), so
+    # compaction keeps the deletion
+    changes_of_a = sorted((m["offset"], m["value"]["begun"], m["value"]["ops"]) for m in zone_messages
+                          if m["key"] == ENTITY_A)
+    assert [begun for _, begun, _ in changes_of_a] == [FUTURE + 1, FUTURE + 2, FUTURE + 3]
+    assert changes_of_a[-1][2] == [{"op": "remove", "path": ""}]
     for m in zone_messages:  # keyed by entity, partitioned by (subject) zone, the entity-updates structure
         assert m["partition"] == partition_for(subject[m["key"]], n), m
         assert m["value"]["entity"] == m["key"] and m["value"]["status"] == 1
