@@ -46,6 +46,10 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     # each task summarizes the rows of its files (no shuffle); summaries merge exactly
     files = engine.slice_files("schema_learning", [key])
     rows_in = sum(f.rows for f in files)
+    if not rows_in and not engine.slice_files("schema_updates", [key]):
+        # no learning request and no schema update in the slice: nothing learned nor declared changes
+        yield from _unchanged(engine, key, apply, version)
+        return
     tasks = file_tasks(files, slicing.max_messages_per_task, task_slots(spark, rows_in))
     partials = collect_tasks(spark, tasks, partial(fold.learn_task, storage_options=engine.storage_options), rows_in)
 
@@ -86,6 +90,24 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
                                                             engine.files("learned_schemas", version)))
     meta = table_metadata(engine, "learned_schemas", result)
     meta.update(collections=MetadataValue.int(len(summaries)), observed_this_slice=MetadataValue.int(observed_now),
+                replayed=MetadataValue.bool(not apply))
+    yield MaterializeResult(asset_key="learned_schemas", metadata=meta)
+    yield _declared_schema_check(report)
+
+
+def _unchanged(engine, key: str, apply: bool, version: int | None):
+    """The slice leaves every collection as the slice before did: its state commit records the
+    slice and changes no file, and the check reports the disagreements stored, without reading
+    nor inferring the summaries, which grow with every field name learned."""
+    stored = engine.read("learned_schemas", version, columns=["dbid", "collection", "disagreements"])
+    report = {f"{escape(dbid)}/{escape(collection)}": issues
+              for dbid, collection, text in zip(*(stored.column(c).to_pylist() for c in stored.column_names))
+              if (issues := json.loads(text))}
+    result = {"rows": stored.num_rows, "files": 0, "version": engine.version("learned_schemas")}
+    if apply:
+        result["version"] = commit_state(engine, "learned_schemas", key, [], [])
+    meta = table_metadata(engine, "learned_schemas", result)
+    meta.update(collections=MetadataValue.int(stored.num_rows), observed_this_slice=MetadataValue.int(0),
                 replayed=MetadataValue.bool(not apply))
     yield MaterializeResult(asset_key="learned_schemas", metadata=meta)
     yield _declared_schema_check(report)
