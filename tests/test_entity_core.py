@@ -304,9 +304,9 @@ def test_a_message_too_large_for_its_topic_stays_in_the_lake_and_the_slices_go_o
     row is committed, and a warning counts and names it."""
     from entity_assets.kafka_io import BATCH_FRAMING, ensure_topics
 
-    updates = pipeline.topic("entity-updates")
-    ensure_topics(pipeline.kafka.config(), [updates], pipeline.kafka.new_topic_partitions,
-                  topic_configs={updates: {"max.message.bytes": "3000"}})
+    updates, zones = pipeline.topic("entity-updates"), pipeline.topic("zone-changes")
+    ensure_topics(pipeline.kafka.config(), [updates, zones], pipeline.kafka.new_topic_partitions,
+                  topic_configs={topic: {"max.message.bytes": "3000"} for topic in (updates, zones)})
     noise = "".join(random.Random(1).choices(string.ascii_letters + string.digits, k=5000))  # zstd cannot shrink
     big = [{"op": "add", "path": "notes", "value": noise}]  # it below 3000 bytes: the broker would refuse it
     plain = [{"op": "add", "path": "notes", "value": "x" * 5000}]  # zstd makes it a few hundred bytes: it goes
@@ -325,6 +325,11 @@ def test_a_message_too_large_for_its_topic_stays_in_the_lake_and_the_slices_go_o
     assert named["stream"] == "entity-updates" and named["key"] == WILLIAM and named["limit"] == 3000 - BATCH_FRAMING
     assert named["bytes"] > 10_000 and named["compressed"] > 3000  # the ops and the after
     assert pipeline.materializations(result)["entity_updates"]["published"] == 2
+    # zone_changes, a later step, leaves it out the same way, with its own check
+    assert sorted(m["value"]["entity"] for m in messages(pipeline, "zone-changes")) == sorted([SALLY, GROUP])
+    [check] = [e for e in result.get_asset_check_evaluations()
+               if e.check_name == "messages_fit_their_topics" and e.asset_key.to_user_string() == "zone_changes"]
+    assert check.passed is False and check.metadata["by_stream"].value == {"zone-changes": 1}
 
     pipeline.produce([record(batch(3, [patch(SALLY, [{"op": "replace", "path": "firstName", "value": "Sal"}])],
                                    begun=BEGUN + 1))])
