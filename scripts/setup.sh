@@ -58,7 +58,7 @@ fi
 
 if [ "${1:-}" = "--test" ]; then
     if ! command -v npm >/dev/null 2>&1; then
-        echo "setup: warning: no npm on PATH; the Azure lake tests will be skipped" >&2
+        echo "setup: warning: no npm on PATH; the Azure lake tests will be skipped (under CI, fail)" >&2
     elif [ "$(cat "$VENV/azurite/.version" 2>/dev/null || true)" != "$AZURITE_VERSION" ]; then
         echo "setup: installing Azurite $AZURITE_VERSION into $VENV/azurite (npm)"
         npm install --silent --no-fund --no-audit --no-save --prefix "$VENV/azurite" "azurite@$AZURITE_VERSION" >/dev/null

@@ -69,7 +69,7 @@ def _rows(lake: Path) -> dict[str, int]:
     return {t: DeltaTable(str(lake / t)).to_pyarrow_dataset().count_rows() for t in TABLES}
 
 
-@pytest.mark.timeout(2000)  # its own waits add up to 1,800 s, so one that runs out fails naming what it waited for
+@pytest.mark.timeout(2400)  # its waits add up to ~2,000 s, so one that runs out fails naming what it waited for
 def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path, monkeypatch):
     home, port, spark_port = tmp_path / "home", free_port(), free_port()
     kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="daemon.")

@@ -644,6 +644,7 @@ def test_apply_patches_refuses_a_slice_whose_slice_before_it_has_not_applied(pip
     assert pipeline.run(K1, assets=pipeline.asset_keys_of("entity_batches") + ["entity_patches"]).success
     refused = pipeline.run_request(r2, raise_on_error=False)
     [failure] = [e for e in refused.all_events if e.is_step_failure and e.step_key == "apply_patches"]
+    assert f"cannot be applied to entities: it holds slices up to" in pipeline.failure_text(failure)
     assert f"slice {K1} is missing" in pipeline.failure_text(failure)
     assert pipeline.engine.applied("entities", "entity-assets") is None
 

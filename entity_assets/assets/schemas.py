@@ -44,6 +44,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     require_inputs(engine, key, ("schema_learning",), "learn_schemas")
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
     # each task summarizes the rows of its files (no shuffle); summaries merge exactly
+    schemas_version = applied_version(engine, "schemas", key, "learn_schemas")  # refused before schemas has the slice
     files = engine.slice_files("schema_learning", [key])
     rows_in = sum(f.rows for f in files)
     if not rows_in and not engine.slice_files("schema_updates", [key]):
@@ -63,7 +64,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
         summaries.setdefault((row["dbid"], row["collection"]), Summary()).merge(part)
 
     declared: dict[tuple[str, str], dict] = {}
-    for row in engine.read("schemas", applied_version(engine, "schemas", key, "learn_schemas")).to_pylist():
+    for row in engine.read("schemas", schemas_version).to_pylist():
         if not row["deleted"] and row["document"]:
             for collection, entity_type in entity_types(json.loads(row["document"])).items():
                 declared[(row["dbid"], collection)] = entity_type
