@@ -550,8 +550,8 @@ def require_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None
     if seq == 1 or not engine.exists(table):
         return
     before = key_of(seq - 1)
-    if _published_after(engine, table, before) is not None or engine.version_after(table, before, PUBLISH) is not None:
-        return  # a later slice published after it, or it did (a re-run of older slices records no publish)
+    if engine.version_after(table, before, PUBLISH) is not None or _published_after(engine, table, before) is not None:
+        return  # it published, or a later slice did (a re-run of older slices records no publish)
     written = engine.commit_after(table, before, "replace_slice")
     if written is None and (engine.reached(table, before, "replace_slice")  # older than what the log holds
                             or not any(done < before for done in engine.slices_done(table, "replace_slice"))):
