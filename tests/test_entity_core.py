@@ -450,9 +450,12 @@ def test_an_entitys_patches_apply_in_begun_order_not_offset_order(pipeline):
             (high, 1), (low, 1), (low, 2), (high, 2)], stream
 
 
-def test_the_parts_of_a_request_reach_kafka_in_part_order(pipeline):
+@pytest.mark.parametrize("driver_rows", [0, SparkResource().driver_rows], ids=["spark-tasks", "driver"])
+def test_the_parts_of_a_request_reach_kafka_in_part_order(make_pipeline, driver_rows):
     """A request's parts are patches of entities in different buckets, so different fold tasks:
-    complete_task, which groups them, publishes their partial responses in part order."""
+    complete_task, which groups them, publishes their partial responses in part order, from
+    spool files (Spark tasks) and from memory (tasks in the driver, as a small slice's run)."""
+    pipeline = make_pipeline(driver_rows=driver_rows)
     requests = [batch(40 + r, [patch(f"multi-{r}-{p}", [{"op": "add", "path": "n", "value": p}]) for p in range(4)],
                       begun=BEGUN + r) for r in range(12)]
     pipeline.produce([record(b) for b in requests])
