@@ -594,6 +594,8 @@ last checkpoint: at Delta's default of 100, up to 99 commit files, which a step 
 opens (measured at 65 commits: 35 ms, and 134 requests to an S3 endpoint; at 10: 12 ms and 25
 requests). A checkpoint of a 20,000-file table took 0.09 s to write."""
 LOG_RETENTION_SETTING = "delta.logRetentionDuration"
+COMMIT_PREFIX = "entity_assets."
+"""Of the names of the commit info a commit records (`DeltaRsEngine.commit`)."""
 DONE_PROPERTY = "entity_assets.slicesDone."
 """Table property per operation: the slices whose commits `expire_log` may delete, as ranges
 ("1-40,42-97"), so that `reached` still knows them (a gap is a slice that never succeeded)."""
@@ -821,7 +823,7 @@ class DeltaRsEngine:
         actions += [AddAction(f.path, f.size, {}, now, True, f.stats) for f in add]
         props = CommitProperties(
             custom_metadata={"entity_assets.operation": operation, "entity_assets.slice": slice_key,
-                             **{f"entity_assets.{k}": v for k, v in (metadata or {}).items()}},
+                             **{f"{COMMIT_PREFIX}{k}": v for k, v in (metadata or {}).items()}},
             app_transactions=[Transaction(*app_txn)] if app_txn else None,
         )
         dt = self._open(table)
@@ -851,9 +853,12 @@ class DeltaRsEngine:
         return None if entry is None else entry["version"]
 
     def commit_after(self, table: str, slice_key: str, operation: str) -> dict | None:
-        """The commit info of `version_after`'s commit: `version` and the `entity_assets.*` metadata."""
-        return next((e for e in self._history(table) if e.get("entity_assets.slice") == slice_key
-                     and e.get("entity_assets.operation") == operation), None)
+        """The commit info of `version_after`'s commit: `version`, and the metadata as `commit`
+        took it (names without their "entity_assets." prefix: `slice`, `operation` and the rest)."""
+        entry = next((e for e in self._history(table) if e.get("entity_assets.slice") == slice_key
+                      and e.get("entity_assets.operation") == operation), None)
+        return None if entry is None else {"version": entry["version"], **{
+            name[len(COMMIT_PREFIX):]: value for name, value in entry.items() if name.startswith(COMMIT_PREFIX)}}
 
     def reached(self, table: str, slice_key: str, operation: str) -> bool:
         """Whether `operation` was done for `slice_key`: the log holds its commit, or the slices

@@ -596,9 +596,9 @@ def test_a_state_step_refuses_a_slice_whose_input_is_not_written_yet(pipeline):
     # the tables whose stream a later step publishes promise no publish record of their own: the
     # release before, which published them from their own step, still runs after this one
     engine = pipeline.engine
-    assert "entity_assets.publish_recorded" not in engine.commit_after("entity_patches", K1, "replace_slice")
-    assert "entity_assets.publish_recorded" not in engine.commit_after("changes_by_device", K1, "replace_slice")
-    assert "entity_assets.publish_recorded" in engine.commit_after("entity_updates", K1, "replace_slice")
+    assert "publish_recorded" not in engine.commit_after("entity_patches", K1, "replace_slice")
+    assert "publish_recorded" not in engine.commit_after("changes_by_device", K1, "replace_slice")
+    assert "publish_recorded" in engine.commit_after("entity_updates", K1, "replace_slice")
 
 
 # --------------------------------------------------------------------------- 4-8: across slices

@@ -15,7 +15,6 @@ from resources import LakeResource, SparkResource
 
 APP_VERSIONS = "app_versions"
 """Metadata of each devices state commit: the app-version counts of the state it makes (JSON)."""
-APP_VERSIONS_KEY = f"entity_assets.{APP_VERSIONS}"
 
 
 @asset(
@@ -76,8 +75,8 @@ def _app_versions_before(engine, slice_key: str) -> dict[str, int]:
         if engine.applied("devices", STATE_APP) != seq - 1:
             return {}  # no state before, or a replay past the log: state_version refuses both, saying why
         version = None  # the latest version is the state the slice folds over
-    elif APP_VERSIONS_KEY in commit:
-        return json.loads(commit[APP_VERSIONS_KEY])
+    elif APP_VERSIONS in commit:
+        return json.loads(commit[APP_VERSIONS])
     else:
         version = commit["version"]
     counts = pc.value_counts(engine.read("devices", version, ["appVersion"]).column("appVersion"))

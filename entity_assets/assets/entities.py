@@ -69,7 +69,7 @@ def dedupe_window(context, engine, slice_key: str, slicing: SlicingResource) -> 
     if not engine.exists("entities") or (engine.applied("entities", STATE_APP) or 0) < slice_seq(slice_key):
         return slicing.dedupe_window_slices
     entry = engine.commit_after("entity_patches", slice_key, "replace_slice") or {}
-    window = int(entry.get(f"entity_assets.{WINDOW}", slicing.dedupe_window_slices))
+    window = int(entry.get(WINDOW, slicing.dedupe_window_slices))
     if window != slicing.dedupe_window_slices:
         context.log.info(f"slice {slice_key} keeps the dedupe window of its first run, {window} slices "
                          f"(dedupe_window_slices is {slicing.dedupe_window_slices} now)")

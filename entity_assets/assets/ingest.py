@@ -215,7 +215,7 @@ def _fewer_than_before(engine, slice_key: str, read: int) -> str | None:
     for table in TABLES:
         if engine.slice_files(table, [slice_key]):
             entry = engine.commit_after(table, slice_key, "replace_slice") or {}
-            before = int(entry.get(f"entity_assets.{READ}", -1))  # an older release's commit records none
+            before = int(entry.get(READ, -1))  # an older release's commit records none
             return f"Kafka now holds {read} of its {before} records" if read < before else None
     return None
 
