@@ -271,6 +271,12 @@ def test_apply_patch_op_not_a_dict(op):
         ({"op": "add", "path": "/arr/-1", "value": 1}, "invalid array index: '-1'"),
         ({"op": "add", "path": "/arr/\u00b2", "value": 1}, "invalid array index: '\u00b2'"),
         ({"op": "add", "path": "/a~2", "value": 1}, "invalid '~' escape in path '/a~2'"),
+        # more digits than int() takes (4,300): the op's failure, not a ValueError that failed every run of its slice
+        ({"op": "add", "path": "/arr/" + "1" * 4301, "value": 1}, "index out of range: '11111111111111111111'... "
+                                                                   "(array length 2)"),
+        ({"op": "remove", "path": "/arr/" + "9" * 5000}, "index out of range: '99999999999999999999'... "
+                                                           "(array length 2)"),
+        ({"op": "add", "path": "/arr/10", "value": 1}, "index out of range: '10' (array length 2)"),
         ({"op": "add", "path": "/a~", "value": 1}, "invalid '~' escape in path '/a~'"),
     ],
 )
