@@ -154,16 +154,22 @@ def learned_after(after: str | None, doc: dict) -> str:
     return after if after is not None else dumps(doc)
 
 
+ENTITY_TYPE = "entity-type"
+"""The `kind` of a schema-learning row of an entity type (the others: "entity")."""
+
+
 def entity_type_rows(result: dict, schema: dict) -> list[dict]:
     """schema-learning entity-type messages: one per entity type of the updated schema.
 
     The header of the schema update, no ops, `parts` the number of types, `after` that type only.
+    The row's `collection` names the type, which partitions the topic; the message leaves it out,
+    as the seed's sample does ("the same header fields as the schema-updates messages").
     """
     types = sorted(name for name, value in schema.items() if isinstance(value, dict))
     return [
         {**result, "collection": name, "zone": None, "entity": None, "ops": None, "before": None,
          "includeBefore": False, "after": dumps({name: schema[name]}), "parts": len(types), "part": part,
-         "kind": "entity-type"}
+         "kind": ENTITY_TYPE}
         for part, name in enumerate(types, start=1)
     ]
 
@@ -195,7 +201,7 @@ def result_json(row: dict) -> str:
     for name in _REQUEST_FIELDS:
         msg[name] = row[name]
     for name in _UPDATE_FIELDS:
-        if row.get(name) is not None:
+        if row.get(name) is not None and not (name == "collection" and row.get("kind") == ENTITY_TYPE):
             msg[name] = row[name]
     msg["status"] = row["status"]
     msg["ended"] = row["ended"]

@@ -86,7 +86,11 @@ def result_texts(rows: pa.Table) -> pa.Array:
     pieces = _members(rows, ("dbid", "db", "clientid", "request", "user"))
     for name in ("collection", "zone", "entity", "parts", "part", "begun"):
         if name in names:
-            pieces += _optional(name, col(name), _value(col(name)))
+            values = col(name)
+            if name == "collection" and "kind" in names:  # an entity type's is its row's, not its message's
+                values = pc.if_else(pc.fill_null(pc.equal(one_array(col("kind")), core.ENTITY_TYPE), False), None,
+                                    one_array(values))
+            pieces += _optional(name, values, _value(values))
     pieces += [',"status":', _number(col("status")), ',"ended":', _number(col("ended"))]
     if "learning" in names:
         pieces.append(_flag("learning", col("learning")))

@@ -38,6 +38,13 @@ REPLACED = "replaced:"
 """Report rows whose table starts with this name a state file (path: its URI) that the task rewrote."""
 
 
+SUCCESSES_ONLY = frozenset({"entity_updates"})
+"""Update streams that hold the successful patches only: the seed says so of entity-updates
+("the only responses recorded ... are those for which the corresponding patch was successfully
+applied"), while schema-updates is "a durable record of all schema patch requests received",
+its `status` 1 or 3 and `error` where not 1."""
+
+
 class Outputs:
     """What a task writes: one FileWriter per table, the messages it publishes, and counters.
 
@@ -49,8 +56,8 @@ class Outputs:
     def __init__(self, slice_key: str, uris: dict[str, str], storage_options, publishing: Publishing | None = None,
                  row_groups_by: dict[str, str] | None = None, updates: str | None = None,
                  whole_keys: dict[str, str] | None = None):
-        """`updates`: the table of the status 1 results that `respond` takes (entity_updates or
-        schema_updates); `whole_keys`: per table, the key column whose rows a file never splits
+        """`updates`: the table of the results that `respond` takes (entity_updates, of status 1 only,
+        or schema_updates: `SUCCESSES_ONLY`); `whole_keys`: per table, the key column whose rows a file never splits
         (`FileWriter`)."""
         self.slice_key, self.uris, self.storage_options = slice_key, uris, storage_options
         self.row_groups_by = row_groups_by or {}
@@ -159,7 +166,10 @@ class Outputs:
             self.publish_rows("partial_responses", complete, responses)
         else:
             self.emit_rows("partial_responses", data, texts)
-        self.emit_rows(self.updates, _where(data, ok, all_ok), None if texts is None else _where(texts, ok, all_ok))
+        if self.updates not in SUCCESSES_ONLY:
+            self.emit_rows(self.updates, data, texts)
+        else:
+            self.emit_rows(self.updates, _where(data, ok, all_ok), None if texts is None else _where(texts, ok, all_ok))
         self.emit_rows("complete_responses",
                        complete.append_column("responses", pc.binary_join_element_wise("[", responses, "]", "")))
         if learned is not None and learned.null_count < len(learned):  # the update's row, its document as `after`

@@ -46,6 +46,16 @@ def test_schema_learning_rows_always_carry_after():
     assert encode.result_texts(table).to_pylist() == [core.result_json(r) for r in table.to_pylist()]
 
 
+def test_an_entity_type_message_leaves_its_collection_out_and_an_entity_message_keeps_it():
+    rows = [{**r, "kind": [core.ENTITY_TYPE, "entity", None][i % 3], "status": 1} for i, r in enumerate(_rows())]
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["schema_learning"])
+    texts = encode.result_texts(table).to_pylist()
+    assert texts == [core.result_json(r) for r in table.to_pylist()]
+    for row, text in zip(rows, texts):
+        has = '"collection":' in text
+        assert has == (row["kind"] != core.ENTITY_TYPE and row["collection"] is not None), text
+
+
 def test_no_rows_no_texts():
     assert encode.result_texts(SCHEMAS["entity_updates"].empty_table()).to_pylist() == []
 

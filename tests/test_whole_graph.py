@@ -85,6 +85,8 @@ DECLARE = {  # declares the schema the seed's sample starts from
     "ops": [{"op": "add", "path": "Contacts", "value": SEED_SCHEMA_BEFORE["Contacts"]},
             {"op": "add", "path": "Groups", "value": SEED_SCHEMA_BEFORE["Groups"]}],
 }
+FAILING = {  # a schema patch that cannot apply (nothing at its path): status 3, on schema-updates too
+    **DECLARE, "request": 5, "begun": 1415747081000, "ops": [{"op": "remove", "path": "Orders/fields/total"}]}
 HOME_PHONE = {  # the seed's schema-updates sample's request, as the seed writes it
     "db": DB, "clientid": CLIENT, "request": 2, "user": "jsmith", "begun": 1415747089227, "part": 1, "parts": 1,
     "includeBefore": True, "includeAfter": True,
@@ -146,6 +148,7 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
                                                              "upTo": 1415747100000, "begun": 1415747100000}))
     bad = [(s, k, v) for s, k, v, _, _ in BAD]
     r1 = run_slice(pipeline, [bad[0], ("schema-patches", DB, samples.encode(DECLARE)), bad[1],
+                              ("schema-patches", DB, samples.encode(FAILING)),
                               connection("jsmith", DEVICE, "1.0", 1415747000000), bad[2], good_ack, *bad[3:]], K1)
 
     # 9. bad records become dead letters with their codes and streams; the rest of the slice goes on
@@ -157,7 +160,11 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
         assert d["stream"] == stream and d["kafka_key"] == key.encode()
         assert d["kafka_topic"] == pipeline.topic(d["stream"]) and d["slice"] == K1
         assert word in d["reason"], d["reason"]
-    assert [r["request"] for r in rows(pipeline, "schema_updates", K1)] == [1]
+    # every schema patch processed is a schema update, a failed one with its status and error (the
+    # seed: "a durable record of all schema patch requests"); only the applied one learns
+    assert sorted((r["request"], r["status"], r["error"] is None) for r in rows(pipeline, "schema_updates", K1)) == [
+        (1, 1, True), (5, 3, False)]
+    assert {r["request"] for r in rows(pipeline, "schema_learning", K1)} == {1}
     assert json.loads(rows(pipeline, "schemas")[0]["document"]) == SEED_SCHEMA_BEFORE
     assert [(r["device"], r["upTo"]) for r in rows(pipeline, "notification_acks")] == [(DEVICE, 1415747100000)]
     meta1 = pipeline.materializations(r1)
@@ -197,7 +204,8 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     assert {r["entity"]: (r["version"], r["slice"], json.loads(r["document"])) for r in trail.states["entities"]} == {
         SALLY: (1, K2, SALLY_DOC), WILLIAM: (1, K2, WILLIAM_DOC), GROUP: (1, K2, {"groupName": "Friends"})}
     by_request = {m["value"]["request"]: m for m in messages_on(pipeline, "schema-updates")}
-    assert sorted(by_request) == [1, 2]
+    assert sorted(by_request) == [1, 2, 5]
+    assert by_request[5]["value"]["status"] == 3 and "Orders" in by_request[5]["value"]["error"]
     message = by_request[2]
     assert message["key"] == DB
     assert message["partition"] == partition_for(DB, partitions_of(pipeline, "schema-updates"))
@@ -225,9 +233,12 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     published = messages_on(pipeline, "schema-learning")
     n = partitions_of(pipeline, "schema-learning")
     assert len(published) == 2 + 2 + 3  # slice 1's types, slice 2's types and entities
-    for m in published:  # partitioned by collection, whatever the key
-        assert m["partition"] == partition_for(m["value"]["collection"], n), m
-    type_messages = {(m["value"]["request"], m["value"]["collection"]): m for m in published if m["key"] == DB}
+    for m in published:  # partitioned by collection (an entity type's is the one its after holds), whatever the key
+        [collection] = m["value"]["after"] if m["key"] == DB else [m["value"]["collection"]]
+        assert m["partition"] == partition_for(collection, n), m
+    # an entity type's message has the schema update's header fields only, as the seed's sample
+    assert not [m for m in published if m["key"] == DB and "collection" in m["value"]]
+    type_messages = {(m["value"]["request"], *m["value"]["after"]): m for m in published if m["key"] == DB}
     assert sorted(type_messages) == [(1, "Contacts"), (1, "Groups"), (2, "Contacts"), (2, "Groups")]
     contacts = type_messages[(2, "Contacts")]["value"]
     assert contacts["after"] == SEED_LEARNING_AFTER
@@ -255,7 +266,6 @@ def test_schema_updates_learning_devices_and_dead_letters(make_pipeline, driver_
     assert groups["observed"] == 1 and json.loads(groups["disagreements"]) == []
     assert json.loads(groups["learned"]) == SEED_SCHEMA_AFTER["Groups"]
     checks2 = pipeline.checks(r2)
-    assert checks2["schema_updates_are_successes"].passed is True  # the homePhone patch, status 1
     check = checks2["entities_match_declared_schema"]
     assert check.passed is False and check.severity == AssetCheckSeverity.WARN  # what clients sent, learned anyway
     assert check.metadata["collections_disagreeing"].value == 1 and check.metadata["disagreement_count"].value == 1
