@@ -512,6 +512,8 @@ def test_records_kafka_no_longer_holds_are_dead_letters_and_a_re_run_keeps_the_l
                and d["value"] is None and d["kafka_timestamp"] == -1 for d in dead)
     check = pipeline.checks(run)["no_dead_letters"]
     assert not check.passed and check.metadata["by_stream_and_code"].data == {"entity-batches EA-EXPIRED": len(ranges)}
+    # input lost is no producer's mistake: an error, where a malformed record is a warning
+    assert check.severity == AssetCheckSeverity.ERROR and check.metadata["lost_or_unforeseen"].value == len(ranges)
     updates = pipeline.read("entity_updates").num_rows
     r = ranges[0]  # a record inside a span gone is traced to the span's dead letter
     [letter] = trace.trace(pipeline.engine, r.topic, r.partition, r.start + 1).rows["dead_letters"]
@@ -647,6 +649,7 @@ def test_bad_records_go_to_dead_letters_and_the_rest_is_written(pipeline):
     # the UI's warning on the slice, counting its dead letters by stream and code
     [check] = result.get_asset_check_evaluations()
     assert check.check_name == "no_dead_letters" and not check.passed and check.severity == AssetCheckSeverity.WARN
+    assert check.metadata["lost_or_unforeseen"].value == 0
     assert check.metadata["by_stream_and_code"].value == dict(Counter(f"{STREAM} {code}" for _, code, _ in BAD.values()))
 
     # a dead letter's trail (entity-assets trace): its code and reason, in its slice, nowhere else

@@ -11,6 +11,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 from entity_assets import qlik
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, highest_done, pop_counts,
                                          run_tasks, slice_of, table_metadata)
+from entity_assets.assets.retries import retried_when_transient
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
                                   new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
 from entity_assets.kafka_io import read_range, warm_producer
@@ -50,6 +51,7 @@ LETTER_TABLES = {s.name: s.table for s in INPUT_STREAMS.values()} | {IngestionSt
     partitions_def=slices_partitions, pool=LAKE_POOL,
     can_subset=False,
 )
+@retried_when_transient
 def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaResource,
            lake: LakeResource, slicing: SlicingResource):
     """Reads exactly the manifest's offset ranges, so any re-run re-reads the same records."""
@@ -264,10 +266,18 @@ def _letters(engine, slice_key: str, dead: int) -> Counter:
     return Counter((r["stream"], r["code"]) for r in rows.to_pylist())  # `where` kept the slice's rows only
 
 
+NOT_THE_PRODUCERS = (DeadLetterCode.EXPIRED.value, DeadLetterCode.UNEXPECTED.value)
+"""Dead letters that no producer's mistake explains: records Kafka deleted before the slice read
+them (input lost), and errors no check foresaw (ours to fix). The check says them as errors."""
+
+
 def _dead_letters_check(letters: Counter) -> AssetCheckResult:
-    """A warning, not a failure: bad input is expected of producers, and the slice's good records went on."""
+    """A warning, not a failure: bad input is expected of producers, and the slice's good records
+    went on. An error (still not failing the run) where a dead letter is `NOT_THE_PRODUCERS`'."""
     by_code = {f"{stream} {code}": n for (stream, code), n in sorted(letters.items())}
+    ours = sum(n for (_, code), n in letters.items() if code in NOT_THE_PRODUCERS)
     return AssetCheckResult(asset_key="dead_letters", check_name="no_dead_letters", passed=not letters,
-                            severity=AssetCheckSeverity.WARN,
+                            severity=AssetCheckSeverity.ERROR if ours else AssetCheckSeverity.WARN,
                             metadata={"dead_letters": MetadataValue.int(letters.total()),
+                                      "lost_or_unforeseen": MetadataValue.int(ours),
                                       "by_stream_and_code": MetadataValue.json(by_code)})
