@@ -13,6 +13,7 @@ from entity_assets.assets.common import with_columns
 from entity_assets.assets.devices import devices
 from entity_assets.assets.entities import apply_patches, entity_patches
 from entity_assets.assets.ingest import ingest
+from entity_assets.assets.retries import retries
 from entity_assets.assets.notifications import changes_by_device, device_notifications, zone_changes
 from entity_assets.assets.schemas import learn_schemas
 from entity_assets.jobs import history_job, slice_job, trace_job
@@ -82,13 +83,17 @@ def _number(field: str, default: str, kind: type = int):
         raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
-SECRET_KEYS = re.compile(r"(password|secret|secret\.key|session\.token|jaas\.config|oauthbearer\.config|key\.pem)$"
-                         r"|account\.key")
+SECRET_KEYS = re.compile(r"(password|secret|token|secret\.key|access_key|account_key|sas_key|jaas\.config"
+                         r"|oauthbearer\.config|key\.pem|private\.key|encryption\.key)$"
+                         r"|account\.key|fs\.azure\.sas\.(?!token\.provider\.type$)")
 """Keys of librdkafka and Spark (Hadoop) settings that hold a secret (`ssl.keystore.password`,
 `sasl.oauthbearer.client.secret`, `ssl.key.pem`, `spark.hadoop.fs.s3a.secret.key`,
-`fs.azure.account.key.<account>`): a resource's plain setting is shown in the UI and stored
-with the code location's snapshot, so a secret comes through the environment
-(`ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV`; Spark's object stores read their own variables)."""
+`fs.s3a.session.token`, `fs.azure.account.key.<account>`, `fs.azure.sas.fixed.token`,
+`fs.gs.auth.service.account.private.key`), and executors' variables that do
+(`spark.executorEnv.AWS_SECRET_ACCESS_KEY`, `…AZURE_STORAGE_SAS_KEY`): a resource's plain
+setting is shown in the UI and stored with the code location's snapshot, so a secret comes
+through the environment (`ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV`; Spark's object stores read
+their own variables)."""
 
 
 def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
@@ -112,6 +117,16 @@ def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
                            f"it in ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV ({secret}=VARIABLE), or for Spark use the "
                            "object store's own variables (docs/operations.md)")
     return settings
+
+
+def _master() -> str:
+    """The Spark master URL, without a Spark Connect token (`sc://host:15002/;token=…`): the UI
+    would show it. Spark Connect's client reads it from `SPARK_CONNECT_AUTHENTICATE_TOKEN`."""
+    master = _env("master", "local[*]")
+    if re.search(r";\s*token\s*=", master, re.IGNORECASE):
+        raise SettingError(f"{VARIABLES['master']} holds a token, which the UI would show: set it in "
+                           "SPARK_CONNECT_AUTHENTICATE_TOKEN instead, which Spark Connect's client reads")
+    return master
 
 
 def _json_object(name: str, text: str) -> dict:
@@ -182,7 +197,7 @@ def build_resources() -> dict:
         kafka["ingestion"] = _ingestion()
     lake = {**_given(("root",)), "vacuum_retention_hours": _number("vacuum_retention_hours", "168"),
             **{field: _number(field, "") for field in _given(("state_file_rows",))}}
-    spark = {"master": _env("master", "local[*]"), "conf": _settings("conf", secrets_refused=True),
+    spark = {"master": _master(), "conf": _settings("conf", secrets_refused=True),
              **{field: _number(field, "") for field in _given(("driver_rows",))}}
     slicing = {
         "min_interval_seconds": _number("min_interval_seconds", "900", float),
@@ -193,6 +208,7 @@ def build_resources() -> dict:
         "schema_wait_slices": _number("schema_wait_slices", "4"),
         "offsets_went_back": _env("offsets_went_back", "report"),
     }
+    retries()  # read when a step fails; a value that is no count is refused here, at the load
     return {name: _resource(cls, settings) for name, cls, settings in (
         ("spark", SparkResource, spark), ("kafka", KafkaResource, kafka), ("lake", LakeResource, lake),
         ("slicing", SlicingResource, slicing))}

@@ -35,6 +35,10 @@ class KafkaUnreachable(RuntimeError):
     """Kafka gave no metadata: the broker is down, or the bootstrap servers or security settings are wrong."""
 
 
+class DeliveryFailed(RuntimeError):
+    """Records a producer did not deliver: the cluster refused them or did not answer in time."""
+
+
 class _LastError(logging.Handler):
     """Keeps the last error librdkafka logged for one client, instead of the line per reconnect
     (ten a second) that it prints to stderr by default."""
@@ -79,7 +83,7 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
     """(first offset held, high watermark) of every partition of `topics` (names, or a test of
     the broker's names)."""
     cause, logger = _LastError.logger("entity_assets.kafka_offsets")
-    consumer = Consumer({**config, "group.id": "entity-assets-offsets", "enable.auto.commit": False, "logger": logger})
+    consumer = Consumer({"group.id": "entity-assets-offsets", **config, "enable.auto.commit": False, "logger": logger})
     try:
         metadata = cluster_metadata(config, timeout, consumer, cause)
         out = {}
@@ -144,8 +148,8 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
         return
     consumer = Consumer(
         {
+            "group.id": "entity-assets-slices",  # the client config's, if it names one (a cluster's ACLs)
             **config,
-            "group.id": "entity-assets-slices",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "auto.offset.reset": "error",
@@ -303,7 +307,7 @@ class BatchProducer:
         remaining = self._producer.flush(timeout)
         errors = self._client.errors
         if remaining or errors:
-            raise RuntimeError(f"producing to {sorted(self.counts)} failed: "
+            raise DeliveryFailed(f"producing to {sorted(self.counts)} failed: "
                                f"{errors[:3] or f'{remaining} undelivered'}")
         _IDLE.setdefault(self._key, []).append(self._client)
         return self.counts

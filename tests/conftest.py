@@ -28,6 +28,7 @@ import pytest
 from dagster import AssetKey, DagsterInstance, Definitions, SensorResult, SkipReason, build_sensor_context
 
 from entity_assets.assets import common
+from entity_assets.assets.retries import RETRIES_VARIABLE
 from entity_assets.broker import LocalBroker
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import ensure_topics, produce
@@ -45,11 +46,15 @@ TOPIC_PARTITIONS = 4
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_home(tmp_path_factory):
-    """Nothing a test does may touch the project's .entity-assets or the user's Dagster home."""
+    """Nothing a test does may touch the project's .entity-assets or the user's Dagster home.
+
+    Steps are not retried (`assets.retries`): tests that make a step fail expect its run to fail;
+    `test_a_step_that_fails_transiently_is_retried_within_its_run` turns retries on."""
     home = tmp_path_factory.mktemp("entity-assets-home")
-    saved = {k: os.environ.get(k) for k in ("ENTITY_ASSETS_HOME", "ENTITY_ASSETS_LAKE")}
+    saved = {k: os.environ.get(k) for k in ("ENTITY_ASSETS_HOME", "ENTITY_ASSETS_LAKE", RETRIES_VARIABLE)}
     os.environ["ENTITY_ASSETS_HOME"] = str(home)
     os.environ.pop("ENTITY_ASSETS_LAKE", None)
+    os.environ[RETRIES_VARIABLE] = "0"
     yield home
     for k, v in saved.items():
         if v is None:

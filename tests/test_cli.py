@@ -195,7 +195,8 @@ def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_va
     monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "sasl.oauthbearer.token.endpoint.url=https://idp/token, "
                                                             "ssl.keystore.location=/etc/kafka/client.p12")
     monkeypatch.setenv("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.aws.credentials.provider=x.Provider, "
-                                                   "spark.hadoop.fs.azure.sas.token.provider.type=y.Provider")
+                                                   "spark.hadoop.fs.azure.sas.token.provider.type=y.Provider, "
+                                                   "spark.hadoop.fs.s3a.access.key=AKIA, spark.executorEnv.AWS_REGION=r")
     config = cli.kafka_resource().config()
     assert config["ssl.keystore.password"] == "st0re" and config["ssl.keystore.location"] == "/etc/kafka/client.p12"
     assert {k: config[k] for k in ("security.protocol", "sasl.mechanism", "sasl.username", "sasl.password",
@@ -306,6 +307,16 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
      "ssl.keystore.password holds a secret, which the UI would show: name the variable"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "sasl.oauthbearer.client.secret=s", "sasl.oauthbearer.client.secret holds"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.account.key.acct.blob.core.windows.net=k", "account.key"),
+    # executors' variables and the object stores' other secrets
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.executorEnv.AWS_REGION=eu-west-1, spark.executorEnv.AWS_SECRET_ACCESS_KEY=k",
+     "spark.executorEnv.AWS_SECRET_ACCESS_KEY holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.executorEnv.AZURE_STORAGE_SAS_KEY=sv", "AZURE_STORAGE_SAS_KEY holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.session.token=t", "fs.s3a.session.token holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.sas.fixed.token=t", "sas.fixed.token holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.sas.logs.acct.blob.core.windows.net=t", "logs.acct"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.gs.auth.service.account.private.key=k", "private.key holds"),
+    ("ENTITY_ASSETS_SPARK_MASTER", "sc://spark:15002/;token=abc", "SPARK_CONNECT_AUTHENTICATE_TOKEN"),
+    ("ENTITY_ASSETS_STEP_RETRIES", "many", "ENTITY_ASSETS_STEP_RETRIES='many' is not a count of retries"),
     ("ENTITY_ASSETS_INGESTION", "crm=qlik,erp=odbc", "ENTITY_ASSETS_INGESTION: system 'erp': format: Input should be"),
     ("ENTITY_ASSETS_INGESTION", '{"crm": {"formt": "qlik"}}', "ENTITY_ASSETS_INGESTION: system 'crm': no setting formt"),
     # values a resource refuses: one line that names the variable, not pydantic's text naming the field

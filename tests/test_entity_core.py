@@ -20,10 +20,10 @@ from collections import Counter
 import pyarrow.compute as pc
 import pytest
 from confluent_kafka import Producer
-from dagster import AssetCheckSeverity
+from dagster import AssetCheckSeverity, DagsterEventType
 
 from entity_assets import samples
-from entity_assets.assets import common, entities
+from entity_assets.assets import common, entities, retries
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine
@@ -269,6 +269,59 @@ def test_messages_go_out_only_once_their_rows_are_committed(make_pipeline, monke
     assert pipeline.run_request(request).success
     on_topics = {stream: len(messages(pipeline, stream)) for stream in streams}
     assert on_topics == {stream: len(rows(pipeline, t)) for stream, t in streams.items()} and all(on_topics.values())
+
+
+def test_a_step_that_fails_transiently_is_retried_within_its_run(pipeline, monkeypatch):
+    """An object store's blip costs a retry of the step, not a failed run that every later slice
+    would wait on (refused as out of order) until someone re-ran it. A failure that is no blip (a
+    bug, a refusal) fails the run at once, and a retry publishes each message once."""
+    monkeypatch.setenv(retries.RETRIES_VARIABLE, "2")
+    monkeypatch.setattr(retries, "RETRY_DELAY_SECONDS", 0)
+    first, second = slice_records()
+    pipeline.produce(first)
+    [r1] = pipeline.tick()
+    pipeline.produce(second)
+    [r2] = pipeline.tick()
+    commit = DeltaRsEngine.commit
+
+    def failing(error: Exception, times: int):
+        def commit_or_fail(self, name, *args, **kwargs):
+            if name == "entities" and len(raised) < times:
+                raised.append(name)
+                raise error
+            return commit(self, name, *args, **kwargs)
+        return commit_or_fail
+
+    def retried(result) -> list[str]:
+        return [e.step_key for e in result.all_events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+
+    # the second slice first: refused, not retried
+    refused = pipeline.run_request(r2, raise_on_error=False)
+    assert not refused.success and retried(refused) == []
+    # a bug: not retried
+    raised: list[str] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(DeltaRsEngine, "commit", failing(ValueError("a bug"), 1))
+        broken = pipeline.run_request(r1, raise_on_error=False)
+    assert not broken.success and raised and retried(broken) == []
+    # the store goes away for a moment: the step again, in the same run
+    raised = []
+    with monkeypatch.context() as patched:
+        patched.setattr(DeltaRsEngine, "commit", failing(OSError("the store went away for a moment"), 1))
+        result = pipeline.run_request(r1)
+    assert result.success and raised and retried(result) == ["apply_patches"]
+    assert pipeline.run_request(r2).success
+    streams = STEP_STREAMS["apply_patches"]
+    on_topics = {stream: len(messages(pipeline, stream)) for stream in streams}
+    assert on_topics == {stream: len(rows(pipeline, t)) for stream, t in streams.items()} and all(on_topics.values())
+    # a store that stays away: the retries, then the run fails, naming the cause
+    pipeline.produce(first[:1])
+    [r3] = pipeline.tick()
+    raised = []
+    with monkeypatch.context() as patched:
+        patched.setattr(DeltaRsEngine, "commit", failing(OSError("the store is gone"), 99))
+        gone = pipeline.run_request(r3, raise_on_error=False)
+    assert not gone.success and retried(gone) == ["apply_patches"] * 2 and len(raised) == 3
 
 
 def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_again(pipeline, monkeypatch):

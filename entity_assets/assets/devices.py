@@ -9,6 +9,7 @@ from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, Me
 from entity_assets import fold
 from entity_assets.assets.common import (STATE_APP, ensure_tables, fold_buckets, one_row_per_key, require_inputs,
                                          slice_of, table_metadata)
+from entity_assets.assets.retries import retried_when_transient
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from resources import LakeResource, SparkResource
@@ -26,6 +27,7 @@ APP_VERSIONS = "app_versions"
                 "its metadata counts devices per app version, the seed's reason for the connections stream.",
     check_specs=[AssetCheckSpec("one_row_per_device", asset="devices", description="no (dbid, user, device) appears twice")],
 )
+@retried_when_transient
 def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource) -> MaterializeResult:
     """The seed's reason for the connections stream: which app versions are in use.
 

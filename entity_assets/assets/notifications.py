@@ -28,6 +28,7 @@ from entity_assets.assets.common import (
     undeliverable_check,
     write_stream,
 )
+from entity_assets.assets.retries import retried_when_transient
 from entity_assets.notify import SUBSCRIPTIONS
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.storage import read_row_groups, to_rows
@@ -50,6 +51,7 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
        description="Entity updates by zone, its topic partitioned by zone; a change of a $zoneSubscription "
                    "entity goes to the partition of the zone it subscribes to (and of the one it left).",
        check_specs=[delivery_check_spec("zone_changes", "zone-changes")])
+@retried_when_transient
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     engine, key = lake.open(snapshot=True), slice_of(context)
@@ -76,6 +78,7 @@ INVALID_SHOWN = 20
                    "(an observation counts them).",
        check_specs=[AssetCheckSpec("subscriptions_are_valid", asset="changes_by_device",
                                    description="every $zoneSubscription entity describes a subscription")])
+@retried_when_transient
 def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                       kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     """Subscriptions in effect are the $zoneSubscription entities as of the end of this slice.
@@ -119,6 +122,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
        check_specs=[AssetCheckSpec("one_inbox_per_device", asset="device_notifications",
                                    description="the device_inboxes state holds no device twice"),
                     delivery_check_spec("device_notifications", "changes-by-device and device-notifications")])
+@retried_when_transient
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                          kafka: KafkaResource) -> MaterializeResult:
     """Device inboxes are bucketed state; acks of a slice apply after its new notifications. Its

@@ -19,6 +19,7 @@ from entity_assets.assets.common import (
     applied_version, collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, slice_of, state_as_of,
     table_metadata, task_slots,
 )
+from entity_assets.assets.retries import retried_when_transient
 from entity_assets.learning import Summary, disagreements, entity_types, escape, infer
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.storage import FileWriter
@@ -37,6 +38,7 @@ from resources import LakeResource, SlicingResource, SparkResource
                                             "collection's undeclared fields, type conflicts and required fields missing")],
     partitions_def=slices_partitions, pool=LAKE_POOL,
 )
+@retried_when_transient
 def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, slicing: SlicingResource):
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
     engine, key = lake.open(snapshot=True), slice_of(context)

@@ -1,0 +1,99 @@
+"""Step retries on transient failures: a broker's leader election, an object store's brief
+outage, a Spark Connect server's restart.
+
+A step that fails on one of these is retried inside its run (Dagster's `RetryRequested`), so it
+keeps the run's place in the lake pool and the slices' order: a failed run would leave every
+later slice refused (OutOfOrder) until someone re-ran it. Other failures are not retried: a
+refusal (`OutOfOrder`, a layout), a bug, bad settings. Nor is a terminated run: a `RetryPolicy`
+would retry the interrupt that terminating a run sends, and the run would go on.
+"""
+
+import functools
+import inspect
+import os
+import re
+
+import grpc
+from confluent_kafka import KafkaException
+from dagster import RetryRequested
+
+from entity_assets.kafka_io import DeliveryFailed, KafkaUnreachable
+from resources import SettingError
+
+RETRIES_VARIABLE = "ENTITY_ASSETS_STEP_RETRIES"
+DEFAULT_RETRIES = 3
+RETRY_DELAY_SECONDS = 30
+"""The first retry's wait; each next one waits twice as long (30, 60, 120 s: 3.5 minutes in all)."""
+
+_NOT_TRANSIENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+_TRANSIENT_IN_TASKS = re.compile(
+    r"^(?:[\w.]+\.)?(KafkaException|KafkaUnreachable|DeliveryFailed|TimeoutError|ConnectionError|"
+    r"ConnectionResetError|ConnectionRefusedError|BrokenPipeError|OSError|CommitFailedError)\b", re.MULTILINE)
+"""The last line of a Spark task's Python traceback that names a transient failure (a task's
+exception reaches the driver as text, in a PythonException)."""
+
+
+_UNAVAILABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is a failure that a later attempt may not meet."""
+    from deltalake.exceptions import CommitFailedError
+    from pyspark.errors.exceptions.base import PythonException
+    from pyspark.errors.exceptions.connect import SparkConnectGrpcException
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, PythonException):  # a Spark task's (under Spark Connect, a SparkConnectGrpcException too)
+            return bool(_TRANSIENT_IN_TASKS.search(str(exc)))
+        if isinstance(exc, (KafkaException, KafkaUnreachable, DeliveryFailed, CommitFailedError)):
+            return True
+        if isinstance(exc, SparkConnectGrpcException) and exc.getGrpcStatusCode() in _UNAVAILABLE:
+            return True  # the server restarting, or out of reach; not the errors of a query it ran
+        if isinstance(exc, OSError) and not isinstance(exc, _NOT_TRANSIENT):
+            return True  # pyarrow's object-store errors, connections, timeouts
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def retries() -> int:
+    """Retries of a step after a transient failure: `ENTITY_ASSETS_STEP_RETRIES`, read when the
+    step runs (0: none; the code location's load refuses a value that is not a count)."""
+    text = os.environ.get(RETRIES_VARIABLE) or str(DEFAULT_RETRIES)
+    if not text.strip().isdigit():
+        raise SettingError(f"{RETRIES_VARIABLE}={text!r} is not a count of retries (0 or more)")
+    return int(text)
+
+
+def retried_when_transient(fn):
+    """The asset step `fn`, raising `RetryRequested` when it fails transiently (`transient`).
+
+    A retry runs the step again from its start: a step rewrites its slice, and publishes it
+    again when its commit was done (docs/slices.md, re-running a slice)."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def steps(context, *args, **kwargs):
+            try:
+                yield from fn(context, *args, **kwargs)
+            except Exception as exc:
+                _retry_or_raise(context, exc)
+        return steps
+
+    @functools.wraps(fn)
+    def step(context, *args, **kwargs):
+        try:
+            return fn(context, *args, **kwargs)
+        except Exception as exc:
+            _retry_or_raise(context, exc)
+    return step
+
+
+def _retry_or_raise(context, exc: Exception):
+    if not (transient(exc) and retries()):
+        raise exc
+    attempt = context.retry_number  # 0 on the first attempt
+    wait = RETRY_DELAY_SECONDS * 2 ** attempt
+    context.log.warning(f"transient failure ({type(exc).__name__}: {str(exc)[:300]}); "
+                        f"retry {attempt + 1} of {retries()} in {wait} s")
+    raise RetryRequested(max_retries=retries(), seconds_to_wait=wait) from exc
