@@ -121,12 +121,24 @@ def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
 
 def _master() -> str:
     """The Spark master URL, without a Spark Connect token (`sc://host:15002/;token=…`): the UI
-    would show it. Spark Connect's client reads it from `SPARK_CONNECT_AUTHENTICATE_TOKEN`."""
+    would show it. Spark Connect's client reads it from `SPARK_CONNECT_AUTHENTICATE_TOKEN`.
+
+    A cluster's master needs a lake its executors share: the default lake, a folder of this
+    host, would have them write files the driver then commits but does not have."""
     master = _env("master", "local[*]")
     if re.search(r";\s*token\s*=", master, re.IGNORECASE):
         raise SettingError(f"{VARIABLES['master']} holds a token, which the UI would show: set it in "
                            "SPARK_CONNECT_AUTHENTICATE_TOKEN instead, which Spark Connect's client reads")
+    if not _given(("root",)) and not LOCAL_MASTER.match(master):
+        raise SettingError(f"{VARIABLES['master']}={master!r} names a cluster, but {VARIABLES['root']} is unset: "
+                           f"the lake would be a folder of this host that its executors do not share. Set "
+                           f"{VARIABLES['root']} (s3://…, abfss://…, or a path every executor mounts)")
     return master
+
+
+LOCAL_MASTER = re.compile(r"local(-cluster)?(\[.*\])?$|sc://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?(/.*)?$",
+                          re.IGNORECASE)
+"""Spark masters whose executors run on this host, and so share its default lake."""
 
 
 def _json_object(name: str, text: str) -> dict:

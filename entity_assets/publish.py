@@ -6,8 +6,8 @@ replays every spool of the step (`replay_task`), so consumers never see a messag
 that is not committed, and the broker takes a step's messages in one burst. Delivery is at
 least once: a failed slice's re-run publishes its messages again (the same bytes, as outputs
 are deterministic; a slice older than the newest published only when told to, see
-`assets.common.publishes_slice`), and consumers dedupe on the message identity (request id and part for
-responses, entity and version-bearing fields for updates). See docs/streams.md.
+`assets.common.publishes_slice`), and consumers dedupe on the message identity (request id and part, with the
+entity for updates; `notification` for changes by device). See docs/streams.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 import json
 import time
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from dagster import (AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, RunRequest, RunsFilter,
                      SensorEvaluationContext, SensorResult, SkipReason, sensor)
@@ -228,9 +228,17 @@ def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int
     return out
 
 
+CLOCK_MARGIN = timedelta(minutes=5)
+"""Runs created this long before a slice closed are read too: a run's creation time is the run
+storage's clock (Postgres's `CURRENT_TIMESTAMP`), which may lag this host's, and the sensor's
+request is created within a second of the close. `_started_since` then tells the slice's runs
+by their start, which the run's own process records. (A database whose time zone is not UTC is
+hours off: docs/operations.md.)"""
+
+
 def _first_closing(closed_at: dict[int, int]) -> datetime:
-    """When the first of the slices closed: no run created before it is a run of theirs."""
-    return datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc)
+    """When the first of the slices closed, less `CLOCK_MARGIN`: no run created before it is a run of theirs."""
+    return datetime.fromtimestamp(min(closed_at.values()) / 1000, timezone.utc) - CLOCK_MARGIN
 
 
 def _started_since(started: float | None, closed_at: int) -> bool:

@@ -317,6 +317,9 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.gs.auth.service.account.private.key=k", "private.key holds"),
     ("ENTITY_ASSETS_SPARK_MASTER", "sc://spark:15002/;token=abc", "SPARK_CONNECT_AUTHENTICATE_TOKEN"),
     ("ENTITY_ASSETS_STEP_RETRIES", "many", "ENTITY_ASSETS_STEP_RETRIES='many' is not a count of retries"),
+    # a cluster's executors would write the default lake, a folder of this host, on their own disks
+    ("ENTITY_ASSETS_SPARK_MASTER", "spark://spark-master:7077", "names a cluster, but ENTITY_ASSETS_LAKE is unset"),
+    ("ENTITY_ASSETS_SPARK_MASTER", "sc://spark.internal:15002", "names a cluster, but ENTITY_ASSETS_LAKE is unset"),
     ("ENTITY_ASSETS_INGESTION", "crm=qlik,erp=odbc", "ENTITY_ASSETS_INGESTION: system 'erp': format: Input should be"),
     ("ENTITY_ASSETS_INGESTION", '{"crm": {"formt": "qlik"}}', "ENTITY_ASSETS_INGESTION: system 'crm': no setting formt"),
     # values a resource refuses: one line that names the variable, not pydantic's text naming the field
