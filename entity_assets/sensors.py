@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 
-from dagster import (AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, RunRequest, RunsFilter,
+from dagster import (AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, RunRecord, RunRequest, RunsFilter,
                      SensorEvaluationContext, SensorResult, SkipReason, sensor)
 
 from entity_assets.jobs import slice_job
@@ -71,6 +71,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         went_back = (f"offsets went back: {went_back}. The topic was deleted and created again, or the bootstrap "
                      "servers name another cluster; records below the next offset are not read (docs/slices.md)")
         context.log.error(went_back)
+    latest_closed = closed_at  # of the newest slice before this tick's
     new = plan_slices(positions, ends, policy=slicing.policy(), next_seq=latest + 1,
                       last_closed_at=closed_at, now=int(time.time() * 1000))
     for manifest in new:
@@ -79,8 +80,19 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         positions, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
     requested = {m.seq: m.run_key for m in new}
+    healed = []
+    if latest and latest_closed is not None and failed(context.instance, latest, latest_closed):
+        closed = store.closed_at()
+        healed = held_back(context.instance, closed, latest, lake_holds(lake.open(), newest=min))
+    if healed:
+        context.log.info(f"slices {', '.join(map(slice_key, healed))}: their runs failed while a slice before them "
+                         "was missing, which is done now: requested again")
+        now = int(time.time() * 1000)
+        requested.update({seq: f"{run_key(slice_key(seq), closed[seq])}~{now}" for seq in healed})
     if new or latest > cursor_seq:
-        requested.update(_to_run_again(context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new}))
+        requested.update({seq: key for seq, key in _to_run_again(
+            context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new}, set(healed)).items()
+            if seq not in requested})
     keys = [slice_key(seq) for seq in sorted(requested)]
     cursor = dump_cursor(last, positions, closed_at)
     if not keys:
@@ -111,7 +123,7 @@ def pool_warning(instance: DagsterInstance) -> str | None:
 
 
 def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq: int, last: int,
-                  closing: dict[int, int]) -> dict[int, str]:
+                  closing: dict[int, int], healed: set[int]) -> dict[int, str]:
     """Run keys of the slices up to `last` that this tick did not close (`closing`: their
     closing times) and that are not done: past the cursor (a lost cursor, slices closed by
     `entity-assets run`), or past what the lake's state holds (a lake restored from a backup).
@@ -138,7 +150,7 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
         elif seq > cursor_seq:  # below the cursor, requested already
             out[seq] = run_key(slice_key(seq), closed[seq])
-        elif status in (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED):
+        elif status in (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED) and seq not in healed:
             context.log.warning(f"slice {slice_key(seq)}: its last run {status.value.lower()} and the lake lacks its "
                                 "state; the slices after it wait for it: re-run it (the UI, or entity-assets run)")
     return out
@@ -164,7 +176,12 @@ def _whole(run: DagsterRun) -> bool:
 
 
 def newest_whole(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, DagsterRunStatus]:
-    """Slice -> the status of its newest run since it closed (one not started yet counts) that
+    """Slice -> the status of its newest whole run since it closed (`newest_whole_records`)."""
+    return {seq: record.dagster_run.status for seq, record in newest_whole_records(instance, closed_at).items()}
+
+
+def newest_whole_records(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, RunRecord]:
+    """Slice -> the record of its newest run since it closed (one not started yet counts) that
     is whole (`_whole`) or a re-execution of a whole run (the UI's From failure, From asset
     failure): runs of some assets only neither hide it nor stand for it. After a restore, its
     success means the lake lost the slice's state; a whole run in flight or failed since (a
@@ -178,15 +195,41 @@ def newest_whole(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[i
                for r in instance.get_run_records(RunsFilter(tags={PARTITION_TAG: keys[i:i + _KEYS_PER_QUERY]},
                                                             created_after=_first_closing(closed_at)))]
     by_id = {r.dagster_run.run_id: r for r in records}
-    out: dict[int, DagsterRunStatus] = {}
+    out: dict[int, RunRecord] = {}
     for record in records:
         run = record.dagster_run
         seq = int(run.tags[PARTITION_TAG])
         root = by_id.get(run.tags.get(ROOT_RUN_TAG, run.run_id))  # None: a run of the key before the slice closed
         if seq not in out and root is not None and _whole(root.dagster_run) \
                 and _started_since(root.start_time or root.end_time, closed_at[seq]):
-            out[seq] = run.status
+            out[seq] = record
     return out
+
+
+def failed(instance: DagsterInstance, seq: int, closed_at: int) -> bool:
+    """Whether the slice's newest whole run failed: one query."""
+    newest = newest_whole_records(instance, {seq: closed_at}).get(seq)
+    return newest is not None and newest.dagster_run.status == DagsterRunStatus.FAILURE
+
+
+def held_back(instance: DagsterInstance, closed_at: dict[int, int], last: int, holds: int) -> list[int]:
+    """The slices up to `last` whose newest whole runs failed before the last slice every state
+    table holds (`holds`) was done, now that it is: a slice's run refuses (OutOfOrder) while a
+    slice before it is missing, so one slice that failed and was then run again by hand left
+    every later slice failed. Asked for once: a slice whose run failed after the slice before
+    it was done failed on its own, and waits for the user (`_to_run_again` warns of it).
+
+    The sensor asks only while the newest slice's run failed (`failed`): none waits otherwise."""
+    if not holds or holds >= last:
+        return []
+    records = newest_whole_records(instance, {seq: closed_at[seq] for seq in range(holds, last + 1)})
+    before, first = records.get(holds), records.get(holds + 1)
+    if before is None or before.dagster_run.status != DagsterRunStatus.SUCCESS or first is None \
+            or first.dagster_run.status != DagsterRunStatus.FAILURE \
+            or (first.end_time or 0) > (before.end_time or time.time()):
+        return []
+    return [seq for seq in range(holds + 1, last + 1)
+            if seq in records and records[seq].dagster_run.status == DagsterRunStatus.FAILURE]
 
 
 _KEYS_PER_QUERY = 1000
@@ -199,12 +242,13 @@ def done(runs: dict[int, str], seq: int, holds: int) -> bool:
     return seq in runs and seq <= holds
 
 
-def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER) -> int:
+def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER, newest=max) -> int:
     """The last slice the lake's state holds (0: none): the newest that a state table of `tables`
-    applied. A restore rolls them all back, where a table deleted to be rebuilt lags alone."""
+    applied. A restore rolls them all back, where a table deleted to be rebuilt lags alone.
+    `newest=min`: the last slice every state table holds (a failed run may have applied some)."""
     from entity_assets.assets.common import STATE_APP
 
-    return max((engine.applied(t, STATE_APP) or 0 for t in tables if engine.exists(t)), default=0)
+    return newest((engine.applied(t, STATE_APP) or 0 for t in tables if engine.exists(t)), default=0)
 
 
 def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int, str]:

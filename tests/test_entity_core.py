@@ -271,17 +271,23 @@ def test_messages_go_out_only_once_their_rows_are_committed(make_pipeline, monke
     assert on_topics == {stream: len(rows(pipeline, t)) for stream, t in streams.items()} and all(on_topics.values())
 
 
+def two_slices_requested(pipeline) -> tuple[list, object, object]:
+    """`slice_records()`'s first slice's records, and the run requests of its two slices."""
+    first, second = slice_records()
+    pipeline.produce(first)
+    [r1] = pipeline.tick()
+    pipeline.produce(second)
+    [r2] = pipeline.tick()
+    return first, r1, r2
+
+
 def test_a_step_that_fails_transiently_is_retried_within_its_run(pipeline, monkeypatch):
     """An object store's blip costs a retry of the step, not a failed run that every later slice
     would wait on (refused as out of order) until someone re-ran it. A failure that is no blip (a
     bug, a refusal) fails the run at once, and a retry publishes each message once."""
     monkeypatch.setenv(retries.RETRIES_VARIABLE, "2")
     monkeypatch.setattr(retries, "RETRY_DELAY_SECONDS", 0)
-    first, second = slice_records()
-    pipeline.produce(first)
-    [r1] = pipeline.tick()
-    pipeline.produce(second)
-    [r2] = pipeline.tick()
+    first, r1, r2 = two_slices_requested(pipeline)
     commit = DeltaRsEngine.commit
 
     def failing(error: Exception, times: int):
@@ -322,6 +328,35 @@ def test_a_step_that_fails_transiently_is_retried_within_its_run(pipeline, monke
         patched.setattr(DeltaRsEngine, "commit", failing(OSError("the store is gone"), 99))
         gone = pipeline.run_request(r3, raise_on_error=False)
     assert not gone.success and retried(gone) == ["apply_patches"] * 2 and len(raised) == 3
+
+
+def test_slices_that_failed_behind_a_failed_slice_are_asked_for_again_once_it_is_done(pipeline, monkeypatch):
+    """A slice that failed (the lake refused its commit past the retries) fails the later slices'
+    runs as out of order; once it is run again by hand, the next tick asks for them again, once:
+    a slice whose run fails after the slice before it is done fails on its own."""
+    _, r1, r2 = two_slices_requested(pipeline)
+    commit = DeltaRsEngine.commit
+
+    def failing(self, name, *args, **kwargs):
+        if name == "entities":
+            raise OSError("the store went away")
+        return commit(self, name, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(DeltaRsEngine, "commit", failing)
+        assert not pipeline.run_request(r1, raise_on_error=False).success
+    assert not pipeline.run_request(r2, raise_on_error=False).success  # refused: slice 1 is missing
+    assert pipeline.tick() == []  # still missing: nothing to ask for
+    assert pipeline.run_request(r1).success  # run again by hand
+    [again] = pipeline.tick()
+    assert again.partition_key == K2 and again.run_key != r2.run_key
+    with monkeypatch.context() as patched:  # fails now on its own: not asked for again
+        patched.setattr(DeltaRsEngine, "commit", failing)
+        assert not pipeline.run_request(again, raise_on_error=False).success
+    assert pipeline.tick() == []
+    assert pipeline.run_request(again).success
+    assert pipeline.tick() == []
+    assert {r["slice"] for r in rows(pipeline, "entity_updates")} == {K1, K2}
 
 
 def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_again(pipeline, monkeypatch):
