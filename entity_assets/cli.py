@@ -227,6 +227,10 @@ def _instance_for_runs():
         print(f"entity-assets: no dagster.yaml in DAGSTER_HOME ({home}): runs are recorded in a default instance, "
               "without the lake pool or run monitoring, which a deployment's daemon does not see; set DAGSTER_HOME "
               "to your instance's folder", file=sys.stderr)
+    elif os.environ.get("ENTITY_ASSETS_LAKE") and home == _home() / "dagster":
+        print(f"entity-assets: runs of the lake {os.environ['ENTITY_ASSETS_LAKE']} are recorded in the project's own "
+              f"instance ({home}), and only its runs in flight are waited for: if a daemon runs this lake's slices, "
+              "set DAGSTER_HOME to its instance", file=sys.stderr)
     instance = DagsterInstance.get()
     blockers = settle_runs(instance, kafka_offsets_sensor.name)
     if blockers:

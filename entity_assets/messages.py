@@ -101,6 +101,10 @@ _UUID_PATTERN = r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[
 ClientId = Annotated[str, StringConstraints(pattern=_UUID_PATTERN)]
 # Identifiers become Kafka keys, partition values and Delta columns: empty ones are garbage.
 Name = Annotated[str, StringConstraints(min_length=1)]
+# An app version is counted by value in every later slice's `devices` commit and metadata
+# (`app_versions`): a version a megabyte long would ride along for good.
+APP_VERSION_CHARS = 128
+AppVersion = Annotated[str, StringConstraints(min_length=1, max_length=APP_VERSION_CHARS)]
 # Every integer lands in a Delta `long` column: a larger one is bad input, not a crashed task.
 INT64_MAX = 2**63 - 1
 Long = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
@@ -350,7 +354,7 @@ class Connection(_DbModel):
     dbid: Name = _dbid()
     user: Name
     device: Name
-    appVersion: Name  # a version the app-version counts can name
+    appVersion: AppVersion  # a version the app-version counts can name
     begun: Long
 
 

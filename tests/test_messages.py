@@ -10,6 +10,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from entity_assets.messages import (
+    APP_VERSION_CHARS,
     MAX_MESSAGE_BYTES,
     TOPIC_MODELS,
     CompleteResponse,
@@ -487,6 +488,10 @@ def test_error_codes(payload, code, reason):
 def test_a_connection_names_its_app_version():
     """The app-version counts of `devices` (the seed's reason for the stream) name each version."""
     err = _invalid(Connection, {**json.loads(CONNECTION), "appVersion": ""})
+    assert err.code is DeadLetterCode.BAD_FORMAT and "appVersion" in err.reason
+    # counted by value in every later devices commit: a version is short
+    assert Connection.model_validate({**json.loads(CONNECTION), "appVersion": "1" * APP_VERSION_CHARS})
+    err = _invalid(Connection, {**json.loads(CONNECTION), "appVersion": "1" * (APP_VERSION_CHARS + 1)})
     assert err.code is DeadLetterCode.BAD_FORMAT and "appVersion" in err.reason
 
 

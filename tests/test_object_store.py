@@ -263,3 +263,5 @@ def test_the_cli_runs_on_a_lake_on_object_storage_with_the_environment_alone(bro
                           text=True, timeout=600)
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert lake_rows(LakeResource(root=root, storage_options=options)) == lake_rows(local.lake)
+    # a lake of its own, runs in the project's instance: a daemon's runs elsewhere are not waited for
+    assert "if a daemon runs this lake's slices, set DAGSTER_HOME to its instance" in done.stderr
