@@ -9,6 +9,7 @@ import re
 from dagster import Definitions, EnvVar, in_process_executor, map_asset_specs
 from pydantic import ValidationError
 
+from entity_assets.assets import topics
 from entity_assets.assets.common import with_columns
 from entity_assets.assets.devices import devices
 from entity_assets.assets.entities import apply_patches, entity_patches
@@ -241,8 +242,9 @@ def _resource(cls, settings: dict):
 
 
 defs = Definitions(
-    assets=map_asset_specs(with_columns, [ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes,
-                                          changes_by_device, device_notifications]),
+    assets=[*map_asset_specs(with_columns, [ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes,
+                                            changes_by_device, device_notifications]),
+            *topics.SPECS],
     jobs=[slice_job, lake_maintenance, trace_job, history_job],
     schedules=[lake_maintenance_schedule],
     sensors=[kafka_offsets_sensor],

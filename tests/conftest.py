@@ -311,7 +311,7 @@ class Pipeline:
     @staticmethod
     def observations(result) -> dict[str, dict[str, Any]]:
         """Asset key -> {metadata name: plain value} of the observations one in-process run logged
-        (apply_patches': the entity-patches messages it published)."""
+        (the messages of the slice on each topic published to: `kafka/entity-patches`)."""
         out = {}
         for event in result.get_asset_observation_events():
             observation = event.event_specific_data.asset_observation

@@ -21,6 +21,7 @@ from entity_assets import samples, trace
 from entity_assets.kafka_io import ensure_topics, release_producers
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.messages import parse_message
+from entity_assets.publish import STREAMS
 from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine
 from entity_assets.tables import SCHEMAS
@@ -96,9 +97,16 @@ def test_definitions_load():
     assert sensor.job_name == "slice_job"
     # each asset's columns, for the UI's Columns tab, are its table's
     from entity_assets.tables import SCHEMAS
-    for key in graph.get_all_asset_keys():
+    for key in graph.materializable_asset_keys:
         columns = graph.get(key).metadata["dagster/column_schema"].columns
         assert [c.name for c in columns] == SCHEMAS[key.to_user_string()].names
+    # the lineage starts at the topics clients produce to and ends at the topics consumers read
+    kafka = AssetKey(["kafka", "entity-batches"]), AssetKey(["kafka", "device-notifications"])
+    assert graph.external_asset_keys == {k for k in graph.get_all_asset_keys() if k.path[0] == "kafka"}
+    assert graph.get(AssetKey("entity_batches")).parent_keys == {kafka[0], AssetKey(["kafka", "ingestion"])}
+    assert graph.get(kafka[1]).parent_keys == {AssetKey("device_notifications")}
+    assert {k for k in graph.external_asset_keys if not graph.get(k).child_keys} == {
+        AssetKey(["kafka", stream.name]) for stream in STREAMS.values()}
     assert {"kafka", "lake", "slicing", "spark"} <= set(defs.resources or {})
 
 
@@ -110,8 +118,9 @@ def test_each_group_of_the_ui_can_be_materialized_on_its_own():
     from entity_assets.definitions import defs
 
     graph, job = defs.resolve_asset_graph(), defs.resolve_implicit_global_asset_job_def()
-    groups = {graph.get(key).group_name for key in graph.get_all_asset_keys()}
+    groups = {graph.get(key).group_name for key in graph.materializable_asset_keys}
     assert groups == {"ingest", "entity_core", "schemas", "devices", "notifications"}
+    assert {graph.get(key).group_name for key in graph.external_asset_keys} == {"kafka"}  # the topics: none to run
     for group in groups:
         job.get_subset(asset_selection=AssetSelection.groups(group).resolve(graph))
 

@@ -795,4 +795,4 @@ def test_a_small_slice_runs_the_whole_graph_without_a_spark_session_nor_spool_fi
     assert len(messages_on(pipeline, "entity-updates")) == len(rows(pipeline, "entity_updates")) == \
         pipeline.materializations(result)["entity_updates"]["published"]
     assert len(messages_on(pipeline, "changes-by-device")) == len(rows(pipeline, "changes_by_device")) == \
-        pipeline.observations(result)["changes_by_device"]["published"]  # by device_notifications
+        pipeline.observations(result)["kafka/changes-by-device"]["messages"]  # by device_notifications

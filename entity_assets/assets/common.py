@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from itertools import islice
 
-from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetSpec, Failure, MetadataValue, TableColumn,
-                     TableColumnConstraints, TableSchema)
+from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetObservation, AssetSpec, Failure,
+                     MetadataValue, TableColumn, TableColumnConstraints, TableSchema)
 
+from entity_assets.assets import topics
 from entity_assets.storage import DataFile, DeltaRsEngine, TableFile, repeated_deliveries
 from entity_assets.tables import ADDED_IN_PLACE, APPLIED_IN_ORDER, SCHEMAS
 from resources import SparkResource
@@ -127,10 +128,10 @@ def write_stream(context, spark, kafka, slicing, engine: DeltaRsEngine, files, t
     if not published:
         counts = pop_counts(written)
         return commit_slice(engine, [table], written, slice_key, published=False, metadata=metadata)[table], counts
-    return commit_stream(spark, engine, table, written, slice_key, publish_to, metadata=metadata)
+    return commit_stream(context, spark, engine, table, written, slice_key, publish_to, metadata=metadata)
 
 
-def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str,
+def commit_stream(context, spark, engine: DeltaRsEngine, table: str, files: dict[str, list[DataFile]], slice_key: str,
                   publish_to, counts: Counter | None = None, metadata: dict[str, str] | None = None) -> tuple[dict, Counter]:
     """Commits the slice's rows of a published table from its tasks' report, then publishes them.
 
@@ -142,6 +143,7 @@ def commit_stream(spark, engine: DeltaRsEngine, table: str, files: dict[str, lis
     undeliverable = pop_undeliverable(files)
     summary = commit_slice(engine, [table], files, slice_key, metadata=metadata)[table]
     published = publish_outbox(spark, files, publish_to)
+    observe_topics(context, slice_key, publish_to, published)
     summary["published"], summary["published_by_table"] = published[table], published
     summary["undeliverable"] = undeliverable
     record_published(engine, table, slice_key)
@@ -607,6 +609,16 @@ def record_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None:
     published, whose own is there from its first run."""
     if _published_after(engine, table, slice_key) is None:
         engine.commit(table, SCHEMAS[table], add=[], operation=PUBLISH, slice_key=slice_key)
+
+
+def observe_topics(context, slice_key: str, publish_to, published: Counter) -> None:
+    """The slice's messages on each topic the step published to (`publish_to`, None: none), on the
+    topic's asset (`assets.topics`): the graph's last nodes, which a consumer reads."""
+    from entity_assets.publish import STREAMS
+
+    for table in sorted(publish_to.topics if publish_to is not None else ()):
+        context.log_event(AssetObservation(asset_key=topics.topic_key(STREAMS[table].name), partition=slice_key,
+                                           metadata={"messages": MetadataValue.int(published[table])}))
 
 
 OUTBOX_FOLDER = "_outbox"

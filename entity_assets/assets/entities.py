@@ -7,7 +7,6 @@ from dagster import (
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
-    AssetObservation,
     AssetSpec,
     MaterializeResult,
     MetadataValue,
@@ -26,6 +25,7 @@ from entity_assets.assets.common import (
     ensure_tables,
     fold_buckets_later,
     merge_files,
+    observe_topics,
     one_row_per_key,
     pop_counts,
     pop_undeliverable,
@@ -218,8 +218,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     undeliverable = pop_undeliverable(files)
     published = publish_outbox(spark, files, publish_to)
     record_published(engine, "entity_updates", key)  # the step's streams go out together
-    context.log_event(AssetObservation(asset_key="entity_patches", partition=key,
-                                       metadata={"published": MetadataValue.int(published["entity_patches"])}))
+    observe_topics(context, key, publish_to, published)
 
     by_status = {tuple(name.split(":")[1:]): n for name, n in counts.items() if name.startswith("status:")}
 

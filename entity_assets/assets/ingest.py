@@ -11,6 +11,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 from entity_assets import qlik
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, highest_done, pop_counts,
                                          run_tasks, slice_of, table_metadata)
+from entity_assets.assets import topics
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
                                   new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
@@ -42,7 +43,8 @@ LETTER_TABLES = {s.name: s.table for s in INPUT_STREAMS.values()} | {IngestionSt
 @multi_asset(
     name="ingest",
     specs=[
-        AssetSpec(t, description=DESCRIPTIONS[t], group_name="ingest", kinds={"spark", "delta", "kafka"})
+        AssetSpec(t, deps=topics.read_from(t), description=DESCRIPTIONS[t], group_name="ingest",
+                  kinds={"spark", "delta", "kafka"})
         for t in TABLES
     ],
     check_specs=[AssetCheckSpec("no_dead_letters", asset="dead_letters",

@@ -5,7 +5,6 @@ from dagster import (
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
-    AssetObservation,
     MaterializeResult,
     MetadataValue,
     asset,
@@ -142,9 +141,8 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                                   state_table="device_inboxes", slice_key=key, uris=uris,
                                   state_file_rows=lake.state_file_rows,
                                   publishing=publish_to)
-    summary, counts = commit_stream(spark, engine, "device_notifications", files, key, publish_to, inboxes["counts"])
-    context.log_event(AssetObservation(asset_key="changes_by_device", partition=key, metadata={
-        "published": MetadataValue.int(summary["published_by_table"]["changes_by_device"])}))
+    summary, counts = commit_stream(context, spark, engine, "device_notifications", files, key, publish_to,
+                                    inboxes["counts"])
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
