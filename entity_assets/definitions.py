@@ -86,7 +86,7 @@ def _number(field: str, default: str, kind: type = int):
 
 SECRET_KEYS = re.compile(r"(password|secret|token|secret\.key|access_key|account_key|sas_key|jaas\.config"
                          r"|oauthbearer\.config|key\.pem|private\.key|encryption\.key)$"
-                         r"|account\.key|fs\.azure\.sas\.(?!token\.provider\.type$)")
+                         r"|account\.key|fs\.azure\.sas\.(?!token\.(provider\.type|renew\.period\.for\.streams)$)")
 """Keys of librdkafka and Spark (Hadoop) settings that hold a secret (`ssl.keystore.password`,
 `sasl.oauthbearer.client.secret`, `ssl.key.pem`, `spark.hadoop.fs.s3a.secret.key`,
 `fs.s3a.session.token`, `fs.azure.account.key.<account>`, `fs.azure.sas.fixed.token`,

@@ -286,7 +286,7 @@ class SchemaPatch(_DbModel, _Part):
 
 
 class SchemaUpdate(SchemaPatch, _Outcome):
-    """schema-updates: the applied schema patch and its outcome."""
+    """schema-updates: a processed schema patch and its outcome (status 1, or 3 with `error`)."""
 
 
 class SchemaLearningEntityType(_DbModel, _Part):

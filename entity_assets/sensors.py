@@ -80,15 +80,14 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         positions, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
     requested = {m.seq: m.run_key for m in new}
-    healed = []
-    if latest and latest_closed is not None and failed(context.instance, latest, latest_closed):
-        closed = store.closed_at()
-        healed = held_back(context.instance, closed, latest, lake_holds(lake.open(), newest=min))
+    healed: dict[int, int] = {}
+    if latest and latest_closed is not None and stopped(context.instance, latest, latest_closed):
+        healed = held_back(context.instance, store, latest, lake_holds(lake.open(), newest=min))
     if healed:
-        context.log.info(f"slices {', '.join(map(slice_key, healed))}: their runs failed while a slice before them "
+        context.log.info(f"slices {', '.join(map(slice_key, healed))}: their runs stopped while a slice before them "
                          "was missing, which is done now: requested again")
         now = int(time.time() * 1000)
-        requested.update({seq: f"{run_key(slice_key(seq), closed[seq])}~{now}" for seq in healed})
+        requested.update({seq: f"{run_key(slice_key(seq), closed)}~{now}" for seq, closed in healed.items()})
     if new or latest > cursor_seq:
         requested.update({seq: key for seq, key in _to_run_again(
             context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new}, set(healed)).items()
@@ -206,30 +205,54 @@ def newest_whole_records(instance: DagsterInstance, closed_at: dict[int, int]) -
     return out
 
 
-def failed(instance: DagsterInstance, seq: int, closed_at: int) -> bool:
-    """Whether the slice's newest whole run failed: one query."""
+STOPPED = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+"""A run that ended without applying its slice: failed, or cancelled (slices queued behind a failed one, say)."""
+
+
+def stopped(instance: DagsterInstance, seq: int, closed_at: int) -> bool:
+    """Whether the slice's newest whole run ended without applying it (`STOPPED`): one query."""
     newest = newest_whole_records(instance, {seq: closed_at}).get(seq)
-    return newest is not None and newest.dagster_run.status == DagsterRunStatus.FAILURE
+    return newest is not None and newest.dagster_run.status in STOPPED
 
 
-def held_back(instance: DagsterInstance, closed_at: dict[int, int], last: int, holds: int) -> list[int]:
-    """The slices up to `last` whose newest whole runs failed before the last slice every state
-    table holds (`holds`) was done, now that it is: a slice's run refuses (OutOfOrder) while a
-    slice before it is missing, so one slice that failed and was then run again by hand left
-    every later slice failed. Asked for once: a slice whose run failed after the slice before
-    it was done failed on its own, and waits for the user (`_to_run_again` warns of it).
+def held_back(instance: DagsterInstance, store: ManifestStore, last: int, holds: int) -> dict[int, int]:
+    """The slices after the last one every state table holds (`holds`) whose newest whole runs
+    stopped (`STOPPED`) before it was done, up to `last` and the first that did not stop: a
+    slice's run refuses (OutOfOrder) while a slice before it is missing, so one slice that failed
+    and was then run again (the UI, `entity-assets run`) left every later slice failed, or
+    cancelled by whoever stopped the queue. Each is asked for once: a slice whose run stops after
+    the slice before it is done stopped on its own, and waits for the user (`_to_run_again` warns).
 
-    The sensor asks only while the newest slice's run failed (`failed`): none waits otherwise."""
+    Returns each one's closing time. The sensor asks only while the newest slice's run stopped
+    (`stopped`); the run history read is that of the slice done and the next, and of the later
+    ones (with every manifest) only when the next is held back."""
     if not holds or holds >= last:
-        return []
-    records = newest_whole_records(instance, {seq: closed_at[seq] for seq in range(holds, last + 1)})
-    before, first = records.get(holds), records.get(holds + 1)
-    if before is None or before.dagster_run.status != DagsterRunStatus.SUCCESS or first is None \
-            or first.dagster_run.status != DagsterRunStatus.FAILURE \
-            or (first.end_time or 0) > (before.end_time or time.time()):
-        return []
-    return [seq for seq in range(holds + 1, last + 1)
-            if seq in records and records[seq].dagster_run.status == DagsterRunStatus.FAILURE]
+        return {}
+    closed = {seq: store.get(seq).closed_at for seq in (holds, holds + 1)}
+    done_at = _done_at(instance, holds, closed[holds])
+    first = newest_whole_records(instance, {holds + 1: closed[holds + 1]}).get(holds + 1)
+    if done_at is None or first is None or first.dagster_run.status not in STOPPED \
+            or (first.end_time or 0) > done_at:
+        return {}
+    closed = store.closed_at()
+    records = newest_whole_records(instance, {seq: closed[seq] for seq in range(holds + 1, last + 1)})
+    out = {}
+    for seq in range(holds + 1, last + 1):
+        if seq not in records or records[seq].dagster_run.status not in STOPPED:
+            break  # in flight, or never run whole: the slices after it wait for it, as for a failed one
+        out[seq] = closed[seq]
+    return out  # slice -> its closing time
+
+
+def _done_at(instance: DagsterInstance, seq: int, closed_at: int) -> float | None:
+    """When the newest successful run of the slice since it closed, of any selection (a re-run
+    of only the failed assets too), ended; None: none did."""
+    for record in instance.get_run_records(RunsFilter(tags={PARTITION_TAG: slice_key(seq)},
+                                                      statuses=[DagsterRunStatus.SUCCESS],
+                                                      created_after=_first_closing({seq: closed_at})), limit=5):
+        if _started_since(record.start_time or record.end_time, closed_at):
+            return record.end_time or time.time()
+    return None
 
 
 _KEYS_PER_QUERY = 1000

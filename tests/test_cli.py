@@ -196,6 +196,7 @@ def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_va
                                                             "ssl.keystore.location=/etc/kafka/client.p12")
     monkeypatch.setenv("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.aws.credentials.provider=x.Provider, "
                                                    "spark.hadoop.fs.azure.sas.token.provider.type=y.Provider, "
+                                                   "spark.hadoop.fs.azure.sas.token.renew.period.for.streams=120, "
                                                    "spark.hadoop.fs.s3a.access.key=AKIA, spark.executorEnv.AWS_REGION=r")
     config = cli.kafka_resource().config()
     assert config["ssl.keystore.password"] == "st0re" and config["ssl.keystore.location"] == "/etc/kafka/client.p12"

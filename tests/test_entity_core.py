@@ -252,15 +252,8 @@ def test_messages_go_out_only_once_their_rows_are_committed(make_pipeline, monke
     first, _ = slice_records()
     pipeline.produce(first)
     [request] = pipeline.tick()
-    commit = DeltaRsEngine.commit
-
-    def failing(self, name, *args, **kwargs):
-        if name == table:
-            raise OSError("the lake refused the commit")
-        return commit(self, name, *args, **kwargs)
-
     with monkeypatch.context() as patched:
-        patched.setattr(DeltaRsEngine, "commit", failing)
+        refuse_commits(patched, table, "the lake refused the commit")
         failed = pipeline.run_request(request, raise_on_error=False)
     [failure] = [e for e in failed.all_events if e.is_step_failure]
     assert failure.step_key == step and "the lake refused the commit" in pipeline.failure_text(failure)
@@ -269,6 +262,18 @@ def test_messages_go_out_only_once_their_rows_are_committed(make_pipeline, monke
     assert pipeline.run_request(request).success
     on_topics = {stream: len(messages(pipeline, stream)) for stream in streams}
     assert on_topics == {stream: len(rows(pipeline, t)) for stream, t in streams.items()} and all(on_topics.values())
+
+
+def refuse_commits(patched: pytest.MonkeyPatch, table: str = "entities", error: str = "the store went away") -> None:
+    """Makes the lake refuse a table's commits (the entities state's by default), as a store that went away would."""
+    commit = DeltaRsEngine.commit
+
+    def failing(self, name, *args, **kwargs):
+        if name == table:
+            raise OSError(error)
+        return commit(self, name, *args, **kwargs)
+
+    patched.setattr(DeltaRsEngine, "commit", failing)
 
 
 def two_slices_requested(pipeline) -> tuple[list, object, object]:
@@ -328,6 +333,8 @@ def test_a_step_that_fails_transiently_is_retried_within_its_run(pipeline, monke
         patched.setattr(DeltaRsEngine, "commit", failing(OSError("the store is gone"), 99))
         gone = pipeline.run_request(r3, raise_on_error=False)
     assert not gone.success and retried(gone) == ["apply_patches"] * 2 and len(raised) == 3
+    [failure] = [e for e in gone.all_events if e.is_step_failure]
+    assert "the store is gone" in pipeline.failure_text(failure)  # the error itself, not Dagster's retry count
 
 
 def test_slices_that_failed_behind_a_failed_slice_are_asked_for_again_once_it_is_done(pipeline, monkeypatch):
@@ -335,15 +342,9 @@ def test_slices_that_failed_behind_a_failed_slice_are_asked_for_again_once_it_is
     runs as out of order; once it is run again by hand, the next tick asks for them again, once:
     a slice whose run fails after the slice before it is done fails on its own."""
     _, r1, r2 = two_slices_requested(pipeline)
-    commit = DeltaRsEngine.commit
-
-    def failing(self, name, *args, **kwargs):
-        if name == "entities":
-            raise OSError("the store went away")
-        return commit(self, name, *args, **kwargs)
 
     with monkeypatch.context() as patched:
-        patched.setattr(DeltaRsEngine, "commit", failing)
+        refuse_commits(patched)
         assert not pipeline.run_request(r1, raise_on_error=False).success
     assert not pipeline.run_request(r2, raise_on_error=False).success  # refused: slice 1 is missing
     assert pipeline.tick() == []  # still missing: nothing to ask for
@@ -351,12 +352,37 @@ def test_slices_that_failed_behind_a_failed_slice_are_asked_for_again_once_it_is
     [again] = pipeline.tick()
     assert again.partition_key == K2 and again.run_key != r2.run_key
     with monkeypatch.context() as patched:  # fails now on its own: not asked for again
-        patched.setattr(DeltaRsEngine, "commit", failing)
+        refuse_commits(patched)
         assert not pipeline.run_request(again, raise_on_error=False).success
     assert pipeline.tick() == []
     assert pipeline.run_request(again).success
     assert pipeline.tick() == []
     assert {r["slice"] for r in rows(pipeline, "entity_updates")} == {K1, K2}
+
+
+def test_slices_cancelled_behind_a_failed_slice_are_asked_for_again_once_its_failed_steps_ran_again(
+        pipeline, monkeypatch):
+    """Whoever stops the queue behind a failed slice (cancelling the later slices' runs), then runs
+    again only the failed slice's steps that failed (the UI's From failure), gets the cancelled
+    slices asked for again too."""
+    from dagster import DagsterRun, DagsterRunStatus
+
+    from entity_assets.sensors import PARTITION_TAG
+
+    _, r1, _ = two_slices_requested(pipeline)
+
+    with monkeypatch.context() as patched:
+        refuse_commits(patched)
+        assert not pipeline.run_request(r1, raise_on_error=False).success
+    pipeline.instance.add_run(DagsterRun(job_name="slice_job", run_id="00000000-0000-4000-8000-000000000002",
+                                         status=DagsterRunStatus.CANCELED, tags={PARTITION_TAG: K2}))
+    assert pipeline.tick() == []
+    failed_steps = [*pipeline.asset_keys_of("entities"), "learned_schemas", "zone_changes", "changes_by_device",
+                    "device_notifications"]
+    assert pipeline.run(K1, assets=failed_steps).success
+    [again] = pipeline.tick()
+    assert again.partition_key == K2 and pipeline.run_request(again).success
+    assert pipeline.tick() == []
 
 
 def test_a_slice_that_failed_to_publish_holds_back_the_next_until_it_is_run_again(pipeline, monkeypatch):

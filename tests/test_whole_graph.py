@@ -751,7 +751,11 @@ def test_a_slice_without_learning_leaves_learned_schemas_as_they_were(pipeline):
     first = run_slice(pipeline, list(graph.records()), K1)
     before = learned()
     plain = samples.BatchTraffic(patches=30, entities=12, learning=False, seed=6)
-    second = run_slice(pipeline, list(plain.records()), K2)
+    failing = {**samples.SEED_SCHEMA_PATCH, "dbid": graph.batches.dbid, "request": 8, "parts": 1, "part": 1,
+               "ops": [{"op": "remove", "path": "Nowhere"}]}  # a schema update, failed: no schema changes
+    second = run_slice(pipeline, [*plain.records(), ("schema-patches", graph.batches.dbid, samples.encode(failing))],
+                       K2)
+    assert [r["status"] for r in rows(pipeline, "schema_updates") if r["slice"] == K2] == [3]
     assert learned() == before and {slice_ for _, _, slice_, _, _ in before} == {K1}
     assert pipeline.engine.applied("learned_schemas", "entity-assets") == 2
     assert pipeline.materializations(second)["learned_schemas"]["observed_this_slice"] == 0

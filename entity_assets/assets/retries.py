@@ -1,11 +1,10 @@
-"""Step retries on transient failures: a broker's leader election, an object store's brief
-outage, a Spark Connect server's restart.
+"""Step retries on transient failures: a broker's leader election, an object store's brief outage.
 
 A step that fails on one of these is retried inside its run (Dagster's `RetryRequested`), so it
 keeps the run's place in the lake pool and the slices' order: a failed run would leave every
 later slice refused (OutOfOrder) until someone re-ran it. Other failures are not retried: a
-refusal (`OutOfOrder`, a layout), a bug, bad settings. Nor is a terminated run: a `RetryPolicy`
-would retry the interrupt that terminating a run sends, and the run would go on.
+refusal (`OutOfOrder`, a layout), a bug, a denied access. Nor is a terminated run: a
+`RetryPolicy` would retry the interrupt that terminating a run sends, and the run would go on.
 """
 
 import functools
@@ -13,7 +12,6 @@ import inspect
 import os
 import re
 
-import grpc
 from confluent_kafka import KafkaException
 from dagster import RetryRequested
 
@@ -26,34 +24,44 @@ RETRY_DELAY_SECONDS = 30
 """The first retry's wait; each next one waits twice as long (30, 60, 120 s: 3.5 minutes in all)."""
 
 _NOT_TRANSIENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
-_TRANSIENT_IN_TASKS = re.compile(
-    r"^(?:[\w.]+\.)?(KafkaException|KafkaUnreachable|DeliveryFailed|TimeoutError|ConnectionError|"
-    r"ConnectionResetError|ConnectionRefusedError|BrokenPipeError|OSError|CommitFailedError)\b", re.MULTILINE)
-"""The last line of a Spark task's Python traceback that names a transient failure (a task's
-exception reaches the driver as text, in a PythonException)."""
+_TRANSIENT_NAMES = re.compile(
+    r"(?:[\w.]+\.)?(KafkaException|KafkaUnreachable|DeliveryFailed|TimeoutError|ConnectionError|"
+    r"ConnectionResetError|ConnectionRefusedError|BrokenPipeError|OSError|CommitFailedError)$")
+"""The exceptions a Spark task's traceback may end with that are transient (a task's exception
+reaches the driver as text)."""
+_DENIED = re.compile(r"AUTHORIZATION_FAILED|AUTHENTICATION|ACCESS_DENIED|AccessDenied|Forbidden|InvalidAccessKeyId|"
+                     r"SignatureDoesNotMatch|NO_SUCH_BUCKET|NoSuchBucket|AuthorizationFailure|AuthenticationFailed|"
+                     r"INVALID_REPLICATION_FACTOR|POLICY_VIOLATION|INVALID_CONFIG")
+"""What Kafka and the object stores say of a setting or a right that is missing: no wait brings it."""
+_ERROR_LINE = re.compile(r"^(?!(?:org|java|scala|py4j)\.)([\w.]+)(?::|$)")
 
 
-_UNAVAILABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+def last_error(text: str) -> str | None:
+    """The exception that ends the (last) Python traceback in a Spark task failure's text: the
+    one the task raised, not one it was handling (the "During handling" tracebacks before it)."""
+    names = [m.group(1) for line in text.splitlines() if (m := _ERROR_LINE.match(line))]
+    return names[-1] if names else None
 
 
 def transient(exc: BaseException) -> bool:
-    """Whether `exc`, or an exception it was raised from, is a failure that a later attempt may not meet."""
+    """Whether `exc`, or the exception it was raised from (`raise ... from`), is a failure that a
+    later attempt may not meet: not a denied access, which reads as an outage to pyarrow and librdkafka."""
     from deltalake.exceptions import CommitFailedError
+    from py4j.protocol import Py4JJavaError
     from pyspark.errors.exceptions.base import PythonException
-    from pyspark.errors.exceptions.connect import SparkConnectGrpcException
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, PythonException):  # a Spark task's (under Spark Connect, a SparkConnectGrpcException too)
-            return bool(_TRANSIENT_IN_TASKS.search(str(exc)))
+        if _DENIED.search(str(exc)):
+            return False
+        if isinstance(exc, (PythonException, Py4JJavaError)):  # a Spark task's
+            return bool(_TRANSIENT_NAMES.fullmatch(last_error(str(exc)) or ""))
         if isinstance(exc, (KafkaException, KafkaUnreachable, DeliveryFailed, CommitFailedError)):
             return True
-        if isinstance(exc, SparkConnectGrpcException) and exc.getGrpcStatusCode() in _UNAVAILABLE:
-            return True  # the server restarting, or out of reach; not the errors of a query it ran
         if isinstance(exc, OSError) and not isinstance(exc, _NOT_TRANSIENT):
             return True  # pyarrow's object-store errors, connections, timeouts
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__  # not __context__: an error raised while handling a blip is a bug's
     return False
 
 
@@ -61,7 +69,7 @@ def retries() -> int:
     """Retries of a step after a transient failure: `ENTITY_ASSETS_STEP_RETRIES`, read when the
     step runs (0: none; the code location's load refuses a value that is not a count)."""
     text = os.environ.get(RETRIES_VARIABLE) or str(DEFAULT_RETRIES)
-    if not text.strip().isdigit():
+    if not (text.strip().isascii() and text.strip().isdigit()):
         raise SettingError(f"{RETRIES_VARIABLE}={text!r} is not a count of retries (0 or more)")
     return int(text)
 
@@ -90,9 +98,13 @@ def retried_when_transient(fn):
 
 
 def _retry_or_raise(context, exc: Exception):
-    if not (transient(exc) and retries()):
+    if not transient(exc):
         raise exc
     attempt = context.retry_number  # 0 on the first attempt
+    if attempt >= retries():
+        if attempt:
+            context.log.warning(f"transient failure again, after {attempt} retries: the step fails")
+        raise exc
     wait = RETRY_DELAY_SECONDS * 2 ** attempt
     context.log.warning(f"transient failure ({type(exc).__name__}: {str(exc)[:300]}); "
                         f"retry {attempt + 1} of {retries()} in {wait} s")

@@ -14,7 +14,7 @@ from dagster import (
     multi_asset,
 )
 
-from entity_assets import fold
+from entity_assets import core, fold
 from entity_assets.assets.common import (
     applied_version, collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, slice_of, state_as_of,
     table_metadata, task_slots,
@@ -49,8 +49,9 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     schemas_version = applied_version(engine, "schemas", key, "learn_schemas")  # refused before schemas has the slice
     files = engine.slice_files("schema_learning", [key])
     rows_in = sum(f.rows for f in files)
-    if not rows_in and not engine.slice_files("schema_updates", [key]):
-        # no learning request and no schema update in the slice: nothing learned nor declared changes
+    if not rows_in and (engine.column_bounds("schema_updates", key, "status") or (0,))[0] != core.STATUS_OK:
+        # no learning request and no schema update applied in the slice (status 1; schema-updates holds
+        # failed ones too): nothing learned nor declared changes
         yield from _unchanged(engine, key, apply, version)
         return
     tasks = file_tasks(files, slicing.max_messages_per_task, task_slots(spark, rows_in))
