@@ -38,8 +38,6 @@ __all__ = [
     "parse_message",
     "value_json",
     "parse_value",
-    "to_message",
-    "to_json",
     "TOPIC_MODELS",
     "PatchOp",
     "ValueOp",
@@ -452,48 +450,6 @@ TOPIC_MODELS: dict[str, type[BaseModel]] = {
 }
 """Single-shape topics and their model. schema-learning carries two shapes (EntityUpdate and
 SchemaLearningEntityType), so it is left to the caller."""
-
-
-# --------------------------------------------------------------------------- output
-
-_TRI_STATE = ("before", "after")
-
-
-def _has_kept_nulls(model: BaseModel) -> bool:
-    fields_set = model.__pydantic_fields_set__
-    for name in _TRI_STATE:
-        if name in fields_set and getattr(model, name, 0) is None:
-            return True
-    extra = model.__pydantic_extra__
-    return bool(extra) and any(value is None for value in extra.values())
-
-
-def to_message(model: BaseModel) -> dict[str, Any]:
-    """The JSON-ready dict published to Kafka.
-
-    None optionals are omitted, except ``before``/``after`` explicitly set to None (and null
-    extras of a PartialResponse), which are written as null: a null ``before`` tells the client
-    the entity was created. ``dbid`` appears as both ``dbid`` and ``db``.
-    """
-    out: dict[str, Any] = model.__pydantic_serializer__.to_python(
-        model, mode="json", by_alias=True, exclude_none=True
-    )
-    if _has_kept_nulls(model):
-        fields_set = model.__pydantic_fields_set__
-        for name in _TRI_STATE:
-            if name in fields_set and getattr(model, name, 0) is None:
-                out[name] = None
-        for name, value in (model.__pydantic_extra__ or {}).items():
-            if value is None:
-                out[name] = None
-    return out
-
-
-def to_json(model: BaseModel) -> bytes:
-    """``to_message`` as compact UTF-8 JSON, serialized straight from the model when possible."""
-    if _has_kept_nulls(model):
-        return pydantic_core.to_json(to_message(model))
-    return model.__pydantic_serializer__.to_json(model, by_alias=True, exclude_none=True)
 
 
 # --------------------------------------------------------------------------- parsing

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import pickle
+from typing import Any
 
 import pyarrow as pa
+import pydantic_core
 import pytest
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from entity_assets.messages import (
     APP_VERSION_CHARS,
@@ -31,11 +33,53 @@ from entity_assets.messages import (
     SchemaUpdate,
     ZoneSubscription,
     parse_message,
-    to_json,
-    to_message,
     value_json,
 )
 from entity_assets.tables import SCHEMAS
+
+
+# The models written back out, as a client library would: the seed's samples must survive a
+# round trip. (The pipeline publishes through `encode`, whose texts
+# test_whole_graph.test_every_message_published_is_a_message_of_its_streams_model parses with these models.)
+_TRI_STATE = ("before", "after")
+
+
+def _has_kept_nulls(model: BaseModel) -> bool:
+    fields_set = model.__pydantic_fields_set__
+    for name in _TRI_STATE:
+        if name in fields_set and getattr(model, name, 0) is None:
+            return True
+    extra = model.__pydantic_extra__
+    return bool(extra) and any(value is None for value in extra.values())
+
+
+def to_message(model: BaseModel) -> dict[str, Any]:
+    """The model as a JSON-ready dict.
+
+    None optionals are omitted, except ``before``/``after`` explicitly set to None (and null
+    extras of a PartialResponse), which are written as null: a null ``before`` tells the client
+    the entity was created. ``dbid`` appears as both ``dbid`` and ``db``.
+    """
+    out: dict[str, Any] = model.__pydantic_serializer__.to_python(
+        model, mode="json", by_alias=True, exclude_none=True
+    )
+    if _has_kept_nulls(model):
+        fields_set = model.__pydantic_fields_set__
+        for name in _TRI_STATE:
+            if name in fields_set and getattr(model, name, 0) is None:
+                out[name] = None
+        for name, value in (model.__pydantic_extra__ or {}).items():
+            if value is None:
+                out[name] = None
+    return out
+
+
+def to_json(model: BaseModel) -> bytes:
+    """``to_message`` as compact UTF-8 JSON, serialized straight from the model when possible."""
+    if _has_kept_nulls(model):
+        return pydantic_core.to_json(to_message(model))
+    return model.__pydantic_serializer__.to_json(model, by_alias=True, exclude_none=True)
+
 
 CLIENT = "c297cf20-18bd-40e2-827d-9b563ca28ccd"
 

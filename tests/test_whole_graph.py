@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetCheckSeverity
 
-from entity_assets import messages, notify, samples, storage, trace
+from entity_assets import messages, notify, publish, samples, storage, trace
 from entity_assets.assets import common
 from entity_assets.maintenance import lake_maintenance
 from entity_assets.publish import partition_for
@@ -48,6 +48,23 @@ def messages_on(pipeline, stream: str) -> list[dict]:
 
 def partitions_of(pipeline, stream: str) -> int:
     return len(pipeline.end_offsets(stream))
+
+
+def test_every_message_published_is_a_message_of_its_streams_model(pipeline):
+    """What the Arrow encoders publish (`encode`, `publish.STREAMS`) validates against the pydantic
+    model of its stream (`messages.TOPIC_MODELS`, the seed's fields and types), on every topic."""
+    traffic = samples.GraphTraffic(samples.BatchTraffic(patches=200, entities=40, learning=True), devices=10)
+    run_slice(pipeline, [*traffic.records(), ("schema-patches", DB, samples.encode(DECLARE)),
+                         ("schema-patches", DB, samples.encode(FAILING))], K1)
+    for stream in publish.STREAMS.values():
+        published = messages_on(pipeline, stream.name)
+        assert published, stream.name
+        for m in published:
+            model = messages.TOPIC_MODELS.get(stream.name) or (
+                messages.SchemaLearningEntityType if m["key"] == m["value"]["dbid"] and "entity" not in m["value"]
+                else messages.EntityUpdate)
+            parsed = messages.parse_message(model, json.dumps(m["value"]))
+            assert isinstance(parsed, model) and getattr(parsed, "dbid", None) == m["value"].get("dbid"), m
 
 
 def run_slice(pipeline, records, expected_key: str):
