@@ -217,6 +217,7 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     assert meta["partial_responses"]["entity-updates status 1"] == 1
     assert meta["partial_responses"]["entity-updates status 2"] == 1
     assert meta["partial_responses"]["entity-updates status 3"] == 2
+    assert meta["partial_responses"]["schema-updates status 1"] == 0  # every status at every slice: plots without gaps
     assert meta["partial_responses"]["rows"] == 4 and meta["partial_responses"]["pending_parts"] == 0
     assert meta["entity_updates"]["rows"] == 1 and meta["entity_patches"]["duplicates"] == 0
     # the UI's row counts: a stream's of the slice, a state table's whole (Sally, as of this slice)

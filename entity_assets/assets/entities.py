@@ -48,6 +48,7 @@ from entity_assets.assets.common import (
 )
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.core import ORDER, REQUEST_ORDER
+from entity_assets.patch import STATUS_FAILED, STATUS_NOT_FOUND, STATUS_OK
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import slice_seq
 from entity_assets.storage import read_batches
@@ -106,6 +107,10 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     meta.update(batches=batches_in, duplicates=counts["redelivered"])
     return MaterializeResult(metadata=meta)
 
+
+RESPONSE_STATUSES = {"entity-updates": (STATUS_OK, STATUS_NOT_FOUND, STATUS_FAILED),
+                     "schema-updates": (STATUS_OK, STATUS_FAILED)}
+"""The statuses of the partial responses of each stream (a schema always exists: no status 2)."""
 
 STREAM_TABLES = ("entity_updates", "schema_updates", "partial_responses", "schema_learning")
 STATE_TABLES = ("entities", "schemas", "pending_responses")
@@ -227,9 +232,9 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
         meta = table_metadata(engine, table, summary[table])
         if table in PUBLISHED:
             meta["published"] = MetadataValue.int(published[table])
-        if table == "partial_responses":
-            meta.update({f"{stream} status {status}": MetadataValue.int(n)
-                         for (stream, status), n in sorted(by_status.items())})
+        if table == "partial_responses":  # every key at every slice, 0 too: the UI plots each with no gaps
+            meta.update({f"{stream} status {status}": MetadataValue.int(by_status.get((stream, str(status)), 0))
+                         for stream, statuses in RESPONSE_STATUSES.items() for status in statuses})
             meta["pending_parts"] = MetadataValue.int(sum(f.rows for f in new_pending) if pending_apply else 0)
         if table == "entity_updates":
             meta["preview"] = MetadataValue.md(_preview(engine, key))
