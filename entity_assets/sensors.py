@@ -121,6 +121,10 @@ def pool_warning(instance: DagsterInstance) -> str | None:
             f"dagster.yaml and limit the pool {LAKE_POOL} to 1 (docs/operations.md)")
 
 
+STOPPED = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+"""A run that ended without applying its slice: failed, or cancelled (slices queued behind a failed one, say)."""
+
+
 def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq: int, last: int,
                   closing: dict[int, int], healed: set[int]) -> dict[int, str]:
     """Run keys of the slices up to `last` that this tick did not close (`closing`: their
@@ -149,7 +153,7 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
             context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
         elif seq > cursor_seq:  # below the cursor, requested already
             out[seq] = run_key(slice_key(seq), closed[seq])
-        elif status in (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED) and seq not in healed:
+        elif status in STOPPED and seq not in healed:
             context.log.warning(f"slice {slice_key(seq)}: its last run {status.value.lower()} and the lake lacks its "
                                 "state; the slices after it wait for it: re-run it (the UI, or entity-assets run)")
     return out
@@ -203,10 +207,6 @@ def newest_whole_records(instance: DagsterInstance, closed_at: dict[int, int]) -
                 and _started_since(root.start_time or root.end_time, closed_at[seq]):
             out[seq] = record
     return out
-
-
-STOPPED = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
-"""A run that ended without applying its slice: failed, or cancelled (slices queued behind a failed one, say)."""
 
 
 def stopped(instance: DagsterInstance, seq: int, closed_at: int) -> bool:
