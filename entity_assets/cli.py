@@ -264,6 +264,8 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     cursor = dump_cursor(newest.seq, newest.positions(), newest.closed_at) if newest else None
     with build_sensor_context(instance=instance, cursor=cursor, resources=resources) as context:
         result = kafka_offsets_sensor(context)
+    for event in result.asset_events:  # the daemon's tick stores them
+        instance.report_runless_asset_event(event)
     log(f"sensor: {result.skip_reason.skip_message if result.skip_reason else f'{len(result.run_requests)} new slice(s)'}")
 
     # a slice is done when its run succeeded after it closed and the lake holds it: a lake
@@ -275,7 +277,28 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     holds = lake_holds(store.engine, tables) if tables else max(closed, default=0)  # no state step: nothing to hold
     pending = [(slice_key(seq), run_key(slice_key(seq), at)) for seq, at in sorted(closed.items())
                if not done(runs, seq, holds)]
-    return _materialize(instance, pending, selection, log)
+    summaries = _materialize(instance, pending, selection, log)
+    if pending:
+        _report_lag(instance, resources, log)
+    return summaries
+
+
+def _report_lag(instance, resources: dict, log) -> None:
+    """The lag after the runs (`sensors.report_lag`): observed, committed, and said in one line."""
+    from entity_assets.manifests import ManifestStore
+    from entity_assets.sensors import lake_holds, report_lag
+    from entity_assets.slices import slice_key
+
+    store = ManifestStore(resources["lake"].open())
+    holds = lake_holds(store.engine, newest=min)
+    kafka = resources["kafka"]
+    observations, _ = report_lag(lambda text: log(f"warning: {text}"), kafka, store, kafka.input_watermarks(),
+                                 holds, store.latest_seq(), None)
+    for event in observations:
+        instance.report_runless_asset_event(event)
+    behind = {o.asset_key.path[-1]: o.metadata["lag"].value for o in observations}
+    log(f"lag: {sum(behind.values())} messages on the input topics past slice {slice_key(holds) if holds else '(none)'}"
+        + "".join(f", {n} on {stream}" for stream, n in behind.items() if n))
 
 
 def run_slices(first: int, last: int, *, assets: list[str] | None = None, republish: bool = False,

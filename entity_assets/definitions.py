@@ -36,6 +36,7 @@ VARIABLES = {
     "stream_topic_config": "ENTITY_ASSETS_STREAM_TOPIC_CONFIG",
     "published_streams": "ENTITY_ASSETS_PUBLISH",
     "ingestion": "ENTITY_ASSETS_INGESTION",
+    "commit_offsets": "ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS",
     "security_protocol": "KAFKA_SECURITY_PROTOCOL",
     "sasl_mechanism": "KAFKA_SASL_MECHANISM",
     "ssl_ca_location": "KAFKA_SSL_CA_LOCATION",
@@ -202,7 +203,7 @@ def build_resources() -> dict:
         "new_topic_replication_factor": _number("new_topic_replication_factor", "-1"),
         "stream_topic_config": _stream_topic_config(),
         **_publish(),
-        **_given(("security_protocol", "sasl_mechanism", "ssl_ca_location")),
+        **_given(("security_protocol", "sasl_mechanism", "ssl_ca_location", "commit_offsets")),
         # resolved at run time, never stored in run config
         **{field: EnvVar(VARIABLES[field]) for field in _given(("sasl_username", "sasl_password", "ssl_key_password"))},
     }

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
 from entity_assets.slices import OffsetRange
@@ -104,6 +104,37 @@ def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
     return {tp: high for tp, (_, high) in watermarks(config, topics, timeout).items()}
 
 
+SLICES_GROUP = "entity-assets-slices"
+"""The consumer group the slices are read as, unless the client config names one."""
+
+
+def commit_offsets(config: dict, positions: Mapping[tuple[str, int], int], timeout: float = 10.0) -> str:
+    """Commits `positions` (each partition's next offset) to the group the slices are read as, and
+    returns the group: Kafka's lag tools (`kafka-consumer-groups --describe`, lag exporters) then
+    show how far the lake is behind. Nothing reads them back: the manifests hold the offsets.
+    An admin client's commit, as the group has no members (the readers assign their partitions)."""
+    group = config.get("group.id", SLICES_GROUP)
+    cause, logger = _LastError.logger("entity_assets.kafka_commit")
+    admin = AdminClient({**{k: v for k, v in config.items() if k != "group.id"}, "logger": logger})
+    offsets = [TopicPartition(topic, partition, offset) for (topic, partition), offset in sorted(positions.items())]
+    future = admin.alter_consumer_group_offsets([ConsumerGroupTopicPartitions(group, offsets)],
+                                                request_timeout=timeout)[group]
+    try:
+        answer = future.result(timeout + 1)
+    except (KafkaException, TimeoutError) as exc:
+        detail = (exc.args[0].str() if isinstance(exc, KafkaException) else "no answer") + (
+            f"; {cause.last}" if cause.last else "")
+        raise OffsetsNotCommitted(f"group {group}: {detail}") from exc
+    refused = [f"{tp.topic}[{tp.partition}]: {tp.error.str()}" for tp in answer.topic_partitions if tp.error]
+    if refused:
+        raise OffsetsNotCommitted(f"group {group}: {'; '.join(refused[:5])}")
+    return group
+
+
+class OffsetsNotCommitted(RuntimeError):
+    """The cluster did not take a commit of the slices' offsets (`commit_offsets`)."""
+
+
 class RecordsExpired(Exception):
     """Offsets of a range that its partition no longer holds: Kafka's retention (or a delete of
     records) removed them before they were read, or the topic was deleted and created again."""
@@ -148,7 +179,7 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
         return
     consumer = Consumer(
         {
-            "group.id": "entity-assets-slices",  # the client config's, if it names one (a cluster's ACLs)
+            "group.id": SLICES_GROUP,  # the client config's, if it names one (a cluster's ACLs)
             **config,
             "enable.auto.commit": False,
             "enable.partition.eof": True,

@@ -3,31 +3,45 @@
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 from datetime import datetime, timedelta, timezone
 
-from dagster import (AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, RunRecord, RunRequest, RunsFilter,
-                     SensorEvaluationContext, SensorResult, SkipReason, sensor)
+from dagster import (AssetKey, AssetObservation, DagsterInstance, DagsterRun, DagsterRunStatus, RunRecord, RunRequest,
+                     RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor)
 
+from entity_assets.assets.topics import topic_key
 from entity_assets.jobs import slice_job
+from entity_assets.kafka_io import OffsetsNotCommitted
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import LAKE_POOL, slices_partitions
-from entity_assets.slices import behind, plan_slices, run_key, slice_key, slice_seq
+from entity_assets.slices import behind, lag, plan_slices, run_key, slice_key, slice_seq
 from entity_assets.tables import APPLIED_IN_ORDER
 from resources import KafkaResource, LakeResource, SlicingResource
 
 
-def load_cursor(raw: str | None) -> tuple[int, dict, int | None]:
+class Cursor(NamedTuple):
+    seq: int
+    """The last slice requested."""
+    positions: dict
+    """Where the next slice starts."""
+    closed_at: int | None
+    """When the last slice closed (ms)."""
+    lag: dict | None = None
+    """What the last lag report said (`report_lag`)."""
+
+
+def load_cursor(raw: str | None) -> Cursor:
     if not raw:
-        return 0, {}, None
+        return Cursor(0, {}, None)
     data = json.loads(raw)
     positions = {(tp.rsplit("|", 1)[0], int(tp.rsplit("|", 1)[1])): off for tp, off in data["next"].items()}
-    return data["seq"], positions, data.get("closed_at")
+    return Cursor(data["seq"], positions, data.get("closed_at"), data.get("lag"))
 
 
-def dump_cursor(seq: int, positions: dict, closed_at: int | None) -> str:
+def dump_cursor(seq: int, positions: dict, closed_at: int | None, lag: dict | None = None) -> str:
     return json.dumps({"seq": seq, "next": {f"{t}|{p}": off for (t, p), off in sorted(positions.items())},
-                       "closed_at": closed_at})
+                       "closed_at": closed_at, **({"lag": lag} if lag else {})})
 
 
 @sensor(job=slice_job, minimum_interval_seconds=30, description="Closes a slice of new Kafka offsets and requests its run.")
@@ -46,7 +60,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     """
     engine = lake.open(snapshot=True)
     store = ManifestStore(engine)
-    cursor_seq, positions, closed_at = load_cursor(context.cursor)
+    cursor_seq, positions, closed_at, reported = load_cursor(context.cursor)
     latest = store.latest_seq()
     if latest != cursor_seq:
         newest = store.get(latest) if latest else None
@@ -93,11 +107,14 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
             context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new}, set(healed)).items()
             if seq not in requested})
     keys = [slice_key(seq) for seq in sorted(requested)]
-    cursor = dump_cursor(last, positions, closed_at)
+    observations, reported = report_lag(context.log.warning, kafka, store, marks, lake_holds(engine, newest=min), last,
+                                        reported)
+    cursor = dump_cursor(last, positions, closed_at, reported)
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
-                                                    + (f"; {went_back}" if went_back else "")), cursor=cursor)
+                                                    + (f"; {went_back}" if went_back else "")), cursor=cursor,
+                            asset_events=observations)
     context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
     if warning := pool_warning(context.instance):
         context.log.warning(warning)
@@ -105,7 +122,48 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         run_requests=[RunRequest(run_key=requested[seq], partition_key=slice_key(seq)) for seq in sorted(requested)],
         dynamic_partitions_requests=[slices_partitions.build_add_request(keys)],
         cursor=cursor,
+        asset_events=observations,
     )
+
+
+LAG_EVERY = 5 * 60 * 1000
+"""While the lake is behind and no slice closes or is done (a failed slice holding the others
+back, say), its lag is observed again this often (ms): `seconds_behind` keeps growing in the
+UI's plot, where an observation per tick (30 s) would fill the event log."""
+
+
+def report_lag(warn: Callable[[str], None], kafka: KafkaResource, store: ManifestStore, marks: dict, holds: int,
+               last: int, reported: dict | None) -> tuple[list[AssetObservation], dict | None]:
+    """How far the lake's state is behind Kafka, observed on each input topic's asset (`lag`:
+    messages Kafka holds past the last slice every state table holds; `seconds_behind`: since
+    that slice closed, the time the state is as of), when a slice closed or was done, and every
+    `LAG_EVERY` while behind. A slice done also commits its end offsets to the slices' consumer
+    group (`KafkaResource.commit_offsets`), once: Kafka's own lag tools then show it too.
+
+    Returns the observations and what the cursor keeps of them."""
+    now = int(time.time() * 1000)
+    done = store.get(holds) if holds else None
+    by_stream: dict[str, int] = {}
+    for (topic, _), count in lag(done.positions() if done else {}, marks).items():
+        if (stream := kafka.input_stream(topic)) is not None:
+            by_stream[stream.name] = by_stream.get(stream.name, 0) + count
+    total = sum(by_stream.values())
+    changed = reported is None or (reported["done"], reported["last"]) != (holds, last)
+    if not changed and not (total and now - reported["at"] >= LAG_EVERY):
+        return [], reported
+    if done is not None and kafka.commit_offsets and (reported is None or reported["done"] != holds):
+        try:
+            kafka.commit(done.positions())
+        except OffsetsNotCommitted as exc:
+            warn(f"slice {slice_key(holds)} is done, but its offsets were not committed ({exc}): Kafka's lag tools "
+                 "show the group behind. Grant Read on the group, or set ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS=false "
+                 "(docs/operations.md)")
+    since = done.closed_at if done else store.get(1).closed_at if last else now
+    metadata = {"slices_not_done": last - holds, **({"last_slice_done": slice_key(holds)} if holds else {})}
+    observations = [AssetObservation(topic_key(stream), metadata={
+        "lag": count, "seconds_behind": round((now - since) / 1000, 1) if count else 0.0, **metadata})
+        for stream, count in sorted(by_stream.items())]
+    return observations, {"done": holds, "last": last, "at": now}
 
 
 def pool_warning(instance: DagsterInstance) -> str | None:

@@ -178,6 +178,14 @@ def behind(positions: Mapping[TopicPartition, int], ends: Mapping[TopicPartition
     return sorted(tp for tp, end in ends.items() if end < positions.get(tp, 0))
 
 
+def lag(done: Mapping[TopicPartition, int], marks: Mapping[TopicPartition, tuple[int, int]]) -> dict[TopicPartition, int]:
+    """Messages of each partition (`marks`: first offset held, high watermark) past `done`, the
+    positions after the last slice the lake's state holds: Kafka has them, the lake not yet. A
+    partition no slice has read counts from its first offset; one behind the slices (the topic
+    created again) counts 0."""
+    return {tp: max(0, high - max(low, done.get(tp, low))) for tp, (low, high) in marks.items()}
+
+
 def split_ranges(ranges: Iterable[OffsetRange], max_per_task: int) -> list[OffsetRange]:
     """Cuts ranges into task-sized pieces so that one hot partition still uses every core."""
     out = []

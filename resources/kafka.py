@@ -79,6 +79,10 @@ class KafkaResource(ConfigurableResource):
         default_factory=dict, description="derived stream (its seed name) -> topic configs of its topic when this "
                                           "project creates it, over new_topic_config, e.g. "
                                           "{'device-notifications': {'cleanup.policy': 'compact'}}")
+    commit_offsets: bool = Field(
+        default=True, description="commit the offsets of the last slice done to the consumer group the slices are "
+                                  "read as, so Kafka's lag tools show how far the lake is behind (needs Read on the "
+                                  "group); nothing reads them back")
     ingestion: dict[str, IngestionSource] = Field(
         default_factory=lambda: {adapters.ANY_SYSTEM: IngestionSource()},
         description="source system ('*': any other) -> how its CDC ingestion topics become entity batches; "
@@ -143,6 +147,12 @@ class KafkaResource(ConfigurableResource):
         from entity_assets.kafka_io import end_offsets
 
         return end_offsets(self.config(), topics, timeout)
+
+    def commit(self, positions: dict[tuple[str, int], int]) -> str:
+        """Commits a slice's end offsets to the slices' consumer group (`commit_offsets`); returns the group."""
+        from entity_assets.kafka_io import commit_offsets
+
+        return commit_offsets(self.config(), positions)
 
     def sources(self) -> dict[str, adapters.Source]:
         """`ingestion` as the adapters' plain settings (what Spark tasks get)."""

@@ -254,6 +254,8 @@ class Pipeline:
                 result = SensorResult(run_requests=requests, skip_reason=result if isinstance(result, SkipReason)
                                       else None, cursor=context.cursor)
         self.last_result = result
+        for event in result.asset_events:  # the daemon stores them
+            self.instance.report_runless_asset_event(event)
         if result.cursor is not None:
             self.cursor = result.cursor
         for request in result.dynamic_partitions_requests or []:

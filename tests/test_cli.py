@@ -37,6 +37,7 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     slices = done.stdout.count(": ok in ")
     assert slices >= 2
+    assert f"lag: 0 messages on the input topics past slice {slice_key(slices)}" in done.stdout
     built = lake_rows(lake)
 
     # an upgrade's rebuild: tables deleted, then materialized again from the first slice, states
@@ -326,6 +327,8 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     # values a resource refuses: one line that names the variable, not pydantic's text naming the field
     ("ENTITY_ASSETS_OFFSETS_WENT_BACK", "bogus", "ENTITY_ASSETS_OFFSETS_WENT_BACK='bogus': Input should be 'report'"),
     ("ENTITY_ASSETS_STATE_FILE_ROWS", "0", "ENTITY_ASSETS_STATE_FILE_ROWS='0': Input should be greater than"),
+    ("ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS", "maybe", "ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS='maybe': Input should be a valid "
+                                                     "boolean"),
     ("ENTITY_ASSETS_PUBLISH", "no", "ENTITY_ASSETS_PUBLISH='no': Value error, published_streams: no derived stream"),
 ])
 def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceback(name, value, said, monkeypatch,

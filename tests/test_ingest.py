@@ -702,6 +702,76 @@ def test_sensor_run_request_materializes_its_partition(pipeline):
         assert pipeline.instance.get_materialized_partitions(asset_key) == {key}, asset_key
 
 
+def _lag(pipeline, stream: str = STREAM) -> list[dict]:
+    """The lag observations of an input topic's asset, oldest first, as plain values."""
+    records = pipeline.instance.fetch_observations(AssetKey(["kafka", stream]), limit=100).records
+    return [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in reversed(records)]
+
+
+def _committed(pipeline, stream: str = STREAM) -> dict[tuple[str, int], int]:
+    """The offsets of the slices' consumer group on a stream's topic."""
+    from confluent_kafka import ConsumerGroupTopicPartitions
+
+    admin = AdminClient(pipeline.kafka.config())
+    [future] = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions("entity-assets-slices")]).values()
+    return {(tp.topic, tp.partition): tp.offset for tp in future.result(10).topic_partitions
+            if tp.topic == pipeline.topic(stream) and tp.offset >= 0}
+
+
+def test_the_sensor_observes_how_far_the_lake_is_behind_kafka_and_commits_each_slice_done(pipeline, monkeypatch):
+    """The UI plots each input topic's lag; Kafka's own lag tools read the slices' consumer
+    group, whose offsets are those of the last slice the lake's state holds."""
+    from entity_assets import sensors
+
+    pipeline.produce(traffic(30, seed=21))
+    produced = sum(pipeline.end_offsets().values())
+    [request] = pipeline.tick()
+    [closed] = _lag(pipeline)
+    assert closed["lag"] == produced and closed["slices_not_done"] == 1 and "last_slice_done" not in closed
+    assert _committed(pipeline) == {}  # nothing done yet
+
+    pipeline.run_request(request)
+    assert pipeline.tick() == []
+    done = _lag(pipeline)[-1]
+    assert done == {"lag": 0, "seconds_behind": 0.0, "slices_not_done": 0, "last_slice_done": K1}
+    slice_1 = {tp: end for tp, end in pipeline.manifest(1).positions().items() if tp[0] == pipeline.topic(STREAM)}
+    assert _committed(pipeline) == slice_1
+    pipeline.tick()
+    assert len(_lag(pipeline)) == 2  # nothing changed: nothing observed
+
+    pipeline.produce(traffic(5, seed=22))
+    assert len(pipeline.tick()) == 1
+    behind = _lag(pipeline)[-1]
+    assert behind["lag"] == 5 and behind["slices_not_done"] == 1 and behind["last_slice_done"] == K1
+    assert behind["seconds_behind"] > 0  # since slice 1 closed: what the lake's state is as of
+    pipeline.tick()
+    assert len(_lag(pipeline)) == 3
+    monkeypatch.setattr(sensors, "LAG_EVERY", 0)  # a lake still behind is observed again, later
+    pipeline.tick()
+    again = _lag(pipeline)[-1]
+    assert again["lag"] == 5 and again["seconds_behind"] >= behind["seconds_behind"]
+    assert _committed(pipeline) == slice_1  # slice 2 is not done
+
+
+def test_a_commit_the_cluster_refuses_warns_once_and_the_tick_goes_on(pipeline, monkeypatch, capfd):
+    from entity_assets import kafka_io
+
+    attempts = []
+
+    def refuse(config, positions, timeout=10.0):
+        attempts.append(positions)
+        raise kafka_io.OffsetsNotCommitted("group entity-assets-slices: Broker: Group authorization failed")
+
+    monkeypatch.setattr(kafka_io, "commit_offsets", refuse)
+    pipeline.produce(traffic(10, seed=23))
+    pipeline.tick_and_run()
+    assert pipeline.tick() == [] and pipeline.tick() == []
+    assert attempts == [pipeline.manifest(1).positions()]  # once for the slice done, not at every tick
+    said = capfd.readouterr().err
+    assert said.count("Group authorization failed") == 1 and "ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS=false" in said
+    assert _lag(pipeline)[-1]["last_slice_done"] == K1
+
+
 def test_a_tick_that_loses_a_race_for_its_slice_commits_nothing(pipeline, monkeypatch):
     """Two ticks at once (the daemon's and `entity-assets run`'s): the sensor reads the manifests
     as of its first look, and the one that commits second is refused by Delta's conflict check

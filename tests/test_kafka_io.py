@@ -243,3 +243,28 @@ def test_a_topic_s_limit_is_its_max_message_bytes_and_a_value_is_measured_as_the
     assert kafka_io.producer_limit({}) == 4_000_000 - kafka_io.BATCH_FRAMING
     assert kafka_io.compressed_size(b"x" * 5000, {}) < 100
     assert kafka_io.compressed_size(b"x" * 5000, {"compression.type": "none"}) == 5000
+
+
+def test_offsets_are_committed_to_the_slices_group_or_the_one_the_client_config_names(broker):
+    from confluent_kafka import ConsumerGroupTopicPartitions
+    from confluent_kafka.admin import AdminClient
+
+    config = {"bootstrap.servers": broker.bootstrap}
+    ensure_topics(config, ["commits"], partitions=2)
+    produce(config, "commits", [(None, b"x")] * 6)
+
+    def committed(group):
+        admin = AdminClient(config)
+        [future] = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)]).values()
+        return {(tp.topic, tp.partition): tp.offset for tp in future.result(10).topic_partitions if tp.topic == "commits"}
+
+    assert kafka_io.commit_offsets(config, {("commits", 0): 2, ("commits", 1): 1}) == "entity-assets-slices"
+    assert committed("entity-assets-slices") == {("commits", 0): 2, ("commits", 1): 1}
+    assert kafka_io.commit_offsets({**config, "group.id": "acme.prod.entity-assets"}, {("commits", 0): 3}) \
+        == "acme.prod.entity-assets"
+    assert committed("acme.prod.entity-assets") == {("commits", 0): 3}
+
+
+def test_a_commit_without_an_answer_says_which_group():
+    with pytest.raises(kafka_io.OffsetsNotCommitted, match="group entity-assets-slices: .*"):
+        kafka_io.commit_offsets({"bootstrap.servers": "127.0.0.1:1"}, {("commits", 0): 1}, timeout=1)

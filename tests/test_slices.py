@@ -15,6 +15,7 @@ from entity_assets.slices import (
     OffsetRange,
     SlicePolicy,
     manifest_to_arrow,
+    lag,
     manifests_from_arrow,
     plan_slices,
     slice_key,
@@ -148,21 +149,31 @@ def test_manifest_arrow_round_trip():
 
 @pytest.mark.parametrize("positions", [{}, {A0: 0}, {A0: 17, A1: 3, B0: 0, ("we|ird.topic", 12): 5}])
 @pytest.mark.parametrize("closed_at", [None, NOW])
-def test_cursor_round_trip(positions, closed_at):
-    raw = dump_cursor(7, positions, closed_at)
+@pytest.mark.parametrize("lag", [None, {"done": 3, "last": 7, "at": NOW}])
+def test_cursor_round_trip(positions, closed_at, lag):
+    raw = dump_cursor(7, positions, closed_at, lag)
     assert isinstance(raw, str)
-    assert load_cursor(raw) == (7, positions, closed_at)
+    assert load_cursor(raw) == (7, positions, closed_at, lag)
     assert dump_cursor(*load_cursor(raw)) == raw
 
 
 def test_cursor_of_a_new_sensor_is_empty():
-    assert load_cursor(None) == (0, {}, None)
-    assert load_cursor("") == (0, {}, None)
+    assert load_cursor(None) == (0, {}, None, None)
+    assert load_cursor("") == (0, {}, None, None)
+
+
+def test_lag_counts_what_kafka_holds_past_the_last_slice_done():
+    marks = {A0: (0, 10), A1: (4, 9), B0: (0, 3), ("c", 0): (5, 5)}
+    # A0: 6 past the slice; A1: none read yet, from its first offset held; B0: behind the
+    # slices (created again): nothing; c: empty
+    assert lag({A0: 4, B0: 7}, marks) == {A0: 6, A1: 5, B0: 0, ("c", 0): 0}
+    # records deleted past the slice (retention): counted from the first offset held
+    assert lag({A1: 2}, {A1: (6, 9)}) == {A1: 3}
 
 
 def test_cursor_and_manifest_agree_on_the_next_start():
     [s] = plan({A0: 2}, {A0: 9, A1: 4})
-    seq, positions, closed_at = load_cursor(dump_cursor(s.seq, s.positions(), s.closed_at))
+    seq, positions, closed_at, _ = load_cursor(dump_cursor(s.seq, s.positions(), s.closed_at))
     [nxt] = plan(positions, {A0: 12, A1: 4}, next_seq=seq + 1, last_closed_at=closed_at, interval=0)
     assert nxt.seq == 2
     assert {(r.topic, r.partition): r.start for r in nxt.ranges} == s.positions()
