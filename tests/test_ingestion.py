@@ -191,6 +191,31 @@ def test_qlik_data_waits_for_its_metadata_message_then_applies(make_pipeline):
     assert [r["schemaId"] for r in trail.rows["avro_schemas"]] == [s2] and trail.slice == K(3)
 
 
+def test_a_small_slice_that_applies_waiting_qlik_data_opens_no_spark_session(make_pipeline, monkeypatch):
+    """A slice of a few records runs in the run's process: a run image without Java, or the JVM's
+    start, must not meet the first slice that registers a schema others wait for."""
+    from resources import SparkResource
+
+    pipeline = make_pipeline(production_layout=True, schema_wait_slices=2)
+
+    def no_session(self):
+        raise AssertionError("a small slice asked for a Spark session")
+
+    monkeypatch.setattr(SparkResource, "session", no_session)
+    topic = pipeline.topic("hr.employees.ingestion")
+    ensure_topics(pipeline.kafka.config(), [topic], 2)
+    columns = {"EMP_ID": "long", "NAME": "string"}
+    schema = qlik.data_schema("EMPLOYEES", columns)
+    config = pipeline.kafka.config()
+    produce(config, topic, [(b"1", qlik.data_envelope("a" * 32, schema, "INSERT", {"EMP_ID": 1, "NAME": "Ada"}))])
+    [run] = pipeline.tick_and_run()
+    assert run.success and pipeline.read("schema_waits").num_rows == 1
+    produce(config, topic, [(b"meta", qlik.metadata_envelope("a" * 32, "EMPLOYEES", columns, ["EMP_ID"]))])
+    [run] = pipeline.tick_and_run()
+    assert run.success and pipeline.materializations(run)["entity_batches"]["schema_pending_applied"] == 1
+    assert json.loads(states(pipeline)[("hr", "employees", "hr", "1")]["document"]) == {"EMP_ID": 1, "NAME": "Ada"}
+
+
 def test_without_a_wait_an_unknown_schema_is_a_dead_letter_at_once(make_pipeline):
     """`schema_wait_slices=0`: the slice that read the data message dead-letters it, and still keeps its wait."""
     pipeline = make_pipeline(schema_wait_slices=0)

@@ -10,7 +10,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 
 from entity_assets import qlik
 from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, highest_done, pop_counts,
-                                         run_tasks, slice_of, table_metadata)
+                                         run_tasks, slice_of, table_metadata, task_slots)
 from entity_assets.assets import topics
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
@@ -183,13 +183,15 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
         earlier = [f for f in engine.files("schema_waits")
                    if f.min["slice"] < slice_key and (f.min["slice"] == ending or waits_for(f, new))]
     uri, rows = engine.uri("schema_waits"), slicing.max_messages_per_task
+    waiting = sum(f.rows for f in held) + sum(f.rows for f in earlier)
+    slots = task_slots(spark, waiting)  # a few messages: no Spark session for them
     tasks = [{"files": [f"{uri}/{f.path}" for f in t["files"]], "earlier": False}
-             for t in file_tasks(held, rows, spark.parallelism())]
-    tasks += [{**t, "earlier": True} for t in file_tasks(earlier, rows, spark.parallelism())]
+             for t in file_tasks(held, rows, slots)]
+    tasks += [{**t, "earlier": True} for t in file_tasks(earlier, rows, slots)]
     fn = partial(resolve_tasks, prefix=kafka.topic_prefix, sources=kafka.sources(), registry={**registry, **new},
                  new=frozenset(new), slice_key=slice_key, wait_slices=wait,
                  table_uris={t: engine.uri(t) for t in TABLES}, storage_options=engine.storage_options)
-    out = run_tasks(spark, tasks, fn, sum(f.rows for f in held) + sum(f.rows for f in earlier))
+    out = run_tasks(spark, tasks, fn, waiting)
     applied = pop_counts(out)["applied"]
     for table, written in out.items():
         files.setdefault(table, []).extend(written)
