@@ -165,8 +165,12 @@ def _unwrapped(value: Any) -> Any:
 
 
 def detect(value: Any) -> str:
+    """`auto`'s format of a record value. An `op` beside `before` or `after` is Debezium's
+    envelope whatever the op says, so a bad one is a dead letter, not a row of a DB2 table
+    holding the whole envelope."""
     if isinstance(value, dict):
-        if value.get("op") in ("c", "r", "u", "d", *_ROWLESS_DEBEZIUM_OPS):
+        if value.get("op") in ("c", "r", "u", "d", *_ROWLESS_DEBEZIUM_OPS) or (
+                "op" in value and ("before" in value or "after" in value)):
             return "debezium"
         if "op_type" in value:
             return "goldengate"

@@ -145,6 +145,9 @@ def test_topic_names():
     ("debezium", b"1", enc({"op": "t", "source": {}}), DeadLetterCode.UNSUPPORTED_TYPE, "'t' (truncate)"),
     ("auto", b"1", enc({"op": "m", "source": {}}), DeadLetterCode.UNSUPPORTED_TYPE, "'m' (message)"),
     ("debezium", b"1", enc({"before": ROW}), DeadLetterCode.BAD_FORMAT, "op: field required"),
+    # auto: an envelope with an op Debezium does not have, not a DB2 row holding it whole
+    ("auto", b"1", enc({"op": "x", "after": ROW}), DeadLetterCode.BAD_FORMAT, "op: input should be"),
+    ("auto", b"1", enc({"op": None, "before": ROW, "after": ROW}), DeadLetterCode.BAD_FORMAT, "op: input should be"),
     ("debezium", b"1", enc({"op": "c", "after": None}), DeadLetterCode.BAD_FORMAT, "after: field required for op 'c'"),
     ("db2", b"1", enc([ROW]), DeadLetterCode.BAD_FORMAT, "a DB2 record is the row"),
     ("db2", b"1", b'{"USER_ID": ', DeadLetterCode.MALFORMED_JSON, "value:"),
