@@ -414,12 +414,13 @@ def cmd_run(args) -> int:
 def lake_summary() -> dict[str, dict]:
     from entity_assets.definitions import build_resources
 
-    engine = build_resources()["lake"].open()
-    root = Path(engine.root)
+    from entity_assets.manifests import TABLE as MANIFESTS
+    from entity_assets.tables import SCHEMAS
+
+    engine = build_resources()["lake"].open()  # a folder, or a bucket or container: the tables by their names
     out = {}
-    for path in sorted(p for p in root.iterdir() if (p / "_delta_log").is_dir()) if root.is_dir() else []:
-        files = engine.files(path.name)
-        out[path.name] = {"rows": sum(f.rows for f in files), "version": engine.version(path.name)}
+    for table in sorted(t for t in (*SCHEMAS, MANIFESTS) if engine.exists(t)):
+        out[table] = {"rows": engine.row_count(table), "version": engine.version(table)}
     if "dead_letters" in out and out["dead_letters"]["rows"]:
         codes = Counter(engine.read("dead_letters", columns=["code"]).column("code").to_pylist())
         out["dead_letters"]["codes"] = dict(codes)

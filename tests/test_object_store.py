@@ -265,3 +265,8 @@ def test_the_cli_runs_on_a_lake_on_object_storage_with_the_environment_alone(bro
     assert lake_rows(LakeResource(root=root, storage_options=options)) == lake_rows(local.lake)
     # a lake of its own, runs in the project's instance: a daemon's runs elsewhere are not waited for
     assert "if a daemon runs this lake's slices, set DAGSTER_HOME to its instance" in done.stderr
+    summary = subprocess.run([str(Path(sys.executable).parent / "entity-assets"), "summary"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    rows = {line.split()[0]: int(line.split()[1]) for line in summary.stdout.splitlines()[1:]}
+    assert summary.returncode == 0 and rows["entity_batches"] == local.engine.row_count("entity_batches") > 0
+    assert rows["slice_manifests"] > 0 and "entities" in rows, summary.stdout
