@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
+import warnings
 
-from dagster import Definitions, EnvVar, in_process_executor, map_asset_specs
+from dagster import (BetaWarning, CodeReferencesMetadataValue, Definitions, EnvVar, LocalFileCodeReference,
+                     in_process_executor, map_asset_specs)
 from pydantic import ValidationError
 
 from entity_assets.assets import topics
@@ -242,10 +245,23 @@ def _resource(cls, settings: dict):
         raise SettingError(said) from None
 
 
+def with_source(step):
+    """The step's asset specs pointing at its own function, for the UI's link to the code: Dagster's
+    `with_source_code_references` would name the file of the retry wrapper around it
+    (`assets.retries`). A deployment links them to its repository with `link_code_references_to_git`."""
+    fn = inspect.unwrap(step.op.compute_fn.decorated_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BetaWarning)  # the UI has shown them since 1.7
+        source = CodeReferencesMetadataValue(code_references=[LocalFileCodeReference(
+            file_path=inspect.getsourcefile(fn), line_number=inspect.getsourcelines(fn)[1])])
+    return map_asset_specs(lambda spec: spec.merge_attributes(metadata={"dagster/code_references": source}), [step])[0]
+
+
+STEPS = [ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes, changes_by_device,
+         device_notifications]
+
 defs = Definitions(
-    assets=[*map_asset_specs(with_columns, [ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes,
-                                            changes_by_device, device_notifications]),
-            *topics.SPECS],
+    assets=[*map_asset_specs(with_columns, [with_source(step) for step in STEPS]), *topics.SPECS],
     jobs=[slice_job, lake_maintenance, trace_job, history_job],
     schedules=[lake_maintenance_schedule],
     sensors=[kafka_offsets_sensor],

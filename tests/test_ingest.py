@@ -100,6 +100,12 @@ def test_definitions_load():
     for key in graph.materializable_asset_keys:
         columns = graph.get(key).metadata["dagster/column_schema"].columns
         assert [c.name for c in columns] == SCHEMAS[key.to_user_string()].names
+    # the UI's link to each asset's code is its step's function, not the retry wrapper around it
+    [source] = graph.get(AssetKey("device_notifications")).metadata["dagster/code_references"].code_references
+    assert source.file_path.endswith("entity_assets/assets/notifications.py")
+    assert "def device_notifications(" in "".join(Path(source.file_path).read_text().splitlines(True)[
+        source.line_number - 1:source.line_number + 12])
+    assert all(graph.get(k).metadata["dagster/code_references"] for k in graph.materializable_asset_keys)
     # the lineage starts at the topics clients produce to and ends at the topics consumers read
     kafka = AssetKey(["kafka", "entity-batches"]), AssetKey(["kafka", "device-notifications"])
     assert graph.external_asset_keys == {k for k in graph.get_all_asset_keys() if k.path[0] == "kafka"}
