@@ -264,8 +264,6 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     cursor = dump_cursor(newest.seq, newest.positions(), newest.closed_at) if newest else None
     with build_sensor_context(instance=instance, cursor=cursor, resources=resources) as context:
         result = kafka_offsets_sensor(context)
-    for event in result.asset_events:  # the daemon's tick stores them
-        instance.report_runless_asset_event(event)
     log(f"sensor: {result.skip_reason.skip_message if result.skip_reason else f'{len(result.run_requests)} new slice(s)'}")
 
     # a slice is done when its run succeeded after it closed and the lake holds it: a lake
@@ -284,21 +282,29 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
 
 def _report_lag(instance, resources: dict, log) -> None:
-    """The lag after the runs (`sensors.report_lag`): observed, committed, and said in one line."""
+    """The lag after the runs (`sensors.report_lag`, which the sensor's tick before them did too,
+    unstored): observed, committed, and said in one line."""
+    from entity_assets.kafka_io import KafkaUnreachable
     from entity_assets.manifests import ManifestStore
-    from entity_assets.sensors import lake_holds, report_lag
+    from entity_assets.sensors import report_lag
     from entity_assets.slices import slice_key
 
     store = ManifestStore(resources["lake"].open())
-    holds = lake_holds(store.engine, newest=min)
     kafka = resources["kafka"]
-    observations, _ = report_lag(lambda text: log(f"warning: {text}"), kafka, store, kafka.input_watermarks(),
-                                 holds, store.latest_seq(), None)
+    try:
+        marks = kafka.input_watermarks()
+    except KafkaUnreachable as exc:  # the runs are done: their status is not the report's
+        log(f"warning: lag not reported: {exc}")
+        return
+    observations, state = report_lag(lambda text: log(f"warning: {text}"), instance, kafka, store, marks,
+                                     store.latest_seq(), None)
     for event in observations:
         instance.report_runless_asset_event(event)
-    behind = {o.asset_key.path[-1]: o.metadata["lag"].value for o in observations}
-    log(f"lag: {sum(behind.values())} messages on the input topics past slice {slice_key(holds) if holds else '(none)'}"
-        + "".join(f", {n} on {stream}" for stream, n in behind.items() if n))
+    if state:
+        behind = {o.asset_key.path[-1]: o.metadata["lag"].value for o in observations}
+        holds = state["holds"]
+        log(f"lag: {sum(behind.values())} messages on the input topics past slice "
+            f"{slice_key(holds) if holds else '(none)'}" + "".join(f", {n} on {s}" for s, n in behind.items() if n))
 
 
 def run_slices(first: int, last: int, *, assets: list[str] | None = None, republish: bool = False,

@@ -15,7 +15,7 @@ from entity_assets.jobs import slice_job
 from entity_assets.kafka_io import OffsetsNotCommitted
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import LAKE_POOL, slices_partitions
-from entity_assets.slices import behind, lag, plan_slices, run_key, slice_key, slice_seq
+from entity_assets.slices import behind, plan_slices, read_to, run_key, slice_key, slice_seq
 from entity_assets.tables import APPLIED_IN_ORDER
 from resources import KafkaResource, LakeResource, SlicingResource
 
@@ -107,8 +107,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
             context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new}, set(healed)).items()
             if seq not in requested})
     keys = [slice_key(seq) for seq in sorted(requested)]
-    observations, reported = report_lag(context.log.warning, kafka, store, marks, lake_holds(engine, newest=min), last,
-                                        reported)
+    observations, reported = report_lag(context.log.warning, context.instance, kafka, store, marks, last, reported)
     cursor = dump_cursor(last, positions, closed_at, reported)
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
@@ -127,43 +126,70 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
 
 
 LAG_EVERY = 5 * 60 * 1000
-"""While the lake is behind and no slice closes or is done (a failed slice holding the others
-back, say), its lag is observed again this often (ms): `seconds_behind` keeps growing in the
-UI's plot, where an observation per tick (30 s) would fill the event log."""
+"""While nothing changes (no slice closed, no run succeeded), the lag is looked at again this
+often (ms): a lake still behind (a failed slice holding the others back) is observed again, its
+`seconds_behind` growing in the UI's plot, and a commit that failed is tried again. Every tick
+(30 s) would fill the event log, and read each state table's log (on an object store, requests)."""
 
 
-def report_lag(warn: Callable[[str], None], kafka: KafkaResource, store: ManifestStore, marks: dict, holds: int,
-               last: int, reported: dict | None) -> tuple[list[AssetObservation], dict | None]:
-    """How far the lake's state is behind Kafka, observed on each input topic's asset (`lag`:
-    messages Kafka holds past the last slice every state table holds; `seconds_behind`: since
-    that slice closed, the time the state is as of), when a slice closed or was done, and every
-    `LAG_EVERY` while behind. A slice done also commits its end offsets to the slices' consumer
-    group (`KafkaResource.commit_offsets`), once: Kafka's own lag tools then show it too.
+def report_lag(warn: Callable[[str], None], instance: DagsterInstance, kafka: KafkaResource, store: ManifestStore,
+               marks: dict, last: int, reported: dict | None) -> tuple[list[AssetObservation], dict | None]:
+    """How far the lake's state is behind Kafka, observed on each input topic's asset: `lag`, the
+    messages its topics hold past the last slice every state table holds (`slices.read_to`);
+    `seconds_behind`, since the oldest slice not done closed (0: every slice closed is done;
+    messages not in a slice yet wait for the slice policy, not for the lake); `slices_not_done`;
+    `last_slice_done`. Looked at when a slice closed or a run succeeded since, and every
+    `LAG_EVERY`; observed when the slices changed, or while behind. The slice done's offsets go
+    to the slices' consumer group (`KafkaResource.commit_offsets`) once, again after a failure:
+    Kafka's own lag tools then show the lag too.
 
-    Returns the observations and what the cursor keeps of them."""
-    now = int(time.time() * 1000)
-    done = store.get(holds) if holds else None
-    by_stream: dict[str, int] = {}
-    for (topic, _), count in lag(done.positions() if done else {}, marks).items():
-        if (stream := kafka.input_stream(topic)) is not None:
-            by_stream[stream.name] = by_stream.get(stream.name, 0) + count
-    total = sum(by_stream.values())
-    changed = reported is None or (reported["done"], reported["last"]) != (holds, last)
-    if not changed and not (total and now - reported["at"] >= LAG_EVERY):
+    Returns the observations and what the cursor keeps of them (`reported`). A failure is a
+    warning: the lag is a report, and must not stop the slices."""
+    try:
+        return _report_lag(warn, instance, kafka, store, marks, last, reported or {})
+    except Exception as exc:  # noqa: BLE001
+        warn(f"lag not reported: {type(exc).__name__}: {exc}")
         return [], reported
-    if done is not None and kafka.commit_offsets and (reported is None or reported["done"] != holds):
+
+
+def _report_lag(warn, instance, kafka, store, marks, last, was: dict) -> tuple[list[AssetObservation], dict]:
+    now = int(time.time() * 1000)
+    runs_seen = _newest_success(instance, was.get("runs"))
+    if was and was.get("last") == last and runs_seen == was.get("runs") and now - was["at"] < LAG_EVERY:
+        return [], was
+    holds = min(lake_holds(store.engine, newest=min), last)  # manifests are the tick's snapshot
+    positions = read_to(store.get(holds).positions() if holds else {}, marks)
+    by_stream = {stream: 0 for stream in was.get("streams", ())}  # a stream whose topics are gone: 0
+    for tp, position in positions.items():
+        if (stream := kafka.input_stream(tp[0])) is not None:
+            by_stream[stream.name] = by_stream.get(stream.name, 0) + marks[tp][1] - position
+    committed = was.get("committed")
+    if holds and kafka.commit_offsets and committed != holds:
         try:
-            kafka.commit(done.positions())
+            kafka.commit(positions)
+            committed = holds
         except OffsetsNotCommitted as exc:
-            warn(f"slice {slice_key(holds)} is done, but its offsets were not committed ({exc}): Kafka's lag tools "
-                 "show the group behind. Grant Read on the group, or set ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS=false "
-                 "(docs/operations.md)")
-    since = done.closed_at if done else store.get(1).closed_at if last else now
-    metadata = {"slices_not_done": last - holds, **({"last_slice_done": slice_key(holds)} if holds else {})}
-    observations = [AssetObservation(topic_key(stream), metadata={
-        "lag": count, "seconds_behind": round((now - since) / 1000, 1) if count else 0.0, **metadata})
-        for stream, count in sorted(by_stream.items())]
-    return observations, {"done": holds, "last": last, "at": now}
+            warn(f"slice {slice_key(holds)} is done, but its offsets were not committed ({exc}); tried again in "
+                 f"{LAG_EVERY // 60000} minutes. Kafka's lag tools show the group behind until then: grant Read on "
+                 "the group, or set ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS=false (docs/operations.md)")
+    state = {"at": now, "holds": holds, "last": last, "runs": runs_seen, "committed": committed,
+             "streams": sorted(stream for stream, count in by_stream.items() if count)}
+    if (was.get("holds"), was.get("last")) == (holds, last) and not (was.get("streams") or state["streams"]):
+        return [], state  # caught up, as it was
+    since = store.get(holds + 1).closed_at if last > holds else now
+    metadata = {"seconds_behind": round((now - since) / 1000, 1), "slices_not_done": last - holds,
+                **({"last_slice_done": slice_key(holds)} if holds else {})}
+    return [AssetObservation(topic_key(stream), metadata={"lag": count, **metadata})
+            for stream, count in sorted(by_stream.items())], state
+
+
+def _newest_success(instance: DagsterInstance, seen: float | None) -> float | None:
+    """When (the run storage's clock, s) the newest run that succeeded after `seen` ended, else
+    `seen`: a run that succeeded may have applied a slice."""
+    after = datetime.fromtimestamp(seen, timezone.utc) if seen is not None else None
+    records = instance.get_run_records(RunsFilter(statuses=[DagsterRunStatus.SUCCESS], updated_after=after),
+                                       limit=1 if after is None else 100)
+    return max((r.update_timestamp.timestamp() for r in records), default=seen)
 
 
 def pool_warning(instance: DagsterInstance) -> str | None:

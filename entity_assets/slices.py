@@ -178,12 +178,16 @@ def behind(positions: Mapping[TopicPartition, int], ends: Mapping[TopicPartition
     return sorted(tp for tp, end in ends.items() if end < positions.get(tp, 0))
 
 
-def lag(done: Mapping[TopicPartition, int], marks: Mapping[TopicPartition, tuple[int, int]]) -> dict[TopicPartition, int]:
-    """Messages of each partition (`marks`: first offset held, high watermark) past `done`, the
-    positions after the last slice the lake's state holds: Kafka has them, the lake not yet. A
-    partition no slice has read counts from its first offset; one behind the slices (the topic
-    created again) counts 0."""
-    return {tp: max(0, high - max(low, done.get(tp, low))) for tp, (low, high) in marks.items()}
+def read_to(done: Mapping[TopicPartition, int], marks: Mapping[TopicPartition, tuple[int, int]]) -> dict[TopicPartition, int]:
+    """How far the lake's state has read each partition of `marks` (first offset held, high
+    watermark): `done`, the positions after the last slice done. A partition no slice has read,
+    one whose records past `done` Kafka deleted, and one behind it (the topic created again: all
+    its records are unread) count from their first offset held. Its lag is the high watermark less this."""
+    out = {}
+    for tp, (low, high) in marks.items():
+        position = done.get(tp, low)
+        out[tp] = position if low <= position <= high else low
+    return out
 
 
 def split_ranges(ranges: Iterable[OffsetRange], max_per_task: int) -> list[OffsetRange]:

@@ -729,6 +729,7 @@ def test_the_sensor_observes_how_far_the_lake_is_behind_kafka_and_commits_each_s
     group, whose offsets are those of the last slice the lake's state holds."""
     from entity_assets import sensors
 
+    holds = sensors.lake_holds
     pipeline.produce(traffic(30, seed=21))
     produced = sum(pipeline.end_offsets().values())
     [request] = pipeline.tick()
@@ -742,14 +743,16 @@ def test_the_sensor_observes_how_far_the_lake_is_behind_kafka_and_commits_each_s
     assert done == {"lag": 0, "seconds_behind": 0.0, "slices_not_done": 0, "last_slice_done": K1}
     slice_1 = {tp: end for tp, end in pipeline.manifest(1).positions().items() if tp[0] == pipeline.topic(STREAM)}
     assert _committed(pipeline) == slice_1
+    looks = []
+    monkeypatch.setattr(sensors, "lake_holds", lambda *a, **k: looks.append(a) or holds(*a, **k))
     pipeline.tick()
-    assert len(_lag(pipeline)) == 2  # nothing changed: nothing observed
+    assert len(_lag(pipeline)) == 2 and looks == []  # nothing changed: nothing observed, no state table read
 
     pipeline.produce(traffic(5, seed=22))
     assert len(pipeline.tick()) == 1
     behind = _lag(pipeline)[-1]
     assert behind["lag"] == 5 and behind["slices_not_done"] == 1 and behind["last_slice_done"] == K1
-    assert behind["seconds_behind"] > 0  # since slice 1 closed: what the lake's state is as of
+    assert 0 <= behind["seconds_behind"] < 60  # since slice 2, the oldest not done, closed
     pipeline.tick()
     assert len(_lag(pipeline)) == 3
     monkeypatch.setattr(sensors, "LAG_EVERY", 0)  # a lake still behind is observed again, later
@@ -759,23 +762,43 @@ def test_the_sensor_observes_how_far_the_lake_is_behind_kafka_and_commits_each_s
     assert _committed(pipeline) == slice_1  # slice 2 is not done
 
 
-def test_a_commit_the_cluster_refuses_warns_once_and_the_tick_goes_on(pipeline, monkeypatch, capfd):
-    from entity_assets import kafka_io
+def test_a_commit_the_cluster_refuses_is_tried_again_later_and_the_tick_goes_on(pipeline, monkeypatch, capfd):
+    from entity_assets import kafka_io, sensors
 
-    attempts = []
+    attempts, refused = [], [True]
 
-    def refuse(config, positions, timeout=10.0):
+    def commit(config, positions, timeout=10.0):
         attempts.append(positions)
-        raise kafka_io.OffsetsNotCommitted("group entity-assets-slices: Broker: Group authorization failed")
+        if refused:
+            raise kafka_io.OffsetsNotCommitted("group entity-assets-slices: Broker: Group authorization failed")
+        return "entity-assets-slices"
 
-    monkeypatch.setattr(kafka_io, "commit_offsets", refuse)
+    monkeypatch.setattr(kafka_io, "commit_offsets", commit)
     pipeline.produce(traffic(10, seed=23))
     pipeline.tick_and_run()
     assert pipeline.tick() == [] and pipeline.tick() == []
-    assert attempts == [pipeline.manifest(1).positions()]  # once for the slice done, not at every tick
+    assert len(attempts) == 1  # not at every tick
     said = capfd.readouterr().err
     assert said.count("Group authorization failed") == 1 and "ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS=false" in said
     assert _lag(pipeline)[-1]["last_slice_done"] == K1
+    monkeypatch.setattr(sensors, "LAG_EVERY", 0)  # later: tried again
+    refused.clear()
+    pipeline.tick()
+    pipeline.tick()
+    assert len(attempts) == 2 and attempts[0] == attempts[1]  # then done, not again
+
+
+def test_a_lag_report_that_fails_is_a_warning_and_the_slices_go_on(pipeline, monkeypatch, capfd):
+    from entity_assets import sensors
+
+    def broken(*args):
+        raise ValueError("'group_id' cannot be empty")
+
+    monkeypatch.setattr(sensors, "read_to", broken)
+    pipeline.produce(traffic(10, seed=24))
+    [run] = pipeline.tick_and_run()
+    assert run.success
+    assert "lag not reported: ValueError: 'group_id' cannot be empty" in capfd.readouterr().err
 
 
 def test_a_tick_that_loses_a_race_for_its_slice_commits_nothing(pipeline, monkeypatch):

@@ -15,9 +15,9 @@ from entity_assets.slices import (
     OffsetRange,
     SlicePolicy,
     manifest_to_arrow,
-    lag,
     manifests_from_arrow,
     plan_slices,
+    read_to,
     slice_key,
     slice_seq,
     split_ranges,
@@ -162,13 +162,13 @@ def test_cursor_of_a_new_sensor_is_empty():
     assert load_cursor("") == (0, {}, None, None)
 
 
-def test_lag_counts_what_kafka_holds_past_the_last_slice_done():
+def test_the_lake_has_read_each_partition_to_the_last_slice_done_or_from_its_first_offset():
     marks = {A0: (0, 10), A1: (4, 9), B0: (0, 3), ("c", 0): (5, 5)}
-    # A0: 6 past the slice; A1: none read yet, from its first offset held; B0: behind the
-    # slices (created again): nothing; c: empty
-    assert lag({A0: 4, B0: 7}, marks) == {A0: 6, A1: 5, B0: 0, ("c", 0): 0}
-    # records deleted past the slice (retention): counted from the first offset held
-    assert lag({A1: 2}, {A1: (6, 9)}) == {A1: 3}
+    # A0: read to the slice's end; A1: no slice read it; B0: behind the slices (its topic created
+    # again): all unread; c: empty. A partition the broker no longer lists (gone) is left out.
+    assert read_to({A0: 4, B0: 7, ("gone", 0): 3}, marks) == {A0: 4, A1: 4, B0: 0, ("c", 0): 5}
+    # records deleted past the slice (retention): from the first offset held
+    assert read_to({A1: 2}, {A1: (6, 9)}) == {A1: 6}
 
 
 def test_cursor_and_manifest_agree_on_the_next_start():
