@@ -111,7 +111,19 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
     state.size = size
     return (STATUS_OK, None, dumps(before) if include_before and before is not None else None,
             dumps(outcome.doc) if include_after and outcome.doc is not None else None,
-            "created" if before is None else ("deleted" if outcome.deleted else "updated"))
+            action_of(created=before is None, deleted=outcome.deleted))
+
+
+def action_of(created: bool, deleted: bool) -> str:
+    """The change action of a successful entity update.
+
+    ``created``: the entity did not exist before; ``deleted``: the patch removed the document.
+    Both at once (a patch on a missing entity that leaves nothing) counts as ``deleted``: the entity
+    is absent afterwards, so a subscriber must not be told it now exists.
+    """
+    if deleted:
+        return "deleted"
+    return "created" if created else "updated"
 
 
 GROWTH_PER_OPS_CHARACTER = 7

@@ -21,7 +21,6 @@ from entity_assets.messages import ZoneSubscription
 __all__ = [
     "SUBSCRIPTIONS",
     "NOTIFICATION_NAMESPACE",
-    "action_of",
     "subject_zones",
     "parse_subscription",
     "read_subscription",
@@ -42,18 +41,6 @@ NOTIFICATION_NAMESPACE = uuid.UUID("99fb1246-4957-4343-9e87-e2a28809f337")
 """Fixed uuid5 namespace of notification ids; never change it, or re-runs mint new ids."""
 _NAMESPACE_BYTES = NOTIFICATION_NAMESPACE.bytes
 _json_string = json.encoder.encode_basestring_ascii  # what json.dumps writes for a str
-
-
-def action_of(created: bool, deleted: bool) -> str:
-    """The change action of a successful entity update.
-
-    ``created``: the entity did not exist before; ``deleted``: the patch removed the document.
-    Both at once (a patch on a missing entity that leaves nothing) counts as ``deleted``: the entity
-    is absent afterwards, so a subscriber must not be told it now exists.
-    """
-    if deleted:
-        return "deleted"
-    return "created" if created else "updated"
 
 
 def parse_subscription(document: dict[str, Any] | None) -> ZoneSubscription | None:

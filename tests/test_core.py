@@ -171,6 +171,25 @@ def test_two_part_request_yields_the_seed_complete_response():
         PartialResponse.model_validate(response)
 
 
+def test_a_complete_response_ends_with_the_part_processed_last_whatever_its_number():
+    """Part 1 may be processed after part 2 (its `ended` later): the response's `ended` and
+    Kafka coordinates are that part's, where its record's trail shows it (docs/operations.md)."""
+    def part(number, ended, offset):
+        return {**LINEAGE, "kafka_offset": offset, "clientid": "c", "request": 3, "user": "u", "dbid": "d",
+                "stream": "entity-updates", "part": number, "parts": 2, "begun": 0, "ended": ended, "status": 1,
+                "error": None, "before": None, "after": None, "includeBefore": False, "includeAfter": False}
+
+    row = core.complete_row([part(1, 9, 40), part(2, 5, 41)], "0000000002")
+    assert (row["ended"], row["kafka_offset"]) == (9, 40)
+
+
+def test_action_of():
+    assert core.action_of(created=True, deleted=False) == "created"
+    assert core.action_of(created=False, deleted=False) == "updated"
+    assert core.action_of(created=False, deleted=True) == "deleted"
+    assert core.action_of(created=True, deleted=True) == "deleted"
+
+
 def test_incomplete_request_stays_pending():
     part = {"clientid": "c", "request": 1, "part": 1, "parts": 2}
     assert list(core.split_complete(core.group_requests([part]), "0000000001")) == [("pending", part)]

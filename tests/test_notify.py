@@ -12,7 +12,6 @@ from entity_assets.notify import (
     SUBSCRIPTIONS,
     DeviceInbox,
     SubscriptionIndex,
-    action_of,
     RECIPIENT_INPUTS,
     recipients,
     notification_id,
@@ -57,13 +56,6 @@ def seed_index() -> SubscriptionIndex:
 
 
 # ---------------------------------------------------------------- actions and zones
-
-
-def test_action_of():
-    assert action_of(created=True, deleted=False) == "created"
-    assert action_of(created=False, deleted=False) == "updated"
-    assert action_of(created=False, deleted=True) == "deleted"
-    assert action_of(created=True, deleted=True) == "deleted"
 
 
 def test_subscription_change_is_partitioned_by_subject_zone():
@@ -256,6 +248,8 @@ def test_an_inbox_past_its_limit_keeps_its_newest_notifications():
     assert inbox.pending == {"n2": 300, "n3": 200, "n4": 400}
     assert (inbox.count, inbox.begun, inbox.ended) == (3, 200, 400)
     assert inbox.expire(0) == 3 and inbox.message()["count"] == 0 and inbox.message()["ended"] == 400
+    tied = DeviceInbox(DB, "jsmith", "device1", {"n1": 100, "n0": 100, "n2": 100})
+    assert tied.expire(2) == 1 and sorted(tied.pending) == ["n1", "n2"]  # equal ended: the smaller id goes
 
 
 def test_inbox_json_round_trip():
