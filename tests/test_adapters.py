@@ -126,6 +126,16 @@ def test_request_keeps_kafka_order_and_client_is_the_topic():
     assert (first["user"], first["dbid"], first["begun"], first["parts"]) == ("crm", "crm", 1_700_000_000_000, 1)
 
 
+def test_only_a_schema_and_payload_pair_is_unwrapped_and_a_record_without_a_time_begins_at_0():
+    """A row with `schema` and `payload` columns among others is a row, not Kafka Connect's
+    wrapper; a record without a timestamp (-1) begins at 0, not before the epoch."""
+    row = {"schema": "dbo", "payload": 5, "ID": 1}
+    assert patch_of(batch(adapters.Source("crm", "db2"), b"1", enc(row)))["ops"][0]["value"] == row
+    assert patch_of(batch(adapters.Source("crm", "db2"), b"1", enc({"schema": {}, "payload": row})))["ops"][0][
+        "value"] == row
+    assert batch(adapters.Source("crm", "db2"), b"1", enc(row), timestamp=-1)["begun"] == 0
+
+
 def test_topic_names():
     assert adapters.parse_topic("test-tenant.PROD.system-name.test-projection.ingestion", "test-tenant.PROD.") == \
         ("system-name", "test-projection")

@@ -3,6 +3,7 @@
 import itertools
 
 import pyarrow as pa
+import pytest
 
 from entity_assets import core, encode, publish
 from entity_assets.tables import SCHEMAS
@@ -37,6 +38,16 @@ def test_result_texts_take_the_fast_path_on_clean_rows_and_read_chunked_columns(
     table = pa.concat_tables([pa.Table.from_pylist(part, schema=SCHEMAS["entity_updates"])
                               for part in (rows[:half], rows[half:])])
     assert table.column("dbid").num_chunks == 2
+    assert encode.result_texts(table).to_pylist() == [core.result_json(r) for r in table.to_pylist()]
+
+
+@pytest.mark.parametrize("special", ['"', "\\", "\n", "\x01", "\x1f"])
+def test_a_string_column_whose_only_special_character_is_one_json_escapes_is_escaped(special):
+    """`DOMAIN\\bob` alone in clean rows: the fast path (quotes around the bytes) would publish
+    `\\b`, a backspace to a consumer."""
+    rows = [{**r, "clientid": "c", "user": f"DOMAIN{special}bob", "dbid": "db", "collection": "Contacts",
+             "zone": "A", "error": None if r["status"] == 1 else "boom"} for r in _rows()]
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["entity_updates"])
     assert encode.result_texts(table).to_pylist() == [core.result_json(r) for r in table.to_pylist()]
 
 

@@ -311,3 +311,35 @@ def test_a_batch_of_results_is_cut_where_its_documents_would_outgrow_a_column_of
     assert pa.concat_arrays([learned for _, learned in cut.results]) == whole.results[0][1]
     assert pa.concat_tables(cut.published) == pa.concat_tables(whole.published)
     assert cut_store.rows == whole_store.rows and len(cut_store.rows) == 2
+
+
+def test_the_schema_fold_applies_each_database_s_patches_to_its_own_schema_within_a_bucket(tmp_path):
+    """db-a and db-18 share bucket 7: a patch of the second must not apply to the first's schema."""
+    assert core.key_bucket("db-a") == core.key_bucket("db-18") == 7
+    tables = ("schema_updates", "partial_responses", "complete_responses", "schema_learning", "schemas")
+    uris = {t: str(tmp_path / t) for t in tables}
+    for t in tables:
+        (tmp_path / t).mkdir()
+
+    def patch(i, dbid, entity_type):
+        return {"slice": "0000000001", "kafka_topic": "schema-patches", "kafka_partition": 0, "kafka_offset": i,
+                "kafka_timestamp": 5, "clientid": "c", "request": i, "user": "u", "dbid": dbid, "parts": 1, "part": 1,
+                "begun": 4, "ops": json.dumps([{"op": "add", "path": entity_type, "value": {"fields": {
+                    "name": {"type": "STRING", "optional": False}}}}]),
+                "includeBefore": True, "includeAfter": True, "bucket": 7}
+
+    rows = [patch(1, "db-18", "Groups"), patch(2, "db-a", "Contacts"), patch(3, "db-a", "Orders")]  # (bucket, dbid) order
+    schema = SCHEMAS["schema_patches"].append(pa.field("bucket", pa.int32()))
+    report = list(fold.schema_fold_task(iter(pa.Table.from_pylist(rows, schema=schema).to_batches()),
+                                        slice_key="0000000001", uris=uris, storage_options=None, state_files={},
+                                        write_state=True))
+    written = {t: [] for t in tables}
+    for f in pa.Table.from_batches(report).to_pylist():
+        if f["table"] in written:
+            written[f["table"]] += pq.read_table(f"{uris[f['table']]}/{f['path']}").to_pylist()
+    updates = {r["request"]: r for r in written["schema_updates"]}
+    assert (updates[1]["before"], sorted(json.loads(updates[1]["after"]))) == (None, ["Groups"])  # a new database
+    assert (updates[2]["before"], sorted(json.loads(updates[2]["after"]))) == (None, ["Contacts"])
+    assert sorted(json.loads(updates[3]["after"])) == ["Contacts", "Orders"]
+    assert {r["dbid"]: sorted(json.loads(r["document"])) for r in written["schemas"]} == {
+        "db-18": ["Groups"], "db-a": ["Contacts", "Orders"]}

@@ -155,10 +155,15 @@ def test_each_input_stream_fills_every_column_of_its_table():
         assert lineage | set(stream.fields) == set(SCHEMAS[stream.table].names), stream.name
 
 
-def test_input_stream_values_are_in_the_order_of_their_fields():
-    """`values` gives a tuple, not a dict: each value must sit under its own field's name."""
+@pytest.mark.parametrize(("learning", "before", "after"), [(False, True, False), (True, False, False)])
+def test_input_stream_values_are_in_the_order_of_their_fields(learning, before, after):
+    """`values` gives a tuple, not a dict: each value must sit under its own field's name. The
+    seed's samples set every flag true, where a swap would not show: each pair of flags differs in
+    one of the cases."""
     ack = {"db": "my-db", "user": "jsmith", "device": "d1", "begun": 5, "upTo": 9, "notifications": ["n1"]}
-    messages = {"entity-batches": samples.SEED_ENTITY_BATCH, "schema-patches": samples.SEED_SCHEMA_PATCH,
+    flags = {"includeBefore": before, "includeAfter": after}
+    messages = {"entity-batches": {**samples.SEED_ENTITY_BATCH, **flags, "learning": learning},
+                "schema-patches": {**samples.SEED_SCHEMA_PATCH, **flags},
                 "connections": samples.SEED_CONNECTION, "notification-acks": ack}
     computed = {"parts": lambda m: len(m.patches) if hasattr(m, "patches") else m.parts,
                 "patches": lambda m: json.loads(json.dumps(m.patches)), "ops": lambda m: m.ops,
@@ -171,6 +176,18 @@ def test_input_stream_values_are_in_the_order_of_their_fields():
                 value = json.loads(value)
             assert value == (computed[field](model) if field in computed else getattr(model, field)), (name, field)
         assert row["dbid"] != row["user"]  # two strings a swap would exchange
+
+
+def test_a_record_that_fails_for_no_reason_a_check_foresaw_is_an_unexpected_error_dead_letter():
+    """A bug's error is GENERR009, which the no_dead_letters check makes an error, never a client's
+    bad format (GENERR001), a warning."""
+    from types import SimpleNamespace
+
+    from entity_assets.ingest import dead_letter
+
+    rows = []
+    dead_letter(SimpleNamespace(append=rows.append), KeyError("x"), K1, STREAM, "entity-batches", 0, 5, 1, b"k", b"v")
+    assert (rows[0]["code"], rows[0]["reason"]) == ("GENERR009", "KeyError: 'x'")
 
 
 def test_spark_settings_come_from_the_environment(monkeypatch):

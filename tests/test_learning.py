@@ -165,6 +165,23 @@ def test_declared_required_field_missing_becomes_optional_in_learned_only():
     assert CONTACTS["fields"]["lastName"]["optional"] is False  # declared untouched
 
 
+def test_a_declared_required_field_no_observed_document_has_is_learned_optional():
+    learned = infer(Summary.of([{"a": 1}]), {"fields": {"b": {"type": "STRING", "optional": False}}})["fields"]
+    assert learned["b"] == {"type": "STRING", "optional": True}
+
+
+def test_a_field_declared_null_takes_its_observed_type():
+    learned = infer(Summary.of([{"x": 1}]), {"fields": {"x": {"type": "NULL", "optional": True}}})["fields"]
+    assert learned["x"] == {"type": "INTEGER", "optional": True}
+
+
+def test_disagreements_are_found_at_any_depth_of_declared_documents():
+    declared = {"fields": {"address": {"type": "DOCUMENT", "optional": False, "fields": {"geo": {
+        "type": "DOCUMENT", "optional": False, "fields": {"lat": {"type": "DOUBLE", "optional": False}}}}}}}
+    found = disagreements(Summary.of([{"address": {"geo": {"lon": 2.0}}}]), declared)
+    assert kinds(found) == [("address/geo/lat", "required_missing"), ("address/geo/lon", "undeclared")]
+
+
 def test_declared_fields_kept_when_nothing_observed():
     assert infer(Summary(), CONTACTS) == {
         "fields": {

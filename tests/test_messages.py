@@ -626,7 +626,7 @@ def test_notification_ack_needs_ids_or_up_to():
     up_to = parse_message(NotificationAck, json.dumps({**ACK, "upTo": 1415747104012}).encode())
     assert up_to.upTo == 1415747104012
     assert to_message(up_to) == {**{k: v for k, v in ACK.items()}, "dbid": "my-db", "upTo": 1415747104012}
-    for bad in (ACK, {**ACK, "notifications": []}, {**ACK, "notifications": None}):
+    for bad in (ACK, {**ACK, "notifications": []}, {**ACK, "notifications": None}, {**ACK, "notifications": [""]}):
         err = _invalid(NotificationAck, bad)
         assert err.code is DeadLetterCode.BAD_FORMAT and "notifications" in err.reason
     assert _invalid(NotificationAck, {**ACK, "upTo": "soon"}).reason.startswith("upTo")
@@ -701,6 +701,8 @@ def test_a_part_past_its_parts_or_beyond_an_int_is_a_dead_letter():
     assert err.code is DeadLetterCode.BAD_FORMAT and err.reason == "part: part 3 of a request of 2 parts"
     assert _invalid(SchemaPatch, {**patch, "parts": 2**31}).reason.startswith("parts: ")
     assert parse_message(SchemaPatch, json.dumps({**patch, "parts": 2**31 - 1})).parts == 2**31 - 1
+    for field in ("part", "parts"):  # the seed's parts count from 1
+        assert _invalid(SchemaPatch, {**patch, field: 0}).reason.startswith(f"{field}: ")
 
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])

@@ -164,6 +164,16 @@ def test_missing_entity_non_creation_is_not_found():
     assert (out.status, out.doc, out.error) == (STATUS_NOT_FOUND, None, "entity does not exist")
     assert apply_patch(None, []).status == STATUS_NOT_FOUND
     assert apply_patch(None, [{"op": "remove", "path": ""}]).status == STATUS_NOT_FOUND
+    # a test op is no creation, alone or after adds (the seed: status 2, not 1 or 3)
+    assert apply_patch(None, [{"op": "add", "path": "a", "value": 1},
+                              {"op": "test", "path": "a", "value": 1}]).status == STATUS_NOT_FOUND
+    assert apply_patch(None, [{"op": "test", "path": "a", "value": 1}]).status == STATUS_NOT_FOUND
+
+
+def test_removing_the_member_named_empty_is_no_delete():
+    """RFC 6901: `/` is the member named "", not the document: only `remove ""` deletes the entity."""
+    out = apply_patch({"": 1, "b": 2}, [{"op": "remove", "path": "/"}])
+    assert (out.status, out.doc, out.deleted) == (STATUS_OK, {"b": 2}, False)
 
 
 def test_failed_creation_is_failed():

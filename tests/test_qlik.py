@@ -40,6 +40,14 @@ def test_metadata_message_registers_its_data_schema_and_primary_key():
     assert qlik.Registered.from_row(dict(zip(qlik.REGISTRY_FIELDS, reg.values("hr")))) == reg
 
 
+def test_a_primary_key_s_columns_are_in_their_key_positions_not_by_name():
+    """The entity id joins the key's values in key order: by name, EMP_ID before DEPT would swap
+    (`R&D_7` for `7_R&D`), and an entity's history would split at an upgrade."""
+    reg = qlik.Decoder({}).decode(qlik.metadata_envelope(SID, "EMPLOYEES", COLUMNS, ["EMP_ID", "DEPT"]))
+    assert reg.primary_key == ("EMP_ID", "DEPT")
+    assert qlik.Decoder({SID: reg}).decode(dt_message())[1] == (7, "R&D")
+
+
 def test_data_messages_decode_with_the_registered_schema():
     decoder = qlik.Decoder({SID: registered()})
     assert decoder.decode(dt_message()) == (ROW, ("R&D", 7), "EMPLOYEES")

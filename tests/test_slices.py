@@ -79,6 +79,10 @@ def test_full_slice_closes_before_the_interval():
     slices = plan({A0: 0}, {A0: 2_500}, last_closed_at=NOW - 1, max_messages=1_000)
     assert slices and all(s.messages <= 1_000 for s in slices)
     assert slices[0].messages == 1_000
+    # exactly full, or exactly two full: closed at once, each a full slice
+    assert [s.messages for s in plan({A0: 0}, {A0: 1_000}, last_closed_at=NOW - 1)] == [1_000]
+    assert [s.messages for s in plan({A0: 0}, {A0: 2_000}, last_closed_at=NOW - 1)] == [1_000, 1_000]
+    assert plan({A0: 0}, {A0: 999}, last_closed_at=NOW - 1) == []  # not full: waits for the interval
 
 
 def test_backlog_over_max_splits_into_contiguous_slices():
