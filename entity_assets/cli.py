@@ -262,7 +262,9 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     store = ManifestStore(resources["lake"].open())
     newest = store.latest()
     cursor = dump_cursor(newest.seq, newest.positions(), newest.closed_at) if newest else None
-    with build_sensor_context(instance=instance, cursor=cursor, resources=resources) as context:
+    # the tick's lag report is not stored, nor its commit made: `_report_lag` does both after the runs
+    ticking = {**resources, "kafka": with_settings(resources["kafka"], commit_offsets=False)}
+    with build_sensor_context(instance=instance, cursor=cursor, resources=ticking) as context:
         result = kafka_offsets_sensor(context)
     log(f"sensor: {result.skip_reason.skip_message if result.skip_reason else f'{len(result.run_requests)} new slice(s)'}")
 
@@ -282,8 +284,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
 
 def _report_lag(instance, resources: dict, log) -> None:
-    """The lag after the runs (`sensors.report_lag`, which the sensor's tick before them did too,
-    unstored): observed, committed, and said in one line."""
+    """The lag after the runs (`sensors.report_lag`): observed, committed, and said in one line."""
     from entity_assets.kafka_io import KafkaUnreachable
     from entity_assets.manifests import ManifestStore
     from entity_assets.sensors import report_lag

@@ -133,30 +133,32 @@ often (ms): a lake still behind (a failed slice holding the others back) is obse
 
 
 def report_lag(warn: Callable[[str], None], instance: DagsterInstance, kafka: KafkaResource, store: ManifestStore,
-               marks: dict, last: int, reported: dict | None) -> tuple[list[AssetObservation], dict | None]:
+               marks: dict, last: int, reported: dict | None) -> tuple[list[AssetObservation], dict]:
     """How far the lake's state is behind Kafka, observed on each input topic's asset: `lag`, the
     messages its topics hold past the last slice every state table holds (`slices.read_to`);
-    `seconds_behind`, since the oldest slice not done closed (0: every slice closed is done;
-    messages not in a slice yet wait for the slice policy, not for the lake); `slices_not_done`;
-    `last_slice_done`. Looked at when a slice closed or a run succeeded since, and every
-    `LAG_EVERY`; observed when the slices changed, or while behind. The slice done's offsets go
-    to the slices' consumer group (`KafkaResource.commit_offsets`) once, again after a failure:
-    Kafka's own lag tools then show the lag too.
+    `seconds_behind`, since the oldest slice not done closed (0: the stream's lag is, or every
+    slice closed is done: messages not in a slice yet wait for the slice policy, not for the
+    lake); `slices_not_done`; `last_slice_done`. Looked at when a slice closed, a slice's run
+    succeeded since, or `LAG_EVERY` passed; observed when the slices changed, or while behind. The
+    slice done's offsets go to the slices' consumer group (`KafkaResource.commit_offsets`) once,
+    again at the next look after a failure: Kafka's own lag tools then show the lag too.
 
     Returns the observations and what the cursor keeps of them (`reported`). A failure is a
-    warning: the lag is a report, and must not stop the slices."""
+    warning, and the next look waits as after a report: the lag is a report, and must not stop
+    the slices, nor read the state tables at every tick."""
+    was, now = reported or {}, int(time.time() * 1000)
+    runs = was.get("runs")
     try:
-        return _report_lag(warn, instance, kafka, store, marks, last, reported or {})
+        runs, slice_ran = _runs_since(instance, runs)
+        if was and was.get("last") == last and not slice_ran and now - was.get("at", 0) < LAG_EVERY:
+            return [], {**was, "runs": runs}
+        return _report_lag(warn, kafka, store, marks, last, was, now, runs)
     except Exception as exc:  # noqa: BLE001
         warn(f"lag not reported: {type(exc).__name__}: {exc}")
-        return [], reported
+        return [], {**was, "at": now, "last": last, "runs": runs}
 
 
-def _report_lag(warn, instance, kafka, store, marks, last, was: dict) -> tuple[list[AssetObservation], dict]:
-    now = int(time.time() * 1000)
-    runs_seen = _newest_success(instance, was.get("runs"))
-    if was and was.get("last") == last and runs_seen == was.get("runs") and now - was["at"] < LAG_EVERY:
-        return [], was
+def _report_lag(warn, kafka, store, marks, last, was: dict, now: int, runs) -> tuple[list[AssetObservation], dict]:
     holds = min(lake_holds(store.engine, newest=min), last)  # manifests are the tick's snapshot
     positions = read_to(store.get(holds).positions() if holds else {}, marks)
     by_stream = {stream: 0 for stream in was.get("streams", ())}  # a stream whose topics are gone: 0
@@ -164,32 +166,41 @@ def _report_lag(warn, instance, kafka, store, marks, last, was: dict) -> tuple[l
         if (stream := kafka.input_stream(tp[0])) is not None:
             by_stream[stream.name] = by_stream.get(stream.name, 0) + marks[tp][1] - position
     committed = was.get("committed")
-    if holds and kafka.commit_offsets and committed != holds:
+    if holds and positions and kafka.commit_offsets and committed != holds:
         try:
             kafka.commit(positions)
             committed = holds
-        except OffsetsNotCommitted as exc:
-            warn(f"slice {slice_key(holds)} is done, but its offsets were not committed ({exc}); tried again in "
-                 f"{LAG_EVERY // 60000} minutes. Kafka's lag tools show the group behind until then: grant Read on "
-                 "the group, or set ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS=false (docs/operations.md)")
-    state = {"at": now, "holds": holds, "last": last, "runs": runs_seen, "committed": committed,
+        except Exception as exc:  # noqa: BLE001 (confluent-kafka raises ValueError on some settings)
+            warn(f"slice {slice_key(holds)} is done, but its offsets were not committed ({exc}); tried again at the "
+                 f"next look, within {LAG_EVERY // 60000} minutes. Kafka's lag tools show the group behind until "
+                 "then: grant Read on the group, or set ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS=false (docs/operations.md)")
+    state = {"at": now, "holds": holds, "last": last, "runs": runs, "committed": committed,
              "streams": sorted(stream for stream, count in by_stream.items() if count)}
     if (was.get("holds"), was.get("last")) == (holds, last) and not (was.get("streams") or state["streams"]):
         return [], state  # caught up, as it was
-    since = store.get(holds + 1).closed_at if last > holds else now
-    metadata = {"seconds_behind": round((now - since) / 1000, 1), "slices_not_done": last - holds,
-                **({"last_slice_done": slice_key(holds)} if holds else {})}
-    return [AssetObservation(topic_key(stream), metadata={"lag": count, **metadata})
+    behind = round((now - store.get(holds + 1).closed_at) / 1000, 1) if last > holds else 0.0
+    metadata = {"slices_not_done": last - holds, **({"last_slice_done": slice_key(holds)} if holds else {})}
+    return [AssetObservation(topic_key(stream), metadata={"lag": count, "seconds_behind": behind if count else 0.0,
+                                                          **metadata})
             for stream, count in sorted(by_stream.items())], state
 
 
-def _newest_success(instance: DagsterInstance, seen: float | None) -> float | None:
-    """When (the run storage's clock, s) the newest run that succeeded after `seen` ended, else
-    `seen`: a run that succeeded may have applied a slice."""
+def _runs_since(instance: DagsterInstance, seen: float | None) -> tuple[float | None, bool]:
+    """When the newest run that succeeded after `seen` ended (s, by its worker's clock: a clock
+    behind the others' may hide its run until the next `LAG_EVERY` look), else `seen`; and
+    whether one of those ran a slice, and so may have applied it."""
     after = datetime.fromtimestamp(seen, timezone.utc) if seen is not None else None
     records = instance.get_run_records(RunsFilter(statuses=[DagsterRunStatus.SUCCESS], updated_after=after),
                                        limit=1 if after is None else 100)
-    return max((r.update_timestamp.timestamp() for r in records), default=seen)
+    newest = max((r.update_timestamp.timestamp() for r in records), default=seen or 0.0)  # 0: none yet
+    return newest, after is not None and any(_is_slice(r.dagster_run.tags.get(PARTITION_TAG)) for r in records)
+
+
+def _is_slice(partition: str | None) -> bool:
+    try:
+        return partition is not None and slice_seq(partition) > 0
+    except ValueError:
+        return False
 
 
 def pool_warning(instance: DagsterInstance) -> str | None:

@@ -258,3 +258,110 @@ def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(
     assert pool_warning(project_instance) is None
     with DagsterInstance.ephemeral() as instance:
         assert "count per op, not per run" in pool_warning(instance)
+
+
+class _Kafka:
+    """The KafkaResource's part that the lag report uses: two streams' topics, commits recorded."""
+
+    commit_offsets = True
+    streams = {A0[0]: "entity-batches", B0[0]: "connections"}
+
+    def __init__(self):
+        self.commits, self.refusal = [], None
+
+    def input_stream(self, topic):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name=self.streams[topic]) if topic in self.streams else None
+
+    def commit(self, positions):
+        self.commits.append(dict(positions))
+        if self.refusal is not None:
+            raise self.refusal
+        return "entity-assets-slices"
+
+
+class _Store:
+    engine = None
+
+    def __init__(self, *manifests):
+        self.manifests = {m.seq: m for m in manifests}
+
+    def get(self, seq):
+        return self.manifests[seq]
+
+
+def _lag_case(monkeypatch):
+    """Slice 1 done, closed 3 hours ago (a quiet night); slice 2 closed 2 s ago, not done; a topic
+    the manifests name that the broker no longer lists."""
+    from entity_assets import sensors
+
+    done, looks = [1], []
+    monkeypatch.setattr(sensors, "lake_holds", lambda engine, newest=max: looks.append(newest) or done[0])
+    now = int(time.time() * 1000)
+    store = _Store(Manifest(1, (OffsetRange(A0[0], 0, 0, 10), OffsetRange(B0[0], 0, 0, 4),
+                                OffsetRange("gone", 0, 0, 3)), now - 3 * 3600 * 1000),
+                   Manifest(2, (OffsetRange(A0[0], 0, 10, 12), OffsetRange(B0[0], 0, 4, 4),
+                                OffsetRange("gone", 0, 3, 3)), now - 2000))
+    return sensors, done, looks, store, {(A0[0], 0): (0, 12), (B0[0], 0): (0, 4)}
+
+
+def _observed(observations) -> dict[str, dict]:
+    return {o.asset_key.path[-1]: {k: v.value for k, v in o.metadata.items()} for o in observations}
+
+
+def test_the_lag_report_looks_when_slices_change_and_commits_what_kafka_lists(monkeypatch):
+    from dagster import DagsterInstance, DagsterRun, DagsterRunStatus
+
+    sensors, done, looks, store, marks = _lag_case(monkeypatch)
+    kafka, warned, instance = _Kafka(), [], DagsterInstance.ephemeral()
+    observations, state = sensors.report_lag(warned.append, instance, kafka, store, marks, 2, None)
+    seen = _observed(observations)
+    assert seen["entity-batches"]["lag"] == 2 and 0 < seen["entity-batches"]["seconds_behind"] < 60  # not 3 h
+    assert seen["connections"] == {"lag": 0, "seconds_behind": 0.0, "slices_not_done": 1, "last_slice_done": slice_key(1)}
+    assert kafka.commits == [{(A0[0], 0): 10, (B0[0], 0): 4}] and warned == []  # not the topic gone
+
+    # nothing changed, a run of another job succeeded: no look (no state table read)
+    instance.add_run(DagsterRun(job_name="lake_maintenance", run_id="00000000-0000-4000-8000-000000000001",
+                                status=DagsterRunStatus.SUCCESS))
+    assert sensors.report_lag(warned.append, instance, kafka, store, marks, 2, state)[0] == [] and len(looks) == 1
+    # a slice's run succeeded: a look, slice 2 done, caught up, committed
+    done[0] = 2
+    instance.add_run(DagsterRun(job_name="slice_job", run_id="00000000-0000-4000-8000-000000000002",
+                                status=DagsterRunStatus.SUCCESS, tags={sensors.PARTITION_TAG: slice_key(2)}))
+    observations, state = sensors.report_lag(warned.append, instance, kafka, store, marks, 2, state)
+    assert {s: o["lag"] for s, o in _observed(observations).items()} == {"entity-batches": 0, "connections": 0}
+    assert kafka.commits[-1] == {(A0[0], 0): 12, (B0[0], 0): 4} and len(looks) == 2
+    monkeypatch.setattr(sensors, "LAG_EVERY", 0)
+    assert sensors.report_lag(warned.append, instance, kafka, store, marks, 2, state)[0] == []  # caught up, as it was
+    assert len(kafka.commits) == 2
+
+
+def test_a_stream_whose_topics_are_gone_is_observed_at_0_and_a_failed_commit_is_tried_again(monkeypatch):
+    from dagster import DagsterInstance
+
+    sensors, done, looks, store, marks = _lag_case(monkeypatch)
+    kafka, warned, instance = _Kafka(), [], DagsterInstance.ephemeral()
+    kafka.refusal = ValueError("'group_id' cannot be empty")  # what confluent-kafka raises for group.id=
+    observations, state = sensors.report_lag(warned.append, instance, kafka, store, marks, 2, None)
+    assert _observed(observations)["entity-batches"]["lag"] == 2  # reported all the same
+    assert len(warned) == 1 and "'group_id' cannot be empty" in warned[0]
+    monkeypatch.setattr(sensors, "LAG_EVERY", 0)
+    kafka.refusal = None
+    observations, state = sensors.report_lag(warned.append, instance, kafka, store, {(B0[0], 0): (0, 4)}, 2, state)
+    assert _observed(observations)["entity-batches"] == {"lag": 0, "seconds_behind": 0.0, "slices_not_done": 1,
+                                                        "last_slice_done": slice_key(1)}
+    assert len(kafka.commits) == 2 and kafka.commits[-1] == {(B0[0], 0): 4}  # tried again, and done
+
+
+def test_a_lag_report_that_fails_waits_for_the_next_look_as_a_report_does(monkeypatch):
+    from dagster import DagsterInstance
+
+    sensors, done, looks, store, marks = _lag_case(monkeypatch)
+    warned, instance = [], DagsterInstance.ephemeral()
+    monkeypatch.setattr(sensors, "read_to", lambda *a: 1 / 0)
+    assert sensors.report_lag(warned.append, instance, _Kafka(), store, marks, 2, None)[0] == []
+    state = sensors.report_lag(warned.append, instance, _Kafka(), store, marks, 2, None)[1]
+    for _ in range(3):  # not at every tick
+        assert sensors.report_lag(warned.append, instance, _Kafka(), store, marks, 2, state) == ([], state)
+    assert len(warned) == 2 and warned[0].startswith("lag not reported: ZeroDivisionError")
