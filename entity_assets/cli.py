@@ -301,7 +301,7 @@ def _report_lag(instance, resources: dict, log) -> None:
                                      store.latest_seq(), None)
     for event in observations:
         instance.report_runless_asset_event(event)
-    if state:
+    if observations:  # none: caught up as the tick saw it, or the report failed (a warning said why)
         behind = {o.asset_key.path[-1]: o.metadata["lag"].value for o in observations}
         holds = state["holds"]
         log(f"lag: {sum(behind.values())} messages on the input topics past slice "

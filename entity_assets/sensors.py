@@ -4,15 +4,14 @@
 import json
 import time
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 from datetime import datetime, timedelta, timezone
+from typing import NamedTuple
 
 from dagster import (AssetKey, AssetObservation, DagsterInstance, DagsterRun, DagsterRunStatus, RunRecord, RunRequest,
                      RunsFilter, SensorEvaluationContext, SensorResult, SkipReason, sensor)
 
 from entity_assets.assets.topics import topic_key
 from entity_assets.jobs import slice_job
-from entity_assets.kafka_io import OffsetsNotCommitted
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import behind, plan_slices, read_to, run_key, slice_key, slice_seq
