@@ -153,7 +153,8 @@ def test_manifest_arrow_round_trip():
 
 @pytest.mark.parametrize("positions", [{}, {A0: 0}, {A0: 17, A1: 3, B0: 0, ("we|ird.topic", 12): 5}])
 @pytest.mark.parametrize("closed_at", [None, NOW])
-@pytest.mark.parametrize("lag", [None, {"done": 3, "last": 7, "at": NOW}])
+@pytest.mark.parametrize("lag", [None, {"at": NOW, "holds": 3, "last": 7, "runs": 1.5, "committed": 3,
+                                         "streams": ["entity-batches"]}])
 def test_cursor_round_trip(positions, closed_at, lag):
     raw = dump_cursor(7, positions, closed_at, lag)
     assert isinstance(raw, str)
