@@ -328,7 +328,9 @@ def test_the_schema_fold_applies_each_database_s_patches_to_its_own_schema_withi
                     "name": {"type": "STRING", "optional": False}}}}]),
                 "includeBefore": True, "includeAfter": True, "bucket": 7}
 
-    rows = [patch(1, "db-18", "Groups"), patch(2, "db-a", "Contacts"), patch(3, "db-a", "Orders")]  # (bucket, dbid) order
+    failing = {**patch(4, "db-18", "Groups"), "ops": json.dumps([{"op": "remove", "path": "Missing"}])}
+    # in (bucket, dbid) order, as the task's input is
+    rows = [patch(1, "db-18", "Groups"), failing, patch(2, "db-a", "Contacts"), patch(3, "db-a", "Orders")]
     schema = SCHEMAS["schema_patches"].append(pa.field("bucket", pa.int32()))
     report = list(fold.schema_fold_task(iter(pa.Table.from_pylist(rows, schema=schema).to_batches()),
                                         slice_key="0000000001", uris=uris, storage_options=None, state_files={},
@@ -341,5 +343,7 @@ def test_the_schema_fold_applies_each_database_s_patches_to_its_own_schema_withi
     assert (updates[1]["before"], sorted(json.loads(updates[1]["after"]))) == (None, ["Groups"])  # a new database
     assert (updates[2]["before"], sorted(json.loads(updates[2]["after"]))) == (None, ["Contacts"])
     assert sorted(json.loads(updates[3]["after"])) == ["Contacts", "Orders"]
+    # schema-updates holds every schema patch, a failed one with its status and error (the seed)
+    assert updates[4]["status"] == 3 and updates[4]["error"] and updates[4]["after"] is None
     assert {r["dbid"]: sorted(json.loads(r["document"])) for r in written["schemas"]} == {
         "db-18": ["Groups"], "db-a": ["Contacts", "Orders"]}

@@ -319,7 +319,8 @@ def test_the_lag_report_looks_when_slices_change_and_commits_what_kafka_lists(mo
     observations, state = sensors.report_lag(warned.append, instance, kafka, store, marks, 2, None)
     seen = _observed(observations)
     assert seen["entity-batches"]["lag"] == 2 and 0 < seen["entity-batches"]["seconds_behind"] < 60  # not 3 h
-    assert seen["connections"] == {"lag": 0, "seconds_behind": 0.0, "slices_not_done": 1, "last_slice_done": slice_key(1)}
+    assert seen["connections"] == {"lag": 0, "seconds_behind": 0.0, "slices_not_done": 1,
+                                   "last_slice_done": slice_key(1)}
     assert kafka.commits == [{(A0[0], 0): 10, (B0[0], 0): 4}] and warned == []  # not the topic gone
 
     # nothing changed, a run of another job succeeded: no look (no state table read)
