@@ -254,7 +254,7 @@ def with_source(step):
         warnings.simplefilter("ignore", BetaWarning)  # the UI has shown them since 1.7
         source = CodeReferencesMetadataValue(code_references=[LocalFileCodeReference(
             file_path=inspect.getsourcefile(fn), line_number=inspect.getsourcelines(fn)[1])])
-    return map_asset_specs(lambda spec: spec.merge_attributes(metadata={"dagster/code_references": source}), [step])[0]
+    return step.map_asset_specs(lambda spec: spec.merge_attributes(metadata={"dagster/code_references": source}))
 
 
 STEPS = [ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes, changes_by_device,
