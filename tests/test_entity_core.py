@@ -820,6 +820,8 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
     assert len(rows(pipeline, "entity_batches", request=13, slice=K1)) == 2  # the durable log keeps both
     assert len(rows(pipeline, "entity_patches", request=13, slice=K1)) == 1
     assert meta1["entity_patches"]["duplicates"] == 1 and meta1["entity_patches"]["batches"] == 5
+    patches1 = meta1["entity_patches"]["dagster/row_count"]
+    assert patches1 == meta1["entity_patches"]["dagster/partition_row_count"] > 0  # the table's rows: the first slice's
 
     # 6. part 1 of 2 of a schema request: pending, not complete
     assert not rows(pipeline, "complete_responses", request=SCHEMA_REQUEST)
@@ -839,6 +841,9 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
     recreated = one(rows(pipeline, "entity_updates", entity=LIFE, slice=K2))
     assert recreated["action"] == "created" and recreated["before"] is None
     assert json.loads(recreated["after"]) == {"name": "v2"}
+
+    # the UI's row count of a stream: every slice's rows, its partition row count this slice's
+    assert meta2["entity_patches"]["dagster/row_count"] == patches1 + meta2["entity_patches"]["dagster/partition_row_count"]
 
     # 5. redelivered in the next slice: still applied once
     assert len(rows(pipeline, "entity_batches", request=13)) == 3

@@ -173,16 +173,17 @@ def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]
 
 
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
-    """`rows` as `entity-assets run` prints it; in the UI, the slice's rows of a stream
-    (Dagster's partition row count) and the rows of a state table at its new version."""
+    """`rows` as `entity-assets run` prints it; in the UI, the table's rows (from the Delta log),
+    and a stream's rows of the slice (Dagster's partition row count)."""
     meta = {
         "rows": MetadataValue.int(summary["rows"]),
         "delta_version": MetadataValue.int(summary["version"]),
         "table_uri": MetadataValue.path(engine.uri(table)),
+        # the latest version's: a publish commit after the slice's changes no rows, and a handle at
+        # the slice's own version would read the log again
+        "dagster/row_count": MetadataValue.int(engine.row_count(table)),
     }
-    if table in APPLIED_IN_ORDER:
-        meta["dagster/row_count"] = MetadataValue.int(engine.row_count(table, summary["version"]))
-    else:
+    if table not in APPLIED_IN_ORDER:
         meta["dagster/partition_row_count"] = MetadataValue.int(summary["rows"])
     return meta
 
