@@ -147,6 +147,25 @@ class _DbModel(_Model):
         return self
 
 
+Flag = bool | None
+"""The seed's optional booleans ("boolean, default false"): a null reads as absent, as clients that
+write their unset fields as null send it; `_Flags` makes it the default, so a model's flag is a bool."""
+
+
+class _Flags(_Model):
+    """A message with optional flags (`Flag`)."""
+
+    @model_validator(mode="after")
+    def _null_flags_false(self) -> Any:
+        for name in _FLAG_NAMES:
+            if getattr(self, name, False) is None:
+                setattr(self, name, False)
+        return self
+
+
+_FLAG_NAMES = ("learning", "includeBefore", "includeAfter")
+
+
 class _Part(_Model):
     """A message that is one part of a request (its subclasses declare ``part`` and ``parts``)."""
 
@@ -217,7 +236,7 @@ class PatchSpec(TypedDict):
 # --------------------------------------------------------------------------- entity streams
 
 
-class EntityBatch(_DbModel):
+class EntityBatch(_DbModel, _Flags):
     """entity-batches: a client's request over several entities, keyed by request id."""
 
     clientid: ClientId
@@ -226,12 +245,12 @@ class EntityBatch(_DbModel):
     dbid: Name = _dbid()
     begun: Long
     patches: Annotated[list[PatchSpec], Field(min_length=1)]
-    learning: bool = False
-    includeBefore: bool = False
-    includeAfter: bool = False
+    learning: Flag = False
+    includeBefore: Flag = False
+    includeAfter: Flag = False
 
 
-class EntityPatch(_DbModel, _Part):
+class EntityPatch(_DbModel, _Part, _Flags):
     """entity-patches: one patch of a batch, keyed by entity id."""
 
     clientid: ClientId
@@ -245,9 +264,9 @@ class EntityPatch(_DbModel, _Part):
     part: Part
     begun: Long
     ops: Ops
-    learning: bool = False
-    includeBefore: bool = False
-    includeAfter: bool = False
+    learning: Flag = False
+    includeBefore: Flag = False
+    includeAfter: Flag = False
 
 
 class _Outcome(_Part):
@@ -268,7 +287,7 @@ class EntityUpdate(EntityPatch, _Outcome):
     """entity-updates (and zone-changes): the applied patch and its outcome."""
 
 
-class SchemaPatch(_DbModel, _Part):
+class SchemaPatch(_DbModel, _Part, _Flags):
     """schema-patches: one patch to a database schema, keyed by database id."""
 
     clientid: ClientId
@@ -279,8 +298,8 @@ class SchemaPatch(_DbModel, _Part):
     part: Part
     begun: Long
     ops: Ops
-    includeBefore: bool = False
-    includeAfter: bool = False
+    includeBefore: Flag = False
+    includeAfter: Flag = False
 
 
 class SchemaUpdate(SchemaPatch, _Outcome):

@@ -448,6 +448,19 @@ def test_dbid_or_db_accepted():
     assert parse_message(EntityBatch, json.dumps(doc).encode()).dbid == "my-db"
 
 
+@pytest.mark.parametrize("model, sample", [(EntityBatch, ENTITY_BATCH), (EntityPatch, ENTITY_PATCH),
+                                           (SchemaPatch, SCHEMA_PATCH)])
+def test_a_null_flag_reads_as_absent_and_any_other_non_boolean_is_a_dead_letter(model, sample):
+    """The seed's optional booleans default to false; clients that write unset fields as null send null."""
+    doc = json.loads(sample)
+    flags = [name for name in ("learning", "includeBefore", "includeAfter") if name in model.model_fields]
+    msg = parse_message(model, json.dumps({**doc, **dict.fromkeys(flags)}).encode())
+    assert [getattr(msg, name) for name in flags] == [False] * len(flags)
+    with pytest.raises(InvalidMessage) as err:
+        parse_message(model, json.dumps({**doc, flags[0]: 0}).encode())
+    assert err.value.code is DeadLetterCode.BAD_FORMAT and err.value.reason.startswith(f"{flags[0]}:")
+
+
 def test_unknown_fields_ignored():
     doc = {**json.loads(CONNECTION), "os": "iOS 8", "nested": {"a": [1]}}
     msg = parse_message(Connection, json.dumps(doc).encode())
