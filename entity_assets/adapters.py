@@ -27,6 +27,7 @@ Plain module: imported by Spark workers and tested without Kafka, Spark or Dagst
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
@@ -158,8 +159,10 @@ def _json(raw: bytes, what: str) -> Any:
 
 
 def _unwrapped(value: Any) -> Any:
-    """Kafka Connect's JSON converter with schemas on wraps a key or value as {schema, payload}."""
-    if isinstance(value, dict) and len(value) == 2 and "schema" in value and "payload" in value:
+    """Kafka Connect's JSON converter with schemas on wraps a key or value as {schema, payload},
+    its schema an object (null for a null payload): a row of two columns so named is a row."""
+    if isinstance(value, dict) and len(value) == 2 and "payload" in value and \
+            isinstance(value.get("schema", False), dict | None):
         return value["payload"]
     return value
 
@@ -216,7 +219,7 @@ def entity_id(raw: bytes | None) -> str:
     try:
         key = _json(raw, "key")
     except m.InvalidMessage as exc:
-        if exc.code is m.DeadLetterCode.OVERSIZE or _json_but_nan(raw):
+        if exc.code is m.DeadLetterCode.OVERSIZE or _json_but_nan(raw) or _OBJECT_START.match(raw):
             raise
         return _plain_key(raw)  # GoldenGate's `pk1_pk2` text, a braced GUID
     if not isinstance(key, dict) and not m.names_a_key(key):
@@ -230,10 +233,15 @@ def entity_id(raw: bytes | None) -> str:
                 raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.{name}: a key value must be a non-empty "
                                                                      "string, a number or a boolean")
             parts.append(key_text(value))
-        return "_".join(parts)
+        return joined_key(parts)
     if isinstance(key, str) or raw.lstrip()[:1] == b"{":  # a string, or a wrapped payload's value
         return key_text(key)
     return raw.decode()  # a number's text as written (`12.50`), as a plain key's
+
+
+_OBJECT_START = re.compile(rb'\s*\{\s*"')
+"""How a key object begins, and no plain key does (a braced GUID, `{abc`): one that does not
+parse is a malformed key object, a dead letter, not an entity id of its text."""
 
 
 def _json_but_nan(raw: bytes) -> bool:
@@ -259,6 +267,15 @@ def key_text(value) -> str:
     return value if isinstance(value, str) else m.value_json(value)
 
 
+def joined_key(parts: list[str]) -> str:
+    """A primary key's values joined by `_`, GoldenGate's key text. A field's own `_` (and `\\`)
+    is escaped with `\\` when the key has several, so that ("x_y", "z") and ("x", "y_z") stay two
+    entities; a key of one field is its text as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    return "_".join(p.replace("\\", "\\\\").replace("_", "\\_") if "_" in p or "\\" in p else p for p in parts)
+
+
 def ops(kind: str, row: dict | None, *, merge: bool = False) -> list[dict]:
     """The patch of a change: the whole document, or with `merge` each column of the row (JSON
     Pointer paths, escaped), which also creates a missing entity; a delete removes the entity."""
@@ -282,7 +299,7 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
             return decoded
         row, primary_key, table = decoded
         kind = DELETE if row is None else UPSERT
-        entity = "_".join(map(key_text, primary_key)) if primary_key else entity_id(key)
+        entity = joined_key([key_text(v) for v in primary_key]) if primary_key else entity_id(key)
     else:
         entity = entity_id(key)
         kind, row, table = change(source.format, value)

@@ -46,6 +46,10 @@ def test_a_primary_key_s_columns_are_in_their_key_positions_not_by_name():
     reg = qlik.Decoder({}).decode(qlik.metadata_envelope(SID, "EMPLOYEES", COLUMNS, ["EMP_ID", "DEPT"]))
     assert reg.primary_key == ("EMP_ID", "DEPT")
     assert qlik.Decoder({SID: reg}).decode(dt_message())[1] == (7, "R&D")
+    underscored = dt_message(data={**ROW, "DEPT": "R_D"})
+    values = adapters.batch_values(adapters.Source("hr", "qlik"), "employees", "hr.employees.ingestion", 0, 4, 1000,
+                                   None, underscored, qlik.Decoder({SID: reg}))
+    assert loads(values[6])[0]["entity"] == "7_R\\_D"  # a value's own `_` escaped: ("7_R", "D") is another
 
 
 def test_data_messages_decode_with_the_registered_schema():
