@@ -54,8 +54,12 @@ def test_every_message_published_is_a_message_of_its_streams_model(pipeline):
     """What the Arrow encoders publish (`encode`, `publish.STREAMS`) validates against the pydantic
     model of its stream (`messages.TOPIC_MODELS`, the seed's fields and types), on every topic."""
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=200, entities=40, learning=True), devices=10)
+    missing = {"db": DB, "clientid": CLIENT, "request": 90, "user": "jsmith", "begun": 1415747081000, "patches": [
+        {"collection": "Contacts", "zone": "A", "entity": "nobody", "ops": [{"op": "replace", "path": "x", "value": 1}]}]}
     run_slice(pipeline, [*traffic.records(), ("schema-patches", DB, samples.encode(DECLARE)),
-                         ("schema-patches", DB, samples.encode(FAILING))], K1)
+                         ("schema-patches", DB, samples.encode(FAILING)),
+                         ("entity-batches", samples.request_key(CLIENT, 90), samples.encode(missing))], K1)
+    assert any(m["value"]["status"] == 2 for m in messages_on(pipeline, "partial-responses"))  # a response, no update
     for stream in publish.STREAMS.values():
         published = messages_on(pipeline, stream.name)
         assert published, stream.name
@@ -65,6 +69,8 @@ def test_every_message_published_is_a_message_of_its_streams_model(pipeline):
                 else messages.EntityUpdate)
             parsed = messages.parse_message(model, json.dumps(m["value"]))
             assert isinstance(parsed, model) and getattr(parsed, "dbid", None) == m["value"].get("dbid"), m
+            if model is messages.EntityUpdate:  # the seed: "only ... successfully applied" patches, status 1
+                assert parsed.status == 1 and parsed.error is None, m
 
 
 def run_slice(pipeline, records, expected_key: str):
