@@ -39,6 +39,7 @@ __all__ = [
     "PatchError",
     "PatchOutcome",
     "parse_path",
+    "shown",
     "apply_ops",
     "apply_patch",
 ]
@@ -83,14 +84,15 @@ def _describe(op) -> str:
     parts = [str(op.get("op", "?"))[:40]]
     src, path = op.get("from"), op.get("path")
     if isinstance(src, str):
-        parts.append(_shown(src) + " ->")
+        parts.append(shown(src) + " ->")
     if isinstance(path, str):
-        parts.append(_shown(path))
+        parts.append(shown(path))
     return " ".join(parts)
 
 
-def _shown(path: str, limit: int = 120) -> str:
-    """A path as errors name it: long ones are cut, so an error stays a line, not a copy of the input."""
+def shown(path: str, limit: int = 120) -> str:
+    """A path (or a name) as errors and metadata show it: long ones are cut, so it stays a line,
+    not a copy of the input."""
     if not path:
         return '""'
     return path if len(path) <= limit else path[:limit] + f"... ({len(path)} chars)"
@@ -100,6 +102,11 @@ def _shown(path: str, limit: int = 120) -> str:
 
 
 _BAD_ESCAPE = re.compile(r"~(?![01])")
+
+
+CACHED_PATH_CHARS = 256
+"""Paths the patch engine caches at most: a path may be as long as a message, and a slice of
+long ones would keep up to 65,536 of them in a worker for good."""
 
 
 @functools.lru_cache(maxsize=65536)
@@ -335,7 +342,7 @@ def _tokens(op: dict, key: str) -> tuple[str, ...]:
     if not isinstance(path, str):
         raise _Fail(f"{key!r} must be a string, got {_kind(path)}")
     try:
-        return parse_path(path)
+        return parse_path(path) if len(path) <= CACHED_PATH_CHARS else parse_path.__wrapped__(path)
     except ValueError as exc:
         raise _Fail(str(exc)) from None
 

@@ -68,6 +68,16 @@ def partition_for(value: str, partitions: int) -> int:
     return (murmur2(value.encode()) & 0x7FFFFFFF) % partitions
 
 
+CACHED_VALUE_CHARS = 256
+"""Partitioning values (zones, collections, client ids) cached at most: a name may be as long as
+a message, and a slice of long ones would stay in a worker's cache for good."""
+
+
+def partitions_for(values: list[str], partitions: int) -> list[int]:
+    return [partition_for(v, partitions) if len(v) <= CACHED_VALUE_CHARS else partition_for.__wrapped__(v, partitions)
+            for v in values]
+
+
 def request_key(row: dict) -> str:
     return f"{row['clientid']}/{row['request']}"
 
@@ -210,8 +220,8 @@ class Publisher:
             rows, keys, texts = rows.filter(fits), keys.filter(fits), texts.filter(fits)
             if not rows.num_rows:
                 return
-        by = None if stream.partition_by is None else [partition_for(v, partitions)
-                                                        for v in rows.column(stream.partition_by).to_pylist()]
+        by = None if stream.partition_by is None else partitions_for(rows.column(stream.partition_by).to_pylist(),
+                                                                     partitions)
         self._spool().send_batch(topic, keys, texts, by)
 
     def _fitting(self, table: str, stream: Stream, keys: pa.Array, texts, limit: int) -> pa.Array | None:

@@ -4,7 +4,7 @@ import json
 
 from entity_assets import core
 from entity_assets.messages import CompleteResponse, EntityPatch, EntityUpdate, PartialResponse, parse_message
-from entity_assets.publish import STREAMS, murmur2, partition_for
+from entity_assets.publish import STREAMS, murmur2, partition_for, partitions_for
 from entity_assets.samples import SEED_ENTITY_BATCH
 from entity_assets.tables import SCHEMAS
 
@@ -238,6 +238,10 @@ def test_murmur2_matches_kafkas_java_client():
     for data, signed in vectors.items():
         assert murmur2(data) == signed & 0xFFFFFFFF
     assert all(0 <= partition_for(f"client{i}", 4) < 4 for i in range(100))
+    partition_for.cache_clear()
+    zones = ["A", "z" * 100_000]
+    assert partitions_for(zones, 4) == [partition_for.__wrapped__(z, 4) for z in zones]
+    assert partition_for.cache_info().currsize == 1  # a long value is hashed, not kept
 
 
 def test_every_derived_stream_has_a_publisher():

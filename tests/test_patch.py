@@ -410,6 +410,14 @@ def test_parse_path_is_cached():
     assert parse_path.cache_info().hits == 1
 
 
+def test_a_long_path_is_applied_but_not_kept_in_the_cache():
+    parse_path.cache_clear()
+    long = "/" + "x" * 100_000
+    assert apply_patch({}, [{"op": "add", "path": long, "value": 1}]).doc == {"x" * 100_000: 1}
+    assert apply_patch({}, [{"op": "add", "path": "/short", "value": 1}]).doc == {"short": 1}
+    assert parse_path.cache_info().currsize == 1  # the short one only
+
+
 def test_paths_in_ops():
     doc = {"": 0, "a/b": 1, "m~n": 2, "arr": [10, 20]}
     assert apply_ops(doc, [{"op": "test", "path": "/", "value": 0}]) == doc

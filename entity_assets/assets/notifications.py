@@ -30,6 +30,7 @@ from entity_assets.assets.common import (
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.notify import SUBSCRIPTIONS
 from entity_assets.partitions import LAKE_POOL, slices_partitions
+from entity_assets.patch import shown
 from entity_assets.storage import read_row_groups, to_rows
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
@@ -60,9 +61,10 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
                                     "zone_changes", key, fold.zone_changes_task)
     zones = sorted(((name.split(":", 1)[1], n) for name, n in counts.items() if name.startswith("subjectZone:")),
                    key=lambda zn: (-zn[1], zn[0]))
+    shown_zones = {shown(zone): n for zone, n in zones[:TOP_ZONES]}  # a zone's name is as long as a client made it
     return MaterializeResult(metadata=_metadata(
         engine, "zone_changes", summary, zone_count=MetadataValue.int(len(zones)),
-        zones=MetadataValue.json(dict(zones[:TOP_ZONES]))),
+        zones=MetadataValue.json(shown_zones)),
         check_results=[undeliverable_check("zone_changes", counts, summary["undeliverable"])])
 
 
