@@ -6,7 +6,7 @@ keyword) is spelled ``from_`` in Python.
 
 Pure pydantic on purpose: this module is imported by Spark workers and tests, and must stay
 cheap to import and fast to run (validation happens in pydantic-core's Rust code; the few
-Python validators are one call per model, not per field).
+Python validators are one call per model, not per field, but for the optional flags present).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pydantic_core
 from pydantic import (
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -147,23 +148,13 @@ class _DbModel(_Model):
         return self
 
 
-Flag = bool | None
+def _null_false(value: Any) -> Any:
+    return False if value is None else value
+
+
+Flag = Annotated[bool, BeforeValidator(_null_false)]
 """The seed's optional booleans ("boolean, default false"): a null reads as absent, as clients that
-write their unset fields as null send it; `_Flags` makes it the default, so a model's flag is a bool."""
-
-
-class _Flags(_Model):
-    """A message with optional flags (`Flag`)."""
-
-    @model_validator(mode="after")
-    def _null_flags_false(self) -> Any:
-        for name in _FLAG_NAMES:
-            if getattr(self, name, False) is None:
-                setattr(self, name, False)
-        return self
-
-
-_FLAG_NAMES = ("learning", "includeBefore", "includeAfter")
+write their unset fields as null send it (a Python call per flag present; an absent one costs none)."""
 
 
 class _Part(_Model):
@@ -236,7 +227,7 @@ class PatchSpec(TypedDict):
 # --------------------------------------------------------------------------- entity streams
 
 
-class EntityBatch(_DbModel, _Flags):
+class EntityBatch(_DbModel):
     """entity-batches: a client's request over several entities, keyed by request id."""
 
     clientid: ClientId
@@ -250,7 +241,7 @@ class EntityBatch(_DbModel, _Flags):
     includeAfter: Flag = False
 
 
-class EntityPatch(_DbModel, _Part, _Flags):
+class EntityPatch(_DbModel, _Part):
     """entity-patches: one patch of a batch, keyed by entity id."""
 
     clientid: ClientId
@@ -287,7 +278,7 @@ class EntityUpdate(EntityPatch, _Outcome):
     """entity-updates (and zone-changes): the applied patch and its outcome."""
 
 
-class SchemaPatch(_DbModel, _Part, _Flags):
+class SchemaPatch(_DbModel, _Part):
     """schema-patches: one patch to a database schema, keyed by database id."""
 
     clientid: ClientId
