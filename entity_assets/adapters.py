@@ -161,8 +161,8 @@ def _json(raw: bytes, what: str) -> Any:
 def _unwrapped(value: Any) -> Any:
     """Kafka Connect's JSON converter with schemas on wraps a key or value as {schema, payload},
     its schema an object (null for a null payload): a row of two columns so named is a row."""
-    if isinstance(value, dict) and len(value) == 2 and "payload" in value and \
-            isinstance(value.get("schema", False), dict | None):
+    if isinstance(value, dict) and len(value) == 2 and "payload" in value and "schema" in value and (
+            isinstance(value["schema"], dict) or value["schema"] is value["payload"] is None):
         return value["payload"]
     return value
 
@@ -219,7 +219,7 @@ def entity_id(raw: bytes | None) -> str:
     try:
         key = _json(raw, "key")
     except m.InvalidMessage as exc:
-        if exc.code is m.DeadLetterCode.OVERSIZE or _json_but_nan(raw) or _OBJECT_START.match(raw):
+        if exc.code is m.DeadLetterCode.OVERSIZE or _json_but_nan(raw) or _OBJECT.fullmatch(raw):
             raise
         return _plain_key(raw)  # GoldenGate's `pk1_pk2` text, a braced GUID
     if not isinstance(key, dict) and not m.names_a_key(key):
@@ -239,9 +239,10 @@ def entity_id(raw: bytes | None) -> str:
     return raw.decode()  # a number's text as written (`12.50`), as a plain key's
 
 
-_OBJECT_START = re.compile(rb'\s*\{\s*"')
-"""How a key object begins, and no plain key does (a braced GUID, `{abc`): one that does not
-parse is a malformed key object, a dead letter, not an entity id of its text."""
+_OBJECT = re.compile(rb'\s*\{\s*".*\}\s*', re.DOTALL)
+"""What a key object looks like, and no plain key does (a braced GUID, `{abc`, GoldenGate's
+`{"a":1}_7`): one that does not parse is a malformed key object, a dead letter, not an entity id
+of its text."""
 
 
 def _json_but_nan(raw: bytes) -> bool:

@@ -137,6 +137,8 @@ def test_only_a_schema_and_payload_pair_is_unwrapped_and_a_record_without_a_time
     assert patch_of(batch(adapters.Source("crm", "db2"), b"1", enc(two_columns)))["ops"][0]["value"] == two_columns
     assert patch_of(batch(adapters.Source("crm", "db2"), b"1", enc({"schema": None, "payload": None})))["ops"] == [
         {"op": "remove", "path": ""}]  # Connect's tombstone with schemas on
+    nulls = {"schema": None, "payload": {"ID": 1}}  # two nullable columns so named
+    assert patch_of(batch(adapters.Source("crm", "db2"), b"1", enc(nulls)))["ops"][0]["value"] == nulls
     assert batch(adapters.Source("crm", "db2"), b"1", enc(row), timestamp=-1)["begun"] == 0
 
 
@@ -202,9 +204,10 @@ def test_bad_records(fmt, key, value, code, reason):
     (b"abc_1", "abc_1"), (b"NaN", "NaN"), (b"1e400", "1e400"),  # plain text (GoldenGate's), JSON or not
     (b"{3F2504E0-4F89-11D3-9A0C-0305E82C3301}", "{3F2504E0-4F89-11D3-9A0C-0305E82C3301}"),
     (b'"O\'Brien"_7', '"O\'Brien"_7'), (b"[A]_1", "[A]_1"), (b"{abc", "{abc"),
-    # a value's own `_` (and `\\`) escaped in a key of several fields, so no two keys join alike
+    # a value's own `_` (and `\\`) escaped in a key of several fields, so no two such keys join alike
     (b'{"A": "x_y", "B": "z"}', "x\\_y_z"), (b'{"A": "x", "B": "y_z"}', "x_y\\_z"),
     (b'{"A": "x\\\\", "B": "_z"}', "x\\\\_\\_z"), (b'{"A": "x_y"}', "x_y"),
+    (b'{"a":1}_7', '{"a":1}_7'),  # GoldenGate's text of a key whose first field is JSON text
 ])
 def test_an_entity_id_is_the_keys_values_or_its_text(key, entity):
     """Pinned: an entity's id may not change between releases, or its history would split."""
