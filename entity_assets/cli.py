@@ -277,7 +277,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     holds = lake_holds(store.engine, tables) if tables else max(closed, default=0)  # no state step: nothing to hold
     pending = [(slice_key(seq), run_key(slice_key(seq), at)) for seq, at in sorted(closed.items())
                if not done(runs, seq, holds)]
-    summaries = _materialize(instance, pending, selection, log)
+    summaries = _materialize(instance, store, pending, selection, log)
     if pending:
         _report_lag(instance, resources, log)
     return summaries
@@ -324,7 +324,8 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, republ
     from entity_assets.slices import run_key, slice_key
 
     instance = _instance_for_runs()
-    closed = ManifestStore(build_resources()["lake"].open()).closed_at()
+    store = ManifestStore(build_resources()["lake"].open())
+    closed = store.closed_at()
     latest = max(closed, default=0)
     if first > last:
         raise ValueError(f"slices {first}..{last}: the first comes after the last")
@@ -338,7 +339,7 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, republ
             raise ValueError(f"no asset {', '.join(unknown)}; the assets are {', '.join(sorted(ops))}")
         steps = sorted({ops[a] for a in assets})
     runs = [(slice_key(s), run_key(slice_key(s), closed[s])) for s in range(first, last + 1)]
-    return _materialize(instance, runs, _steps_selection(steps), log,
+    return _materialize(instance, store, runs, _steps_selection(steps), log,
                         tags={REPUBLISH_TAG: "true"} if republish else {})
 
 
@@ -356,19 +357,23 @@ def _steps_selection(steps: list[str] | None):
     return [key for key, op in _step_of_asset().items() if op in steps]
 
 
-def _materialize(instance, runs: list[tuple[str, str]], selection, log, tags: dict | None = None) -> list[dict]:
+def _materialize(instance, store, runs: list[tuple[str, str]], selection, log, tags: dict | None = None) -> list[dict]:
     """One slice_job run per (slice key, run key), in order, until one fails: later slices would
-    be refused, as state applies in slice order."""
+    be refused, as state applies in slice order. Each is tagged as the sensor tags its runs."""
     from entity_assets.definitions import defs
     from entity_assets.launcher import worker_tag
+    from entity_assets.sensors import slice_tags
+    from entity_assets.slices import slice_seq
 
     instance.add_dynamic_partitions("slices", [key for key, _ in runs])
+    manifests = store.get_many(slice_seq(key) for key, _ in runs)
     job = defs.resolve_job_def("slice_job")
     summaries = []
     for key, run in runs:
         started = time.monotonic()
         outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
-                                         tags={"dagster/run_key": run, **worker_tag(), **(tags or {})},
+                                         tags={"dagster/run_key": run, **worker_tag(), **slice_tags(manifests[slice_seq(key)]),
+                                               **(tags or {})},
                                          asset_selection=selection)
         materialized = Counter()
         for event in outcome.get_asset_materialization_events():

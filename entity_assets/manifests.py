@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import pyarrow as pa
+
 from entity_assets.slices import MANIFEST_SCHEMA, Manifest, manifest_to_arrow, manifests_from_arrow, slice_key, slice_seq
-from entity_assets.storage import DeltaRsEngine
+from entity_assets.storage import DeltaRsEngine, read_tables
 
 TABLE = "slice_manifests"
 APP_ID = "entity-assets-sensor"
@@ -29,6 +33,20 @@ class ManifestStore:
         if seq not in found:
             raise MissingManifest(f"slice {slice_key(seq)} has no manifest in {self.engine.uri(TABLE)}")
         return found[seq]
+
+    def get_many(self, seqs: Iterable[int]) -> dict[int, Manifest]:
+        """The manifests of `seqs` in one read: their files, picked by their statistics (a file per
+        slice), or the table whole where a file holds several (compacted: a few files then)."""
+        wanted = set(seqs)
+        if not wanted:
+            return {}
+        files = self.engine.slice_files(TABLE, [slice_key(s) for s in wanted])
+        found = manifests_from_arrow(pa.concat_tables(read_tables(files, self.engine.storage_options))) if files else {}
+        if not wanted <= found.keys():
+            found = manifests_from_arrow(self.engine.read(TABLE))
+        if missing := sorted(wanted - found.keys()):
+            raise MissingManifest(f"slice {slice_key(missing[0])} has no manifest in {self.engine.uri(TABLE)}")
+        return {seq: found[seq] for seq in wanted}
 
     def latest(self) -> Manifest | None:
         seq = self.latest_seq()

@@ -14,7 +14,7 @@ from entity_assets.assets.topics import topic_key
 from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import LAKE_POOL, slices_partitions
-from entity_assets.slices import behind, plan_slices, read_to, run_key, slice_key, slice_seq
+from entity_assets.slices import Manifest, behind, plan_slices, read_to, run_key, slice_key, slice_seq
 from entity_assets.tables import APPLIED_IN_ORDER
 from resources import KafkaResource, LakeResource, SlicingResource
 
@@ -116,8 +116,11 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
     if warning := pool_warning(context.instance):
         context.log.warning(warning)
+    manifests = {m.seq: m for m in new}
+    manifests.update(store.get_many(set(requested) - manifests.keys()))  # slices requested again: one read
     return SensorResult(
-        run_requests=[RunRequest(run_key=requested[seq], partition_key=slice_key(seq)) for seq in sorted(requested)],
+        run_requests=[RunRequest(run_key=requested[seq], partition_key=slice_key(seq), tags=slice_tags(manifests[seq]))
+                      for seq in sorted(requested)],
         dynamic_partitions_requests=[slices_partitions.build_add_request(keys)],
         cursor=cursor,
         asset_events=observations,
@@ -251,6 +254,14 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
             context.log.warning(f"slice {slice_key(seq)}: its last run {status.value.lower()} and the lake lacks its "
                                 "state; the slices after it wait for it: re-run it (the UI, or entity-assets run)")
     return out
+
+
+MESSAGES_TAG = "entity-assets/messages"
+"""A slice run's input messages, from its manifest: the UI's runs list shows each slice's size."""
+
+
+def slice_tags(manifest: Manifest) -> dict[str, str]:
+    return {MESSAGES_TAG: str(manifest.messages)}
 
 
 PARTITION_TAG = "dagster/partition"

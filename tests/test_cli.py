@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from dagster import DagsterInstance
 
 from entity_assets import cli, history, samples
+from entity_assets.manifests import ManifestStore
 from entity_assets.slices import slice_key
 from entity_assets.trace import parse_record
 from resources import KafkaResource, LakeResource
@@ -61,6 +63,10 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
                        (("--slices", "2..1"), "the first comes after the last")):
         assert cli.main(["run", *args]) == 2
         assert says in capsys.readouterr().err, args
+    with DagsterInstance.get() as instance:  # each run tagged with its slice's size, as the sensor's are
+        sizes = {r.tags["dagster/partition"]: r.tags.get("entity-assets/messages") for r in instance.get_runs()}
+    manifests = ManifestStore(lake.open()).get_many(range(1, slices + 1))
+    assert sizes == {slice_key(s): str(m.messages) for s, m in manifests.items()}
 
     # trace: an input record's rows, by the stream's name for its topic
     record = lake.open().read("entity_batches").to_pylist()[0]

@@ -700,7 +700,8 @@ def test_bad_records_go_to_dead_letters_and_the_rest_is_written(pipeline):
 # --------------------------------------------------------------------------- sensor -> run -> materialization
 
 def test_sensor_run_request_materializes_its_partition(pipeline):
-    pipeline.produce(traffic(40, seed=8))
+    records = traffic(40, seed=8)
+    pipeline.produce(records)
     [request] = pipeline.tick()
     key = request.partition_key
     assert pipeline.instance.has_dynamic_partition("slices", key)
@@ -710,6 +711,7 @@ def test_sensor_run_request_materializes_its_partition(pipeline):
     assert run.status == DagsterRunStatus.SUCCESS
     assert run.job_name == "slice_job"
     assert run.tags["dagster/partition"] == key and run.tags["dagster/run_key"] == request.run_key
+    assert run.tags["entity-assets/messages"] == str(len(records))  # the slice's size, in the runs list
 
     asset = AssetKey("entity_batches")
     records = pipeline.instance.fetch_materializations(asset, limit=10).records

@@ -199,15 +199,22 @@ def test_slice_sizes_that_would_hang_or_mean_nothing_are_refused(setting):
 def test_the_closing_times_of_every_slice_come_from_the_log_not_the_files(tmp_path, monkeypatch):
     """`entity-assets run` and a sensor catching up read them all: the manifest table has a file
     per slice, which the log's statistics describe."""
-    from entity_assets.manifests import ManifestStore
+    from entity_assets.manifests import ManifestStore, MissingManifest
     from entity_assets.storage import DeltaRsEngine
 
     store = ManifestStore(DeltaRsEngine(str(tmp_path / "lake")))
     assert store.closed_at() == {}
     for seq in (1, 2, 3):
         store.write(Manifest(seq, (OffsetRange("t", 0, seq, seq + 1), OffsetRange("t", 1, 0, 0)), NOW + seq))
+    # slices requested again (their runs' tags): their own files only, in one read
+    many = store.get_many([3, 1])
+    assert {seq: m.messages for seq, m in many.items()} == {1: 1, 3: 1} and many[3] == store.get(3)
+    assert store.get_many([]) == {}
+    with pytest.raises(MissingManifest, match="slice 0000000004"):
+        store.get_many([2, 4])
     monkeypatch.setattr(store.engine, "read", lambda *a, **k: pytest.fail("read a data file"))
     assert store.closed_at() == {1: NOW + 1, 2: NOW + 2, 3: NOW + 3}
+    assert set(store.get_many([1, 2])) == {1, 2}  # from the slices' files, not the table whole
 
 
 def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
