@@ -421,19 +421,24 @@ class NotificationAck(_DbModel):
 _ALL_ACTIONS: tuple[Action, ...] = ("created", "updated", "deleted")
 
 
+def _all_if_null(value: Any) -> Any:
+    return list(_ALL_ACTIONS) if value is None else value
+
+
 class ZoneSubscription(_Model):
     """Document of an entity of the built-in ``$zoneSubscription`` collection (project-defined).
 
     The seed stores subscriptions as entities but leaves their fields open. Partitioning is by
     ``subjectZone`` (the zone watched), not by the subscription entity's own zone.
-    ``subjectCollection`` None means every collection; ``actions`` defaults to all three.
+    ``subjectCollection`` None means every collection; ``actions`` defaults to all three (null too,
+    as for the optional flags).
     """
 
     subjectZone: Name
     subjectCollection: Name | None = None
     device: Name
     user: Name
-    actions: Annotated[list[Action], Field(min_length=1)] = Field(
+    actions: Annotated[list[Action], Field(min_length=1), BeforeValidator(_all_if_null)] = Field(
         default_factory=lambda: list(_ALL_ACTIONS)
     )
 

@@ -650,6 +650,10 @@ def test_zone_subscription_defaults():
     assert sub.subjectCollection is None
     assert sub.actions == ["created", "updated", "deleted"]
     assert sub.covers("Contacts", "updated") and sub.covers("Groups", "deleted")
+    assert ZoneSubscription.model_validate({"subjectZone": "A", "device": "d1", "user": "u", "actions": None}).actions \
+        == sub.actions  # null reads as absent, as the optional flags do
+    with pytest.raises(ValidationError):
+        ZoneSubscription.model_validate({"subjectZone": "A", "device": "d1", "user": "u", "actions": []})
     narrow = ZoneSubscription(subjectZone="A", subjectCollection="Contacts", device="d2", user="u",
                               actions=["created", "deleted"])
     assert not narrow.covers("Contacts", "updated") and not narrow.covers("Groups", "created")
