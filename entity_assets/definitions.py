@@ -8,8 +8,8 @@ import os
 import re
 import warnings
 
-from dagster import (BetaWarning, CodeReferencesMetadataValue, Definitions, EnvVar, LocalFileCodeReference,
-                     in_process_executor, map_asset_specs)
+from dagster import (AssetSpec, BetaWarning, CodeReferencesMetadataValue, DagsterInvalidDefinitionError, Definitions,
+                     EnvVar, LocalFileCodeReference, in_process_executor, map_asset_specs)
 from pydantic import ValidationError
 
 from entity_assets.assets import topics
@@ -257,11 +257,32 @@ def with_source(step):
     return step.map_asset_specs(lambda spec: spec.merge_attributes(metadata={"dagster/code_references": source}))
 
 
+OWNERS_VARIABLE = "ENTITY_ASSETS_OWNERS"
+
+
+def with_owners(spec: AssetSpec) -> AssetSpec:
+    """The asset owned by `ENTITY_ASSETS_OWNERS` (emails and `team:` names, comma-separated), whom
+    the UI's catalog shows and finds it by; the topics are their producers' and consumers'."""
+    owners = [name.strip() for name in os.environ.get(OWNERS_VARIABLE, "").split(",") if name.strip()]
+    try:
+        return spec.merge_attributes(owners=owners)
+    except DagsterInvalidDefinitionError as exc:
+        raise SettingError(f"{OWNERS_VARIABLE}={os.environ[OWNERS_VARIABLE]!r}: {exc.args[0].split(' for asset ')[0]}; "
+                           "an owner is an email address or a team name prefixed with 'team:'") from None
+
+
 STEPS = [ingest, entity_patches, apply_patches, learn_schemas, devices, zone_changes, changes_by_device,
          device_notifications]
 
+
+def build_assets() -> list:
+    """The steps' assets with their columns, code and owners, and the Kafka topics."""
+    return [*map_asset_specs(lambda spec: with_owners(with_columns(spec)), [with_source(step) for step in STEPS]),
+            *topics.SPECS]
+
+
 defs = Definitions(
-    assets=[*map_asset_specs(with_columns, [with_source(step) for step in STEPS]), *topics.SPECS],
+    assets=build_assets(),
     jobs=[slice_job, lake_maintenance, trace_job, history_job],
     schedules=[lake_maintenance_schedule],
     sensors=[kafka_offsets_sensor],

@@ -79,6 +79,26 @@ def fail_commits(patch: pytest.MonkeyPatch, table: str) -> None:
 
 # --------------------------------------------------------------------------- definitions
 
+def test_the_steps_assets_are_owned_by_whom_the_environment_names(monkeypatch):
+    from dagster import AssetsDefinition
+
+    from entity_assets.definitions import OWNERS_VARIABLE, build_assets
+    from resources import SettingError
+
+    def owners() -> dict[str, list[str]]:
+        return {spec.key.to_user_string(): list(spec.owners) for a in build_assets()
+                for spec in (a.specs if isinstance(a, AssetsDefinition) else [a])}
+
+    assert not any(owners().values())  # unset: no owners
+    monkeypatch.setenv(OWNERS_VARIABLE, "team:data-platform, ada@example.com,")
+    owned = owners()
+    assert owned["entities"] == owned["device_notifications"] == ["team:data-platform", "ada@example.com"]
+    assert owned["kafka/entity-batches"] == []  # a topic is its producers' and consumers'
+    monkeypatch.setenv(OWNERS_VARIABLE, "data team")
+    with pytest.raises(SettingError, match="ENTITY_ASSETS_OWNERS='data team': Invalid owner 'data team'"):
+        build_assets()
+
+
 def test_definitions_load():
     from entity_assets.definitions import defs
     from entity_assets.partitions import slices_partitions
