@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -445,41 +446,60 @@ def read_tables(files: Sequence[str | TableFile], storage_options: dict[str, str
     return prefetched(lambda f: read_table(f, storage_options, columns, filters, schema), files, files_ahead(files))
 
 
+class Repeat(NamedTuple):
+    """A delivery of a request seen before (`repeated_deliveries`)."""
+
+    at: tuple  # its Kafka coordinates
+    identity: tuple
+    reused: bool  # its `begun` is no earlier delivery's: the id of another request, not a redelivery
+
+
 def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Sequence[str | TableFile],
                         identity: Sequence[str],
                         coordinates: Sequence[str], storage_options: dict[str, str] | None = None, *,
-                        split_by: str | None = None, part: int = 0, parts: int = 1) -> set[tuple]:
-    """The coordinates of a slice's rows whose identity came before: at lower coordinates in the
-    slice, or in the rows of `prior_files`. Reads only identity and coordinate columns, and finds
-    repeats with Arrow's hash aggregates and joins: only the (normally few) repeated rows become
-    Python objects.
+                        split_by: str | None = None, part: int = 0, parts: int = 1,
+                        stamp: str = "begun") -> list[Repeat]:
+    """The slice's rows whose identity came before: at lower coordinates in the slice, or in the
+    rows of `prior_files`. Reads only identity, coordinate and `stamp` columns, and finds repeats
+    with Arrow's hash aggregates and joins: only the (normally few) repeated rows become Python
+    objects. A redelivery is the same message again, so its `stamp` (the client's `begun`) is one
+    an earlier delivery had; a repeat without it is marked `reused`.
 
     `parts` (a power of two) tasks share the work: each keeps the identities whose integer
     column `split_by` has `part` as its low bits, so it holds 1/parts of the slice.
     """
     identity = list(identity)
-    rows = pa.concat_tables(read_tables(slice_files, storage_options, [*identity, *coordinates]))
+    rows = pa.concat_tables(read_tables(slice_files, storage_options, [*identity, *coordinates, stamp]))
     if parts > 1:
         rows = rows.filter(pc.equal(pc.bit_wise_and(rows.column(split_by), parts - 1), part))
     if not rows.num_rows:
-        return set()
+        return []
+    # the window's stamps of the slice's identities. The window is read in batches of about the
+    # slice's size (not split: the join keeps only this part's identities), each probed against
+    # the slice's identities: the join builds its table on those, the driver's memory stays that
+    # of a small batch and a task's work stays linear in the window
+    keys = rows.select(identity)
+    earlier: dict[tuple, set] = {}
+    for batch in read_files(prior_files, storage_options, max(READ_BATCH_ROWS, rows.num_rows), columns=[*identity, stamp]):
+        seen = pa.Table.from_batches([batch]).join(keys, identity, join_type="left semi", use_threads=False)
+        for row in seen.to_pylist():
+            earlier.setdefault(tuple(row[c] for c in identity), set()).add(row[stamp])
     counts = rows.group_by(identity, use_threads=False).aggregate([([], "count_all")])
     twice = counts.filter(pc.greater(counts.column("count_all"), 1)).select(identity)
+    if earlier:
+        twice = pa.concat_tables([twice, pa.Table.from_pylist([dict(zip(identity, k)) for k in earlier], twice.schema)])
     deliveries: dict[tuple, list[tuple]] = {}
     for row in rows.join(twice, identity, join_type="left semi", use_threads=False).to_pylist():
-        deliveries.setdefault(tuple(row[c] for c in identity), []).append(tuple(row[c] for c in coordinates))
-    found = {at for ats in deliveries.values() for at in sorted(ats)[1:]}  # all but the first delivery
-    # seen in the window: every delivery in the slice is a redelivery. The window is read in
-    # batches of about the slice's size (not split: the join keeps only this part's identities),
-    # each probed against the slice's identities: the join builds its table on those, the
-    # driver's memory stays that of a small batch and a task's work stays linear in the window
-    keys = rows.select(identity)
-    for batch in read_files(prior_files, storage_options, max(READ_BATCH_ROWS, rows.num_rows), columns=identity):
-        seen = pa.Table.from_batches([batch]).join(keys, identity, join_type="left semi", use_threads=False)
-        if seen.num_rows:
-            again = rows.join(seen, identity, join_type="left semi", use_threads=False)
-            found.update(zip(*(again.column(c).to_pylist() for c in coordinates)))
-    return found
+        deliveries.setdefault(tuple(row[c] for c in identity), []).append(
+            (tuple(row[c] for c in coordinates), row[stamp]))
+    repeats = []
+    for key, ats in deliveries.items():
+        stamps = set(earlier.get(key, ()))
+        for i, (at, stamp_of) in enumerate(sorted(ats)):  # the first in the slice is new unless the window had it
+            if i or key in earlier:
+                repeats.append(Repeat(at, key, stamp_of not in stamps))
+            stamps.add(stamp_of)
+    return repeats
 
 
 def read_batches(file: str | TableFile, storage_options: dict[str, str] | None = None, batch_size: int = READ_BATCH_ROWS,

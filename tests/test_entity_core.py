@@ -20,7 +20,7 @@ from collections import Counter
 import pyarrow.compute as pc
 import pytest
 from confluent_kafka import Producer
-from dagster import AssetCheckSeverity, DagsterEventType
+from dagster import AssetCheckSeverity, AssetKey, DagsterEventType
 
 from entity_assets import samples
 from entity_assets.assets import common, entities, retries
@@ -734,6 +734,7 @@ def slice_records() -> tuple[list, list]:
     create = batch(11, [patch(LIFE, [{"op": "add", "path": "name", "value": "v1"}])], begun=BEGUN + 1, learning=True)
     delete = batch(12, [patch(LIFE, [{"op": "remove", "path": ""}])], begun=BEGUN + 2)
     dup = batch(13, [patch(DUP, [{"op": "add", "path": "count", "value": 1}])], begun=BEGUN + 3)
+    reused = batch(13, [patch(DUP, [{"op": "add", "path": "count", "value": 2}])], begun=BEGUN + 7)  # id used again
     recreate = batch(15, [patch(LIFE, [{"op": "add", "path": "name", "value": "v2"}])], begun=BEGUN + 5,
                      learning=True)
     schema = {**samples.SEED_SCHEMA_PATCH, "request": SCHEMA_REQUEST, "parts": 2}
@@ -744,7 +745,7 @@ def slice_records() -> tuple[list, list]:
     first = [record(sub), record(create), record(delete), record(dup), record(dup),
              ("schema-patches", "my-db", samples.encode(part1)),
              ("connections", "jsmith", samples.encode({**connection, "device": DEVICE}))]
-    second = [record(dup), record(recreate),
+    second = [record(dup), record(recreate), record(reused),
               ("schema-patches", "my-db", samples.encode(part2)),
               ("connections", "jsmith", samples.encode({**connection, "device": DEVICE, "appVersion": "1.2",
                                                          "begun": connection["begun"] + 1})),
@@ -845,13 +846,24 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
     # the UI's row count of a stream: every slice's rows, its partition row count this slice's
     assert meta2["entity_patches"]["dagster/row_count"] == patches1 + meta2["entity_patches"]["dagster/partition_row_count"]
 
-    # 5. redelivered in the next slice: still applied once
-    assert len(rows(pipeline, "entity_batches", request=13)) == 3
+    # 5. redelivered in the next slice: still applied once; its id used again for another request
+    # (another `begun`): left out too, its record kept, and named by a warning
+    assert len(rows(pipeline, "entity_batches", request=13)) == 4
     assert len(rows(pipeline, "entity_patches", request=13)) == 1
     assert len(rows(pipeline, "partial_responses", request=13)) == 1
     assert len(rows(pipeline, "complete_responses", request=13)) == 1
     assert one(rows(pipeline, "entities", entity=DUP))["version"] == 1
-    assert meta2["entity_patches"]["duplicates"] == 1 and meta2["entity_patches"]["batches"] == 2
+    assert meta2["entity_patches"]["duplicates"] == 2 and meta2["entity_patches"]["batches"] == 3
+    assert meta2["entity_patches"]["reused_request_ids"] == 1 and meta1["entity_patches"]["reused_request_ids"] == 0
+    [schema_reuse] = [e for e in two.get_asset_check_evaluations() if e.asset_key == AssetKey("schema_updates")
+                      and e.check_name == "request_ids_not_reused"]
+    assert schema_reuse.passed and meta2["schema_updates"]["reused_request_ids"] == 0  # part 2 is another part
+    [reuse] = [e for e in two.get_asset_check_evaluations() if e.asset_key == AssetKey("entity_patches")]
+    assert (reuse.check_name, reuse.passed, reuse.severity) == ("request_ids_not_reused", False, AssetCheckSeverity.WARN)
+    [named] = reuse.metadata["first"].value
+    again = one(rows(pipeline, "entity_batches", request=13, slice=K2, begun=BEGUN + 7))
+    assert named == {"clientid": CLIENT, "request": 13,
+                     "kafka": f"{again['kafka_topic']}:{again['kafka_partition']}:{again['kafka_offset']}"}
 
     # 6. part 2 completes the request in slice 2, both parts ordered
     complete = one(rows(pipeline, "complete_responses", request=SCHEMA_REQUEST))

@@ -290,30 +290,39 @@ def test_a_bucket_left_untouched_is_not_rewritten(tmp_path):
 @pytest.mark.parametrize("parts", [1, 2, 4])
 def test_redeliveries_within_the_slice_and_from_the_window_whatever_the_split(tmp_path, parts):
     schema = pa.schema([("clientid", pa.string()), ("request", pa.int64()), ("kafka_topic", pa.string()),
-                        ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64())])
+                        ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64()), ("begun", pa.int64())])
 
     def write(name, rows):
         pq.write_table(pa.Table.from_pylist(rows, schema), tmp_path / name)
         return str(tmp_path / name)
 
-    def delivery(client, request, partition, offset):
+    def delivery(client, request, partition, offset, begun=100):
         return {"clientid": client, "request": request, "kafka_topic": "t", "kafka_partition": partition,
-                "kafka_offset": offset}
+                "kafka_offset": offset, "begun": begun}
 
-    prior = write("prior.parquet", [delivery("c1", 1, 0, 0), delivery("c2", 7, 1, 0), delivery("c3", 3, 1, 1)])
+    prior = write("prior.parquet", [delivery("c1", 1, 0, 0), delivery("c2", 7, 1, 0), delivery("c3", 3, 1, 1),
+                                    delivery("c5", 1, 1, 2, begun=50)])
     this = write("slice.parquet", [
         delivery("c1", 2, 0, 5), delivery("c1", 2, 1, 3),  # the same request twice: the later copy is repeated
         delivery("c2", 7, 0, 6),                           # seen in the window
         delivery("c1", 7, 0, 7),                           # another client's request id: new
         delivery("c4", -5, 2, 9), delivery("c4", -5, 2, 1), delivery("c4", -5, 3, 0),  # three times: two repeats
         delivery("c3", 3, 3, 4), delivery("c3", 3, 0, 8),  # in the window and twice here: both repeats
+        # an id used again for another request (another `begun`): repeats, marked reused; a
+        # redelivery of that one after it is not reused
+        delivery("c5", 1, 0, 9), delivery("c6", 4, 0, 10, begun=1), delivery("c6", 4, 0, 11, begun=2),
+        delivery("c6", 4, 0, 12, begun=2),
     ])
     found = set()
     for part in range(parts):  # the tasks' shares add up to the whole
-        found |= repeated_deliveries([this], [prior], ("clientid", "request"),
-                                     ("kafka_topic", "kafka_partition", "kafka_offset"),
-                                     split_by="request", part=part, parts=parts)
-    assert found == {("t", 1, 3), ("t", 0, 6), ("t", 2, 9), ("t", 3, 0), ("t", 3, 4), ("t", 0, 8)}
+        found |= set(repeated_deliveries([this], [prior], ("clientid", "request"),
+                                         ("kafka_topic", "kafka_partition", "kafka_offset"),
+                                         split_by="request", part=part, parts=parts))
+    assert {(r.at, r.reused) for r in found} == {
+        (("t", 1, 3), False), (("t", 0, 6), False), (("t", 2, 9), False), (("t", 3, 0), False),
+        (("t", 3, 4), False), (("t", 0, 8), False), (("t", 0, 9), True), (("t", 0, 11), True),
+        (("t", 0, 12), False)}
+    assert {r.identity for r in found if r.reused} == {("c5", 1), ("c6", 4)}
 
 
 def test_a_table_of_an_older_layout_is_refused_with_how_to_rebuild_it(tmp_path):

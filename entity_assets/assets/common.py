@@ -8,12 +8,13 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
 from itertools import islice
+from typing import NamedTuple
 
 from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetObservation, AssetSpec, Failure,
                      MetadataValue, TableColumn, TableColumnConstraints, TableSchema)
 
 from entity_assets.assets import topics
-from entity_assets.storage import DataFile, DeltaRsEngine, TableFile, repeated_deliveries
+from entity_assets.storage import DataFile, DeltaRsEngine, Repeat, TableFile, repeated_deliveries
 from entity_assets.tables import ADDED_IN_PLACE, APPLIED_IN_ORDER, SCHEMAS
 from resources import SparkResource
 
@@ -204,16 +205,25 @@ SPLIT_ROWS = 1_000_000
 """Rows of the slice one redelivery task holds at most (identity and coordinates only)."""
 
 
-def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
-                 window: int) -> tuple[int, frozenset]:
-    """The slice's rows of an input table, and the Kafka coordinates of its redeliveries: (rows in, coordinates).
+class Redeliveries(NamedTuple):
+    rows_in: int  # the slice's rows of the input table
+    at: frozenset  # the Kafka coordinates of its repeats, which the step leaves out
+    reused: list[Repeat]  # those of them that are another request under an id used before
 
-    A row is a redelivery when a row with the same `identity` came earlier in this slice (by
+
+def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, identity: tuple[str, ...],
+                 window: int) -> Redeliveries:
+    """The slice's rows of an input table, and its repeats.
+
+    A row is a repeat when a row with the same `identity` came earlier in this slice (by
     Kafka coordinates) or in the `window` slices before it. Each of those slices must be
     ingested, so a slice refuses to go before them: one that failed at ingest while later ones
-    went on would hide its deliveries from them. Only identity and coordinate columns are read
-    (`storage.repeated_deliveries`): by the driver for a small slice, else by tasks that
-    split the identities among them, from which only the redeliveries come back.
+    went on would hide its deliveries from them. Only identity, coordinate and `begun` columns
+    are read (`storage.repeated_deliveries`): by the driver for a small slice, else by tasks
+    that split the identities among them, from which only the repeats come back. A repeat
+    whose `begun` no earlier delivery had is no redelivery but a client's id used again for
+    another request: it is left out all the same (its responses would take the first one's keys
+    on the compacted response topics), and named by the step's `request_ids_not_reused` check.
     """
     from entity_assets.slices import slice_key as key_of, slice_seq
 
@@ -225,16 +235,38 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     files = engine.slice_files(table, [slice_key])
     rows_in = sum(f.rows for f in files)
     if not rows_in:  # nothing to look for: no Spark job (most slices carry no schema patches)
-        return 0, frozenset()
+        return Redeliveries(0, frozenset(), [])
     prior = engine.slice_files(table, [key_of(s) for s in range(max(1, seq - window), seq)])
     find = partial(repeated_deliveries, files, prior, identity, COORDINATES,
                    engine.storage_options, split_by=SPLIT_BY)
     if spark.on_driver(rows_in):
-        return rows_in, frozenset(find())
-    parts = max(spark.parallelism(), -(-rows_in // SPLIT_ROWS))
-    parts = 1 << (parts - 1).bit_length()  # a power of two
-    found = on_executors(spark, list(range(parts)), lambda each: (x for p in each for x in find(part=p, parts=parts)))
-    return rows_in, frozenset(found)
+        found = find()
+    else:
+        parts = max(spark.parallelism(), -(-rows_in // SPLIT_ROWS))
+        parts = 1 << (parts - 1).bit_length()  # a power of two
+        found = on_executors(spark, list(range(parts)), lambda each: (x for p in each for x in find(part=p, parts=parts)))
+    return Redeliveries(rows_in, frozenset(r.at for r in found), sorted(r for r in found if r.reused))
+
+
+def reused_check_spec(asset: str, what: str) -> AssetCheckSpec:
+    return AssetCheckSpec("request_ids_not_reused", asset=asset,
+                          description=f"no {what} of the slice repeats a request id (and part) of the dedupe window "
+                                      "with another `begun`: a request under an id used before, left out as a "
+                                      "redelivery; a warning names the first")
+
+
+REUSED_SHOWN = 20
+"""The reused request ids a check names: its count says how many there are."""
+
+
+def reused_check(asset_key: str, identity: tuple[str, ...], found: Redeliveries) -> AssetCheckResult:
+    """A warning: a client sent another request under an id it used before (the seed: "a unique
+    request number specific to the client"), which is left out as a redelivery would be; its
+    record stays in the input table, where the check's coordinates find it."""
+    shown = [{**dict(zip(identity, r.identity)), "kafka": ":".join(map(str, r.at))} for r in found.reused[:REUSED_SHOWN]]
+    return AssetCheckResult(asset_key=asset_key, check_name="request_ids_not_reused", passed=not found.reused,
+                            severity=AssetCheckSeverity.WARN,
+                            metadata={"reused": MetadataValue.int(len(found.reused)), "first": MetadataValue.json(shown)})
 
 
 def counters(files: dict[str, list[DataFile]]) -> Counter:

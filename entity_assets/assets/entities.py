@@ -35,6 +35,8 @@ from entity_assets.assets.common import (
     record_published,
     redeliveries,
     replace_slice,
+    reused_check,
+    reused_check_spec,
     require_inputs,
     require_published,
     run_buckets,
@@ -56,6 +58,9 @@ from resources import KafkaResource, LakeResource, SlicingResource, SparkResourc
 
 KINDS = {"spark", "delta", "kafka"}
 CORE_GROUP = "entity_core"
+BATCH_IDENTITY = ("clientid", "request")
+SCHEMA_PATCH_IDENTITY = ("clientid", "request", "part")
+"""What makes a message of a request the same message: its deliveries after the first are left out."""
 """A group per step: a step writes its tables together (`can_subset=False`), so the UI's
 Materialize of a group must select all of them."""
 
@@ -85,6 +90,7 @@ def dedupe_window(context, engine, slice_key: str, slicing: SlicingResource) -> 
     kinds=KINDS,
     description="One patch per entity of each batch (part is 1-based in batch order); its topic keyed and partitioned by "
                 "entity id. apply_patches publishes them, in the order it applies them (an observation counts them).",
+    check_specs=[reused_check_spec("entity_patches", "entity batch")],
 )
 @retried_when_transient
 def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
@@ -93,19 +99,20 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
 
     A request seen earlier in this slice (lower Kafka coordinates) or in the previous
     `dedupe_window_slices` slices is a duplicate: it stays in entity_batches, the durable
-    log, and is counted here. Spark finds duplicates on the identity columns alone; the
-    tasks then read the batch files, explode, write and publish in one pass.
+    log, and is counted here (a request id used again, named by a check). Spark finds
+    duplicates on the identity columns alone; the tasks then read the batch files, explode,
+    write and publish in one pass.
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["entity_patches"], reads=["entity_batches"])
     window = dedupe_window(context, engine, key, slicing)
-    batches_in, redelivered = redeliveries(spark, engine, "entity_batches", key, ("clientid", "request"), window)
+    found = redeliveries(spark, engine, "entity_batches", key, BATCH_IDENTITY, window)
     summary, counts = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
                                    "entity_patches", key, fold.explode_task, published=False,
-                                   metadata={WINDOW: str(window)}, redelivered=redelivered)
+                                   metadata={WINDOW: str(window)}, redelivered=found.at)
     meta = table_metadata(engine, "entity_patches", summary)
-    meta.update(batches=batches_in, duplicates=counts["redelivered"])
-    return MaterializeResult(metadata=meta)
+    meta.update(batches=found.rows_in, duplicates=counts["redelivered"], reused_request_ids=len(found.reused))
+    return MaterializeResult(metadata=meta, check_results=[reused_check("entity_patches", BATCH_IDENTITY, found)])
 
 
 RESPONSE_STATUSES = {"entity-updates": (STATUS_OK, STATUS_NOT_FOUND, STATUS_FAILED),
@@ -155,6 +162,7 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
         AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
         AssetCheckSpec("one_row_per_database", asset="schemas", description="no database appears twice"),
         delivery_check_spec("entity_updates", "the streams apply_patches publishes"),
+        reused_check_spec("schema_updates", "schema patch"),
     ],
     partitions_def=slices_partitions, pool=LAKE_POOL,
     can_subset=False,
@@ -184,11 +192,11 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     entity_files = run_tasks(spark, bucket_tasks(spark, rows), fn, rows)
     commit_entities = commit_buckets_later(engine, "entities", key, apply, snapshot, entity_files)
 
-    schema_in, redelivered_parts = redeliveries(spark, engine, "schema_patches", key, ("clientid", "request", "part"),
-                                                dedupe_window(context, engine, key, slicing))
+    schema_found = redeliveries(spark, engine, "schema_patches", key, SCHEMA_PATCH_IDENTITY,
+                                dedupe_window(context, engine, key, slicing))
     schema_files, commit_schemas = fold_buckets_later(
         spark, {"schema_patches": engine.slice_files("schema_patches", [key])},
-        partial(fold.schema_patch_rows, redelivered=redelivered_parts), fold.schema_fold_task, key_columns=("dbid",),
+        partial(fold.schema_patch_rows, redelivered=schema_found.at), fold.schema_fold_task, key_columns=("dbid",),
         order=("dbid",) + ORDER, engine=engine, state_table="schemas", slice_key=key, uris=uris,
         state_file_rows=lake.state_file_rows, publishing=publish_to)
     pending_apply, _, pending = state_as_of(engine, "pending_responses", key)
@@ -243,7 +251,8 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
             meta["replaced_files"] = MetadataValue.int(summary[table]["replaced_files"])
         if table == "schema_updates":
             processed = sum(n for (stream, _), n in by_status.items() if stream == "schema-updates")
-            meta["duplicates"] = MetadataValue.int(schema_in - processed)
+            meta["duplicates"] = MetadataValue.int(schema_found.rows_in - processed)
+            meta["reused_request_ids"] = MetadataValue.int(len(schema_found.reused))
         yield MaterializeResult(asset_key=table, metadata=meta)
     statuses = engine.column_bounds("entity_updates", key, "status")  # schema-updates holds failures too (fold.SUCCESSES_ONLY)
     yield AssetCheckResult(asset_key="entity_updates", check_name="updates_are_successes", passed=statuses in (None, (1, 1)),
@@ -260,6 +269,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
                           check_name="one_row_per_entity")
     yield one_row_per_key(engine, "schemas", key, counts, schemas, asset_key="schemas",
                           check_name="one_row_per_database")
+    yield reused_check("schema_updates", SCHEMA_PATCH_IDENTITY, schema_found)
     yield undeliverable_check("entity_updates", counts, undeliverable)
 
 
