@@ -263,7 +263,7 @@ OWNERS_VARIABLE = "ENTITY_ASSETS_OWNERS"
 def with_owners(spec: AssetSpec) -> AssetSpec:
     """The asset owned by `ENTITY_ASSETS_OWNERS` (emails and `team:` names, comma-separated), whom
     the UI's catalog shows and finds it by; the topics are their producers' and consumers'."""
-    owners = [name.strip() for name in os.environ.get(OWNERS_VARIABLE, "").split(",") if name.strip()]
+    owners = list(dict.fromkeys(name.strip() for name in os.environ.get(OWNERS_VARIABLE, "").split(",") if name.strip()))
     try:
         return spec.merge_attributes(owners=owners)
     except DagsterInvalidDefinitionError as exc:

@@ -90,7 +90,7 @@ def test_the_steps_assets_are_owned_by_whom_the_environment_names(monkeypatch):
                 for spec in (a.specs if isinstance(a, AssetsDefinition) else [a])}
 
     assert not any(owners().values())  # unset: no owners
-    monkeypatch.setenv(OWNERS_VARIABLE, "team:data-platform, ada@example.com,")
+    monkeypatch.setenv(OWNERS_VARIABLE, "team:data-platform, ada@example.com,team:data-platform")
     owned = owners()
     assert owned["entities"] == owned["device_notifications"] == ["team:data-platform", "ada@example.com"]
     assert owned["kafka/entity-batches"] == []  # a topic is its producers' and consumers'

@@ -301,7 +301,8 @@ def test_redeliveries_within_the_slice_and_from_the_window_whatever_the_split(tm
                 "kafka_offset": offset, "begun": begun}
 
     prior = write("prior.parquet", [delivery("c1", 1, 0, 0), delivery("c2", 7, 1, 0), delivery("c3", 3, 1, 1),
-                                    delivery("c5", 1, 1, 2, begun=50)])
+                                    delivery("c5", 1, 1, 2, begun=50),
+                                    delivery("c7", 2, 1, 3, begun=10), delivery("c7", 2, 1, 4, begun=20)])
     this = write("slice.parquet", [
         delivery("c1", 2, 0, 5), delivery("c1", 2, 1, 3),  # the same request twice: the later copy is repeated
         delivery("c2", 7, 0, 6),                           # seen in the window
@@ -312,16 +313,18 @@ def test_redeliveries_within_the_slice_and_from_the_window_whatever_the_split(tm
         # redelivery of that one after it is not reused
         delivery("c5", 1, 0, 9), delivery("c6", 4, 0, 10, begun=1), delivery("c6", 4, 0, 11, begun=2),
         delivery("c6", 4, 0, 12, begun=2),
+        delivery("c7", 2, 0, 13, begun=10),  # the window used the id twice: either stamp is a redelivery's
     ])
-    found = set()
-    for part in range(parts):  # the tasks' shares add up to the whole
-        found |= set(repeated_deliveries([this], [prior], ("clientid", "request"),
-                                         ("kafka_topic", "kafka_partition", "kafka_offset"),
-                                         split_by="request", part=part, parts=parts))
+    found = []
+    for part in range(parts):  # the tasks' shares add up to the whole, each repeat found once
+        found += repeated_deliveries([this], [prior], ("clientid", "request"),
+                                     ("kafka_topic", "kafka_partition", "kafka_offset"),
+                                     split_by="request", part=part, parts=parts)
+    assert len({r.at for r in found}) == len(found)
     assert {(r.at, r.reused) for r in found} == {
         (("t", 1, 3), False), (("t", 0, 6), False), (("t", 2, 9), False), (("t", 3, 0), False),
         (("t", 3, 4), False), (("t", 0, 8), False), (("t", 0, 9), True), (("t", 0, 11), True),
-        (("t", 0, 12), False)}
+        (("t", 0, 12), False), (("t", 0, 13), False)}
     assert {r.identity for r in found if r.reused} == {("c5", 1), ("c6", 4)}
 
 

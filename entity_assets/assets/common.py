@@ -248,11 +248,11 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     return Redeliveries(rows_in, frozenset(r.at for r in found), sorted(r for r in found if r.reused))
 
 
-def reused_check_spec(asset: str, what: str) -> AssetCheckSpec:
+def reused_check_spec(asset: str, what: str, identity: tuple[str, ...]) -> AssetCheckSpec:
     return AssetCheckSpec("request_ids_not_reused", asset=asset,
-                          description=f"no {what} of the slice repeats a request id (and part) of the dedupe window "
-                                      "with another `begun`: a request under an id used before, left out as a "
-                                      "redelivery; a warning names the first")
+                          description=f"no {what} repeats the {', '.join(identity)} of an earlier one (in the slice "
+                                      "or its dedupe window) with another `begun`: a request under an id used "
+                                      "before, left out as a redelivery; a warning names the first")
 
 
 REUSED_SHOWN = 20

@@ -58,11 +58,12 @@ from resources import KafkaResource, LakeResource, SlicingResource, SparkResourc
 
 KINDS = {"spark", "delta", "kafka"}
 CORE_GROUP = "entity_core"
+"""A group per step: a step writes its tables together (`can_subset=False`), so the UI's
+Materialize of a group must select all of them."""
+
 BATCH_IDENTITY = ("clientid", "request")
 SCHEMA_PATCH_IDENTITY = ("clientid", "request", "part")
 """What makes a message of a request the same message: its deliveries after the first are left out."""
-"""A group per step: a step writes its tables together (`can_subset=False`), so the UI's
-Materialize of a group must select all of them."""
 
 
 WINDOW = "dedupe_window"
@@ -90,7 +91,7 @@ def dedupe_window(context, engine, slice_key: str, slicing: SlicingResource) -> 
     kinds=KINDS,
     description="One patch per entity of each batch (part is 1-based in batch order); its topic keyed and partitioned by "
                 "entity id. apply_patches publishes them, in the order it applies them (an observation counts them).",
-    check_specs=[reused_check_spec("entity_patches", "entity batch")],
+    check_specs=[reused_check_spec("entity_patches", "entity batch", BATCH_IDENTITY)],
 )
 @retried_when_transient
 def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
@@ -162,7 +163,7 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
         AssetCheckSpec("one_row_per_entity", asset="entities", description="no entity key appears twice"),
         AssetCheckSpec("one_row_per_database", asset="schemas", description="no database appears twice"),
         delivery_check_spec("entity_updates", "the streams apply_patches publishes"),
-        reused_check_spec("schema_updates", "schema patch"),
+        reused_check_spec("schema_updates", "schema patch", SCHEMA_PATCH_IDENTITY),
     ],
     partitions_def=slices_partitions, pool=LAKE_POOL,
     can_subset=False,
