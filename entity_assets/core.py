@@ -236,13 +236,19 @@ def result_json(row: dict) -> str:
 
 
 def complete_row(parts: list[dict], slice_key: str) -> dict:
-    """The complete-responses row of a request whose parts are all processed (sorted by part)."""
-    first, last = parts[0], max(parts, key=lambda r: r["ended"])
+    """The complete-responses row of a request whose parts are all processed (sorted by part).
+
+    Its `ended` is its parts' latest; its Kafka coordinates those of the part of this slice that
+    ended last (a tie: the higher part), so that part's record's trail, which reads its own slice,
+    shows the response: a part pending from an earlier slice may have ended later."""
+    first = parts[0]
+    last = max((p for p in parts if p.get("slice") == slice_key), default=None,
+               key=lambda r: (r["ended"], r["part"])) or max(parts, key=lambda r: (r["ended"], r["part"]))
     return {
         "slice": slice_key, "kafka_topic": last["kafka_topic"], "kafka_partition": last["kafka_partition"],
         "kafka_offset": last["kafka_offset"], "kafka_timestamp": last["kafka_timestamp"],
         "clientid": first["clientid"], "request": first["request"], "user": first["user"], "dbid": first["dbid"],
-        "parts": len(parts), "begun": first["begun"], "ended": last["ended"],
+        "parts": len(parts), "begun": first["begun"], "ended": max(p["ended"] for p in parts),
         "responses": "[" + ",".join(result_json(p) for p in parts) + "]",
     }
 

@@ -179,8 +179,14 @@ def test_a_complete_response_ends_with_the_part_processed_last_whatever_its_numb
                 "stream": "entity-updates", "part": number, "parts": 2, "begun": 0, "ended": ended, "status": 1,
                 "error": None, "before": None, "after": None, "includeBefore": False, "includeAfter": False}
 
-    row = core.complete_row([part(1, 9, 40), part(2, 5, 41)], "0000000002")
+    row = core.complete_row([part(1, 9, 40), part(2, 5, 41)], "0000000001")
     assert (row["ended"], row["kafka_offset"]) == (9, 40)
+    # part 1 pending from slice 1, ended later than part 2, which completes the request in slice 2:
+    # the response is in slice 2, so its coordinates are part 2's, whose trail reads slice 2
+    row = core.complete_row([part(1, 9, 40), {**part(2, 5, 41), "slice": "0000000002"}], "0000000002")
+    assert (row["ended"], row["kafka_offset"]) == (9, 41)
+    tied = core.complete_row([part(1, 5, 40), part(2, 5, 41)], "0000000001")  # a tie: the higher part
+    assert tied["kafka_offset"] == 41
 
 
 def test_action_of():
