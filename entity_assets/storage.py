@@ -614,6 +614,9 @@ last checkpoint: at Delta's default of 100, up to 99 commit files, which a step 
 opens (measured at 65 commits: 35 ms, and 134 requests to an S3 endpoint; at 10: 12 ms and 25
 requests). A checkpoint of a 20,000-file table took 0.09 s to write."""
 LOG_RETENTION_SETTING = "delta.logRetentionDuration"
+DELETED_FILE_RETENTION_SETTING = "delta.deletedFileRetentionDuration"
+"""How long a checkpoint keeps the record of a file a commit removed: past it (Delta's default, 7
+days), a full vacuum takes the file for one no version names, and deletes it by its age."""
 COMMIT_PREFIX = "entity_assets."
 """Of the names of the commit info a commit records (`DeltaRsEngine.commit`)."""
 DONE_PROPERTY = "entity_assets.slicesDone."
@@ -978,8 +981,11 @@ class DeltaRsEngine:
 
         Copy-on-write leaves every replaced file behind, so without this a lake grows by its
         state's size at each slice. Time travel (and so a slice's replay) reaches back
-        `retention_hours`.
+        `retention_hours`: the table's checkpoints keep the records of removed files as long
+        (`DELETED_FILE_RETENTION_SETTING`, one commit when it changes), or a retention past
+        Delta's 7 days would lose files that versions it reaches still name.
         """
+        self._set_properties(table, {DELETED_FILE_RETENTION_SETTING: f"interval {retention_hours} hours"})
         self._written.add(table)  # its commits record the vacuum
         return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                                         full=True, post_commithook_properties=_post_commit())

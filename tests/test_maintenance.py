@@ -1,9 +1,11 @@
 """Lake maintenance through Dagster: vacuum deletes replaced and orphaned files, never live ones (no Spark)."""
 
 import os
+import time
 
 import pytest
 from dagster import DagsterEventType
+from deltalake import DeltaTable
 
 from entity_assets.definitions import defs
 from entity_assets.maintenance import ASSET_TABLES, lake_maintenance
@@ -69,6 +71,29 @@ def test_the_default_retention_keeps_recent_files(tmp_path):
     assert lake_maintenance.execute_in_process(resources={"lake": LakeResource(root=str(tmp_path))}).success
     assert len(_parquet(engine, "dead_letters")) == 3  # replaced or written a moment ago: all kept
     assert (tmp_path / "_outbox" / "running.spool").exists()
+
+
+def test_a_retention_past_delta_s_seven_days_keeps_the_files_its_versions_name(tmp_path, monkeypatch):
+    """A file written 40 days ago and replaced 10 days ago, with a checkpoint since: at a 30-day
+    retention a replay of 10 days ago still reads it, so the vacuum must keep it (a checkpoint
+    at Delta's default drops the record of its removal after 7 days)."""
+    from entity_assets import storage
+
+    engine, day, now = DeltaRsEngine(str(tmp_path)), 86_400, time.time()
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", "0000000001", 1),
+                         "0000000001")
+    engine.vacuum("dead_letters", 720)  # the first maintenance at the raised retention
+    [old] = _parquet(engine, "dead_letters")
+    os.utime(engine.uri("dead_letters") + "/" + old, (now - 40 * day, now - 40 * day))
+    with monkeypatch.context() as ago:
+        ago.setattr(storage.time, "time", lambda: now - 10 * day)
+        engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", "0000000001", 2),
+                             "0000000001")
+    DeltaTable(engine.uri("dead_letters")).create_checkpoint()
+    engine.vacuum("dead_letters", 720)
+    assert old in _parquet(engine, "dead_letters")
+    assert DeltaTable(engine.uri("dead_letters")).metadata().configuration[
+        storage.DELETED_FILE_RETENTION_SETTING] == "interval 720 hours"
 
 
 def test_observed_tables_are_the_graphs_assets():
