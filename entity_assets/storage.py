@@ -997,9 +997,10 @@ class DeltaRsEngine:
 
         The retention becomes the table's `delta.logRetentionDuration` (one commit, when it
         changes), so any Delta engine that cleans the log keeps the same versions. The log keeps
-        the commit of the table's last slice, which the next slice looks for (`commit_after`):
-        while that commit is old and a checkpoint follows it (maintenance commits of an idle
-        lake), nothing is deleted.
+        the commits of the table's last slice, which the next slice looks for (`commit_after`),
+        and of the slice before it, whose state a replay of the last one reads: while the older
+        of them is old and a checkpoint follows it (maintenance commits of an idle lake),
+        nothing is deleted.
         """
         entries = self._open(table).history()
         history = [e for e in entries if "entity_assets.slice" in e]
@@ -1025,12 +1026,17 @@ class DeltaRsEngine:
                                      **{DONE_PROPERTY + op: _format_ranges(ranges) for op, ranges in done.items() if op}})
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)
         before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
-        # the last slice's commit: not always the newest slice commit, as a re-run of an older slice comes after it
-        last = max(history, default=None, key=lambda e: (e["entity_assets.slice"], e["version"]))
+        # the last slice's commit (not always the newest slice commit, as a re-run of an older slice
+        # comes after it), and the commit of the slice before it
+        by_slice = lambda e: (e["entity_assets.slice"], e["version"])  # noqa: E731
+        last = max(history, default=None, key=by_slice)
+        before_last = last and max((e for e in history if e["entity_assets.slice"] < last["entity_assets.slice"]),
+                                   default=None, key=by_slice)
+        kept = min((e for e in (last, before_last) if e), default=None, key=lambda e: e["version"])
         dt = self._open(table)
         checkpoints = [int(info.base_name[:20]) for info in before if ".checkpoint." in info.base_name]
         cutoff_ms = (time.time() - retention_hours * 3600) * 1000
-        if last and checkpoints and last["version"] < max(checkpoints) and last["timestamp"] < cutoff_ms:
+        if kept and checkpoints and kept["version"] < max(checkpoints) and kept["timestamp"] < cutoff_ms:
             return 0
         dt.cleanup_metadata()
         return len({info.path for info in before} - {info.path for info in fs.get_file_info(pafs.FileSelector(path))})
