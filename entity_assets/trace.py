@@ -62,6 +62,8 @@ class Trail:
     """State table -> the rows, as they are now, of the keys the record's rows name (`STATES`): the
     entities its patches targeted, its schema patch's database, its connection's device. A row's
     `slice` is the last one that changed it."""
+    notes: list[str] = field(default_factory=list)
+    """Why the trail stops where it does: a repeat left out, a slice not run (yet), an offset that holds no record."""
 
 
 def parse_record(text: str, topic_of) -> tuple[str, int, int]:
@@ -111,7 +113,30 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
         found = _state(engine, table, key, {tuple(r[c] for c in key) for r in trail.rows.get(source, [])})
         if found:
             trail.states[table] = found
+    trail.notes = _notes(engine, trail)
     return trail
+
+
+LEFT_OUT = {"entity_batches": ("entity_patches", "clientid and request"),
+            "schema_patches": ("schema_updates", "clientid, request and part")}
+"""An input table whose repeats a step leaves out: the table the others reach, and the identity."""
+
+
+def _notes(engine: DeltaRsEngine, trail: Trail) -> list[str]:
+    slice_key = trail.applied or trail.slice
+    if not trail.rows:
+        if engine.exists("entity_batches") and engine.reached("entity_batches", trail.slice, "replace_slice"):
+            return ["its slice was ingested, and no record of it holds this offset (a compacted topic's gap, a "
+                    "transaction's marker)"]
+        return ["no row of this record in the slice's tables: its slice has not run yet"]
+    for source, (reached, identity) in LEFT_OUT.items():
+        if source in trail.rows and reached not in trail.rows:
+            if engine.exists(reached) and engine.reached(reached, slice_key, "replace_slice"):
+                return [f"left out of {reached}: its {identity} came before, in the slice or its dedupe window "
+                        "(a redelivery; with another `begun`, the id used again, which the request_ids_not_reused "
+                        "check names)"]
+            return [f"{reached}: its slice's step has not run yet"]
+    return []
 
 
 def _add(trail: Trail, table: str, rows: list[dict]) -> None:
@@ -192,8 +217,7 @@ def format_trail(trail: Trail) -> str:
     width = len("device_notifications")  # the longest name of a line
     for table, found in trail.rows.items():
         lines += [f"  {table:<{width}}  {_fields(row, _SUMMARY[table])}" for row in found]
-    if not trail.rows:
-        lines.append("  no row of this record in the slice's tables: its slice has not run yet")
+    lines += [f"  {note}" for note in trail.notes]
     for table, found in trail.states.items():
         lines += [f"  {table:<{width}}  now: {_fields(row, _SUMMARY[table])}" for row in found]
     for inbox in trail.inboxes:

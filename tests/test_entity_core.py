@@ -22,7 +22,7 @@ import pytest
 from confluent_kafka import Producer
 from dagster import AssetCheckSeverity, AssetKey, DagsterEventType
 
-from entity_assets import samples
+from entity_assets import samples, trace
 from entity_assets.assets import common, entities, retries
 from entity_assets.publish import partition_for
 from entity_assets.slices import slice_key
@@ -864,6 +864,10 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
     again = one(rows(pipeline, "entity_batches", request=13, slice=K2, begun=BEGUN + 7))
     assert named == {"clientid": CLIENT, "request": 13,
                      "kafka": f"{again['kafka_topic']}:{again['kafka_partition']}:{again['kafka_offset']}"}
+    # its trace says why it stops at entity_batches
+    trail = trace.trace(pipeline.engine, again["kafka_topic"], again["kafka_partition"], again["kafka_offset"])
+    assert list(trail.rows) == ["entity_batches"] and "left out of entity_patches: its clientid and request came " \
+        "before" in trace.format_trail(trail)
 
     # 6. part 2 completes the request in slice 2, both parts ordered
     complete = one(rows(pipeline, "complete_responses", request=SCHEMA_REQUEST))
