@@ -18,8 +18,10 @@ from entity_assets import core
 from entity_assets.fold import key_buckets
 from entity_assets.kafka_io import RecordsExpired
 from entity_assets.manifests import TABLE as MANIFESTS
+from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
 from entity_assets.notify import DEVICE_KEY, DeviceInbox
+from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import LINEAGE
 
@@ -78,10 +80,29 @@ def parse_record(text: str, topic_of) -> tuple[str, int, int]:
 def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> str | None:
     """The slice whose offset range holds the record; None before the sensor closed one over it.
 
-    Only the manifests whose offset statistics can hold it are read (slice_manifests has a file
-    per slice, and offsets only grow)."""
+    A partition's offsets only grow from slice to slice, so a binary search over the slices
+    reads ~log2(slices) manifests (slice_manifests has a file per slice, each naming every
+    partition, idle ones too, so their offset statistics do not narrow it). Where a topic's
+    offsets went back and were read again (`offsets_went_back="restart"`), they do not grow:
+    the manifests that can hold the offset are read then, for an offset below the newest
+    slice's end (past it, a record of the topic's first life is not found)."""
     if not engine.exists(MANIFESTS):
         return None
+    store = ManifestStore(engine)
+
+    def end_of(seq: int) -> int | None:
+        return next((r.end for r in store.get(seq).ranges if (r.topic, r.partition) == (topic, partition)), None)
+
+    low, high = 1, store.latest_seq()
+    newest = end_of(high) if high else None
+    if newest is None or offset >= newest:
+        return None  # past every slice (or a partition no slice names)
+    while low < high:  # the first slice whose range of the partition ends past the offset
+        middle = (low + high) // 2
+        end = end_of(middle)
+        low, high = (middle + 1, high) if end is None or end <= offset else (low, middle)
+    if any(r.start <= offset < r.end for r in store.get(low).ranges if (r.topic, r.partition) == (topic, partition)):
+        return slice_key(low)
     files = [f for f in engine.files(MANIFESTS)
              if f.min.get("start_offset", offset) <= offset < f.max.get("end_offset", offset + 1)]
     at = [("topic", "=", topic), ("partition", "=", partition), ("start_offset", "<=", offset), ("end_offset", ">", offset)]

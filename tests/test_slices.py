@@ -217,6 +217,40 @@ def test_the_closing_times_of_every_slice_come_from_the_log_not_the_files(tmp_pa
     assert set(store.get_many([1, 2])) == {1, 2}  # from the slices' files, not the table whole
 
 
+def test_trace_finds_a_record_s_slice_in_log2_manifests_and_where_offsets_went_back_in_all(tmp_path, monkeypatch):
+    from entity_assets import trace
+    from entity_assets.manifests import ManifestStore
+    from entity_assets.storage import DeltaRsEngine
+    from entity_assets.trace import slice_of
+
+    engine = DeltaRsEngine(str(tmp_path / "lake"))
+    store = ManifestStore(engine)
+    assert slice_of(engine, "t", 0, 0) is None  # no slice yet
+    for seq in range(1, 65):  # partition 0 grows by 10 a slice, partition 1 stays idle; topic "u" from slice 40 on
+        ranges = [OffsetRange("t", 0, (seq - 1) * 10, seq * 10), OffsetRange("t", 1, 0, 0)]
+        if seq >= 40:
+            ranges.append(OffsetRange("u", 0, (seq - 40) * 3, (seq - 39) * 3))
+        store.write(Manifest(seq, tuple(ranges), NOW + seq))
+    reads = []
+    get = ManifestStore.get
+    monkeypatch.setattr(ManifestStore, "get", lambda self, seq: reads.append(seq) or get(self, seq))
+    scan = trace.read_tables
+    monkeypatch.setattr(trace, "read_tables", lambda *a, **k: pytest.fail("read every manifest"))
+    assert slice_of(engine, "t", 0, 0) == slice_key(1) and slice_of(engine, "t", 0, 639) == slice_key(64)
+    reads.clear()
+    assert slice_of(engine, "t", 0, 415) == slice_key(42) and len(reads) <= 8  # 1 + log2(64) + 1, of 64
+    assert slice_of(engine, "u", 0, 4) == slice_key(41)
+    assert slice_of(engine, "t", 0, 640) is None and slice_of(engine, "t", 1, 0) is None  # past every slice
+    assert slice_of(engine, "v", 0, 0) is None  # a partition no slice names
+    monkeypatch.setattr(trace, "read_tables", scan)
+    # the topic deleted and created again, read from its first offset (offsets_went_back="restart"):
+    # an offset of both lives is found in a slice of either; past the new life's end, in none
+    store.write(Manifest(65, (OffsetRange("t", 0, 0, 5), OffsetRange("t", 1, 0, 0)), NOW + 65))
+    store.write(Manifest(66, (OffsetRange("t", 0, 5, 20), OffsetRange("t", 1, 0, 0)), NOW + 66))
+    assert slice_of(engine, "t", 0, 12) in (slice_key(2), slice_key(66))
+    assert slice_of(engine, "t", 0, 415) is None
+
+
 def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
     """`newest_whole` on a real (ephemeral) instance's run records, tagged as Dagster tags them:
     subset runs neither hide a whole run nor stand for one; a re-execution of a whole run (the
