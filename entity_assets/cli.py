@@ -527,7 +527,10 @@ def _a_notifying_record() -> str | None:
 
 
 def _an_entity_of_many_versions() -> str | None:
-    """`history`'s arguments for the entity with the most versions, for the demo's hint."""
+    """`history`'s arguments for the entity with the most versions, for the demo's hint, quoted for
+    a shell (a `$zoneSubscription` entity's collection)."""
+    import shlex
+
     from entity_assets.core import ENTITY_KEY
     from entity_assets.definitions import build_resources
 
@@ -536,7 +539,7 @@ def _an_entity_of_many_versions() -> str | None:
         return None
     rows = engine.read("entities", columns=[*ENTITY_KEY, "version"]).to_pylist()
     most = max(rows, key=lambda r: (r["version"], *(r[c] for c in ENTITY_KEY)), default=None)
-    return None if most is None else " ".join(most[c] for c in ENTITY_KEY)
+    return None if most is None else " ".join(shlex.quote(most[c]) for c in ENTITY_KEY)
 
 
 def cmd_demo(args) -> int:
