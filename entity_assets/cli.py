@@ -359,10 +359,12 @@ def _steps_selection(steps: list[str] | None):
 
 def _materialize(instance, store, runs: list[tuple[str, str]], selection, log, tags: dict | None = None) -> list[dict]:
     """One slice_job run per (slice key, run key), in order, until one fails: later slices would
-    be refused, as state applies in slice order. Each is tagged as the sensor tags its runs."""
+    be refused, as state applies in slice order. Each is tagged as the sensor tags its runs. Before
+    each slice but the first, the instance is checked again (`launcher.settle_runs`): the daemon
+    may have started a run of the lake pool (a maintenance, a backfill) between two of them."""
     from entity_assets.definitions import defs
-    from entity_assets.launcher import worker_tag
-    from entity_assets.sensors import slice_tags
+    from entity_assets.launcher import settle_runs, worker_tag
+    from entity_assets.sensors import kafka_offsets_sensor, slice_tags
     from entity_assets.slices import slice_seq
 
     instance.add_dynamic_partitions("slices", [key for key, _ in runs])
@@ -370,6 +372,8 @@ def _materialize(instance, store, runs: list[tuple[str, str]], selection, log, t
     job = defs.resolve_job_def("slice_job")
     summaries = []
     for key, run in runs:
+        if summaries and (blockers := settle_runs(instance, kafka_offsets_sensor.name)):
+            raise RunsInFlight([*blockers, f"(stopped before slice {key}; the slices before it are done)"])
         started = time.monotonic()
         outcome = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
                                          tags={"dagster/run_key": run, **worker_tag(), **slice_tags(manifests[slice_seq(key)]),

@@ -387,6 +387,44 @@ def test_run_ticks_the_sensor_with_the_slicing_settings_of_the_environment(monke
     assert (slicing.offsets_went_back, slicing.min_interval_seconds, slicing.max_messages) == ("restart", 0, 7)
 
 
+def test_run_stops_between_slices_when_a_run_of_the_lake_starts_elsewhere(monkeypatch):
+    """The daemon may start a maintenance or a backfill between two of `run`'s slices: the next
+    slice does not start beside it."""
+    from dagster import DagsterInstance
+
+    from entity_assets import definitions, launcher
+    from entity_assets.slices import Manifest, OffsetRange
+
+    ran, checks = [], iter([[], ["run abc (lake_maintenance, slice -) is STARTED"]])
+
+    class Outcome:
+        success, run_id, all_events = True, "0123456789", []
+
+        def get_asset_materialization_events(self):
+            return []
+
+    class Job:
+        def execute_in_process(self, partition_key, **_):
+            ran.append(partition_key)
+            return Outcome()
+
+    class Defs:
+        def resolve_job_def(self, name):
+            return Job()
+
+    class Store:
+        def get_many(self, seqs):
+            return {s: Manifest(s, (OffsetRange("t", 0, s, s + 1),), 0) for s in seqs}
+
+    monkeypatch.setattr(definitions, "defs", Defs())
+    monkeypatch.setattr(launcher, "settle_runs", lambda instance, sensor: next(checks))
+    runs = [(slice_key(s), f"{slice_key(s)}@0") for s in (1, 2, 3)]
+    with DagsterInstance.ephemeral() as instance, pytest.raises(cli.RunsInFlight) as stopped:
+        cli._materialize(instance, Store(), runs, None, log=lambda _: None)
+    assert ran == [slice_key(1), slice_key(2)]
+    assert stopped.value.args[0][-1] == f"(stopped before slice {slice_key(3)}; the slices before it are done)"
+
+
 def test_an_instance_without_the_projects_dagster_yaml_is_named_before_runs_are_recorded_in_it(monkeypatch, tmp_path,
                                                                                                capsys):
     """A wheel carries no dagster.yaml: without DAGSTER_HOME, `run` would record its runs in a
