@@ -11,6 +11,7 @@ Python validators are one call per model, not per field, but for the optional fl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeVar, get_args, get_type_hints
 
@@ -148,11 +149,12 @@ class _DbModel(_Model):
         return self
 
 
-def _null_false(value: Any) -> Any:
-    return False if value is None else value
+def _null_reads_as(default: Callable[[], Any]) -> BeforeValidator:
+    """A null that reads as the field's absence: its default (a Python call per value present)."""
+    return BeforeValidator(lambda value: default() if value is None else value)
 
 
-Flag = Annotated[bool, BeforeValidator(_null_false)]
+Flag = Annotated[bool, _null_reads_as(bool)]
 """The seed's optional booleans ("boolean, default false"): a null reads as absent, as clients that
 write their unset fields as null send it (a Python call per flag present; an absent one costs none)."""
 
@@ -421,8 +423,8 @@ class NotificationAck(_DbModel):
 _ALL_ACTIONS: tuple[Action, ...] = ("created", "updated", "deleted")
 
 
-def _all_if_null(value: Any) -> Any:
-    return list(_ALL_ACTIONS) if value is None else value
+def _all_actions() -> list[Action]:
+    return list(_ALL_ACTIONS)
 
 
 class ZoneSubscription(_Model):
@@ -438,8 +440,8 @@ class ZoneSubscription(_Model):
     subjectCollection: Name | None = None
     device: Name
     user: Name
-    actions: Annotated[list[Action], Field(min_length=1), BeforeValidator(_all_if_null)] = Field(
-        default_factory=lambda: list(_ALL_ACTIONS)
+    actions: Annotated[list[Action], Field(min_length=1), _null_reads_as(_all_actions)] = Field(
+        default_factory=_all_actions
     )
 
     def covers(self, collection: str, action: str) -> bool:

@@ -1028,7 +1028,9 @@ class DeltaRsEngine:
         before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
         # the last slice's commit (not always the newest slice commit, as a re-run of an older slice
         # comes after it), and the commit of the slice before it
-        by_slice = lambda e: (e["entity_assets.slice"], e["version"])  # noqa: E731
+        def by_slice(entry: dict) -> tuple:
+            return entry["entity_assets.slice"], entry["version"]
+
         last = max(history, default=None, key=by_slice)
         before_last = last and max((e for e in history if e["entity_assets.slice"] < last["entity_assets.slice"]),
                                    default=None, key=by_slice)
