@@ -24,6 +24,9 @@ STATE_BUCKETS = 32
 
 ORDER = ("begun", "clientid", "request", "part")
 ENTITY_KEY = ("dbid", "collection", "zone", "entity")
+BATCH_IDENTITY = ("clientid", "request")
+SCHEMA_PATCH_IDENTITY = ("clientid", "request", "part")
+"""What makes a message of a request the same message: its deliveries after the first are left out."""
 
 
 def dumps(value) -> str:

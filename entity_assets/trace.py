@@ -138,13 +138,13 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
     return trail
 
 
-LEFT_OUT = {"entity_batches": ("entity_patches", "clientid and request"),
-            "schema_patches": ("schema_updates", "clientid, request and part")}
+LEFT_OUT = {"entity_batches": ("entity_patches", core.BATCH_IDENTITY),
+            "schema_patches": ("schema_updates", core.SCHEMA_PATCH_IDENTITY)}
 """An input table whose repeats a step leaves out: the table the others reach, and the identity."""
 
 
 def _notes(engine: DeltaRsEngine, trail: Trail) -> list[str]:
-    slice_key = trail.applied or trail.slice
+    at = trail.applied or trail.slice
     if not trail.rows:
         if engine.exists("entity_batches") and engine.reached("entity_batches", trail.slice, "replace_slice"):
             return ["its slice was ingested, and no record of it holds this offset (a compacted topic's gap, a "
@@ -152,8 +152,8 @@ def _notes(engine: DeltaRsEngine, trail: Trail) -> list[str]:
         return ["no row of this record in the slice's tables: its slice has not run yet"]
     for source, (reached, identity) in LEFT_OUT.items():
         if source in trail.rows and reached not in trail.rows:
-            if engine.exists(reached) and engine.reached(reached, slice_key, "replace_slice"):
-                return [f"left out of {reached}: its {identity} came before, in the slice or its dedupe window "
+            if engine.exists(reached) and engine.reached(reached, at, "replace_slice"):
+                return [f"left out of {reached}: its {', '.join(identity)} came before, in the slice or its dedupe window "
                         "(a redelivery; with another `begun`, the id used again, which the request_ids_not_reused "
                         "check names)"]
             return [f"{reached}: its slice's step has not run yet"]

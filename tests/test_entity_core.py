@@ -866,7 +866,7 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
                      "kafka": f"{again['kafka_topic']}:{again['kafka_partition']}:{again['kafka_offset']}"}
     # its trace says why it stops at entity_batches
     trail = trace.trace(pipeline.engine, again["kafka_topic"], again["kafka_partition"], again["kafka_offset"])
-    assert list(trail.rows) == ["entity_batches"] and "left out of entity_patches: its clientid and request came " \
+    assert list(trail.rows) == ["entity_batches"] and "left out of entity_patches: its clientid, request came " \
         "before" in trace.format_trail(trail)
 
     # 6. part 2 completes the request in slice 2, both parts ordered

@@ -49,7 +49,7 @@ from entity_assets.assets.common import (
     write_stream,
 )
 from entity_assets.assets.retries import retried_when_transient
-from entity_assets.core import ORDER, REQUEST_ORDER
+from entity_assets.core import BATCH_IDENTITY, ORDER, REQUEST_ORDER, SCHEMA_PATCH_IDENTITY
 from entity_assets.patch import STATUS_FAILED, STATUS_NOT_FOUND, STATUS_OK
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import slice_seq
@@ -60,10 +60,6 @@ KINDS = {"spark", "delta", "kafka"}
 CORE_GROUP = "entity_core"
 """A group per step: a step writes its tables together (`can_subset=False`), so the UI's
 Materialize of a group must select all of them."""
-
-BATCH_IDENTITY = ("clientid", "request")
-SCHEMA_PATCH_IDENTITY = ("clientid", "request", "part")
-"""What makes a message of a request the same message: its deliveries after the first are left out."""
 
 
 WINDOW = "dedupe_window"
