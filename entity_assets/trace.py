@@ -36,6 +36,7 @@ STATES = {
     "entities": ("entity_patches", core.ENTITY_KEY),
     "schemas": ("schema_patches", ("dbid",)),
     "devices": ("connections", DEVICE_KEY),
+    "device_inboxes": ("notification_acks", ("device",)),
 }
 """State table -> the trail's table whose rows name its keys, and the key columns."""
 
@@ -132,6 +133,8 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
     trail.inboxes = _inboxes(engine, trail.applied or trail.slice, trail.rows.get("changes_by_device", []))
     for table, (source, key) in STATES.items():
         found = _state(engine, table, key, {tuple(r[c] for c in key) for r in trail.rows.get(source, [])})
+        if table == "device_inboxes":  # an ack's device: its unacknowledged count now
+            found = [{**r, "count": DeviceInbox.from_json(r["document"]).count} for r in found if not r["deleted"]]
         if found:
             trail.states[table] = found
     trail.notes = _notes(engine, trail)
@@ -224,6 +227,7 @@ _SUMMARY = {
     "entities": ("collection", "zone", "entity", "version", "deleted", "slice", "document"),
     "schemas": ("dbid", "version", "slice", "document"),
     "devices": ("user", "device", "appVersion", "firstSeen", "lastSeen", "connections", "slice"),
+    "device_inboxes": ("device", "user", "count", "ended", "slice"),
 }
 
 

@@ -488,6 +488,15 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
                                  "device2": ("bob", 2, FUTURE + 2, FUTURE + 3),
                                  "device3": ("carol", 1, FUTURE + 10, FUTURE + 10)}
     assert pipeline.materializations(r3)["device_notifications"]["acks"] == 3
+    # an ack's trace ends at its device's inbox as it is now (a device with none: no inbox)
+    acks = {r["device"]: r for r in rows(pipeline, "notification_acks", K3)}
+    trail = trace.trace(pipeline.engine, *(acks["device2"][c] for c in ("kafka_topic", "kafka_partition", "kafka_offset")))
+    [inbox] = trail.states["device_inboxes"]
+    assert (inbox["device"], inbox["user"], inbox["count"], inbox["slice"]) == ("device2", "bob", 2, K3)
+    assert f"device_inboxes        now: device=device2 user=bob count=2 ended={FUTURE + 3} slice={K3}" \
+        in trace.format_trail(trail)
+    assert "device_inboxes" not in trace.trace(pipeline.engine, *(acks["device4"][c] for c in (
+        "kafka_topic", "kafka_partition", "kafka_offset"))).states
     assert pipeline.checks(r3)["one_inbox_per_device"].passed is True
     published = messages_on(pipeline, "device-notifications")
     n = partitions_of(pipeline, "device-notifications")
