@@ -245,8 +245,7 @@ def complete_row(parts: list[dict], slice_key: str) -> dict:
     ended last (a tie: the higher part), so that part's record's trail, which reads its own slice,
     shows the response: a part pending from an earlier slice may have ended later."""
     first = parts[0]
-    last = max((p for p in parts if p.get("slice") == slice_key), default=None,
-               key=lambda r: (r["ended"], r["part"])) or max(parts, key=lambda r: (r["ended"], r["part"]))
+    last = max([p for p in parts if p.get("slice") == slice_key] or parts, key=lambda r: (r["ended"], r["part"]))
     return {
         "slice": slice_key, "kafka_topic": last["kafka_topic"], "kafka_partition": last["kafka_partition"],
         "kafka_offset": last["kafka_offset"], "kafka_timestamp": last["kafka_timestamp"],

@@ -9,6 +9,7 @@ in the parquet statistics: no other slice is read, however old the lake.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from entity_assets.manifests import TABLE as MANIFESTS
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
 from entity_assets.notify import DEVICE_KEY, DeviceInbox
-from entity_assets.slices import slice_key
+from entity_assets.slices import OffsetRange, slice_key
 from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import LINEAGE
 
@@ -91,18 +92,19 @@ def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> 
         return None
     store = ManifestStore(engine)
 
-    def end_of(seq: int) -> int | None:
-        return next((r.end for r in store.get(seq).ranges if (r.topic, r.partition) == (topic, partition)), None)
+    @functools.cache  # the search's last slice is often one it read already
+    def range_of(seq: int) -> OffsetRange | None:
+        return next((r for r in store.get(seq).ranges if (r.topic, r.partition) == (topic, partition)), None)
 
     low, high = 1, store.latest_seq()
-    newest = end_of(high) if high else None
-    if newest is None or offset >= newest:
+    newest = range_of(high) if high else None
+    if newest is None or offset >= newest.end:
         return None  # past every slice (or a partition no slice names)
     while low < high:  # the first slice whose range of the partition ends past the offset
         middle = (low + high) // 2
-        end = end_of(middle)
-        low, high = (middle + 1, high) if end is None or end <= offset else (low, middle)
-    if any(r.start <= offset < r.end for r in store.get(low).ranges if (r.topic, r.partition) == (topic, partition)):
+        found = range_of(middle)
+        low, high = (middle + 1, high) if found is None or found.end <= offset else (low, middle)
+    if (found := range_of(low)) is not None and found.start <= offset < found.end:
         return slice_key(low)
     files = [f for f in engine.files(MANIFESTS)
              if f.min.get("start_offset", offset) <= offset < f.max.get("end_offset", offset + 1)]
