@@ -92,7 +92,12 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
             if meta is None or meta.error is not None:
                 continue
             for p in meta.partitions:
-                out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout, cached=False)
+                try:
+                    out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout,
+                                                                     cached=False)
+                except KafkaException as exc:  # a partition without a leader, during an election or a restart
+                    raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no offsets of {topic} "
+                                           f"partition {p} ({exc.args[0].str()}); the next look asks again") from exc
         return out
     finally:
         consumer.close()

@@ -103,7 +103,9 @@ class KafkaResource(ConfigurableResource):
         conf.update(self.client_config)
         missing = [var for var in self.client_secret_env.values() if not os.environ.get(var)]
         if missing:
-            raise ValueError(f"client_secret_env: {', '.join(missing)} not set (or empty) in this process's environment")
+            from resources import SettingError  # not at the top: the package imports this module first
+
+            raise SettingError(f"client_secret_env: {', '.join(missing)} not set (or empty) in this process's environment")
         conf.update({key: os.environ[var] for key, var in self.client_secret_env.items()})
         return conf
 

@@ -281,6 +281,84 @@ def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(br
         == (f"{prefix}connections", 0, 1)
 
 
+def test_produce_file_writes_keys_and_values_that_are_no_strings_as_json_and_a_null_value_as_a_tombstone(tmp_path):
+    """A CDC topic's keys are objects (Debezium's `{"ID": 1}`), and a delete is followed by a tombstone."""
+    path = tmp_path / "cdc.jsonl"
+    path.write_text('{"topic": "crm.customers.ingestion", "key": {"ID": 1}, "value": {"op": "d"}}\n'
+                    '{"topic": "crm.customers.ingestion", "key": 7, "value": null}\n'
+                    '{"topic": "connections", "key": "jsmith", "value": "{}"}\n')
+    assert list(cli._file_records(str(path))) == [("crm.customers.ingestion", '{"ID": 1}', b'{"op": "d"}'),
+                                                  ("crm.customers.ingestion", "7", None),
+                                                  ("connections", "jsmith", b"{}")]
+
+
+def test_run_leaves_a_slice_without_a_successful_run_that_slices_after_it_passed(monkeypatch, tmp_path):
+    """A run that failed after its last commit (killed, cancelled at its end) leaves a slice the
+    state holds and the slices after it applied: the sensor leaves it be, and so does `run`,
+    which would otherwise replay it first at every call, or fail for good once the vacuum took
+    the state before it, and run no new slice."""
+    from dagster import SensorResult, SkipReason
+
+    from entity_assets import definitions, manifests, sensors
+
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    (tmp_path / "dagster").mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+
+    class Store:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def latest(self):
+            return None
+
+        def closed_at(self):
+            return {1: 10, 2: 20, 3: 30, 4: 40, 5: 50}
+
+    def sensor(context):
+        return SensorResult(skip_reason=SkipReason("nothing pending"))
+
+    sensor.name = definitions.kafka_offsets_sensor.name
+    monkeypatch.setattr(sensors, "kafka_offsets_sensor", sensor)
+    monkeypatch.setattr(manifests, "ManifestStore", Store)
+    monkeypatch.setattr(sensors, "slice_runs", lambda instance, closed: {2: "r2", 3: "r3"})  # 1 failed at its end
+    monkeypatch.setattr(sensors, "lake_holds", lambda engine, tables: 3)  # 4 failed midway; 5 waits
+    asked, said = [], []
+    monkeypatch.setattr(cli, "_materialize", lambda instance, store, runs, selection, log: asked.extend(runs) or [])
+    assert cli.run_pending(log=said.append) == []
+    assert [key for key, _ in asked] == [slice_key(4), slice_key(5)]
+    assert any(line.startswith("warning: 1 slice(s) without a successful run before slice 0000000003")
+               and slice_key(1) in line for line in said)
+
+
+def test_run_s_lag_report_gives_librdkafka_the_sasl_credentials_not_the_names_of_their_variables(monkeypatch):
+    from entity_assets import kafka_io
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("KAFKA_SASL_USERNAME", "pipeline")
+    monkeypatch.setenv("KAFKA_SASL_PASSWORD", "s3cret")
+    asked, said = [], []
+
+    def watermarks(config, topics, timeout):
+        asked.append(config)
+        raise kafka_io.KafkaUnreachable("no answer")
+
+    monkeypatch.setattr(kafka_io, "watermarks", watermarks)
+    cli._report_lag(None, build_resources(), said.append)
+    assert (asked[0]["sasl.username"], asked[0]["sasl.password"]) == ("pipeline", "s3cret")
+    assert said == ["warning: lag not reported: no answer"]
+
+
+def test_a_kafka_client_setting_librdkafka_refuses_is_a_line_and_status_2(monkeypatch, tmp_path, capfd):
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.certificate.locaton=/x")
+    assert cli.main(["topics", "--dry-run"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("entity-assets topics: a Kafka client setting is not valid: ") and "locaton" in err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv, said", [
     (["topics", "--dry-run", "--input-config", "foo"], "--input-config foo: give KEY=VALUE"),
     (["run", "--slices", "1.."], "--slices 1..: give slice numbers"),
@@ -336,6 +414,8 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS", "maybe", "ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS='maybe': Input should be a valid "
                                                      "boolean"),
     ("ENTITY_ASSETS_PUBLISH", "no", "ENTITY_ASSETS_PUBLISH='no': Value error, published_streams: no derived stream"),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "ssl.keystore.password=EA_UNSET_VARIABLE",
+     "client_secret_env: EA_UNSET_VARIABLE not set"),
 ])
 def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceback(name, value, said, monkeypatch,
                                                                                     tmp_path, capsys):
