@@ -206,7 +206,12 @@ def cmd_produce(args) -> int:
                                        learning=args.learning, zones=zones)
         if args.devices:
             traffic = samples.GraphTraffic(traffic, devices=args.devices)
-        counts = produce_records(traffic.records())
+        if args.source == "acks":
+            if not args.devices:
+                raise UsageError("produce acks needs --devices: the sample's devices, every third of which acknowledges")
+            counts = produce_records(traffic.acks())
+        else:
+            counts = produce_records(traffic.changes() if args.devices else traffic.records())
         if args.bad:
             counts += produce_records(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))
     print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
@@ -563,11 +568,15 @@ def cmd_demo(args) -> int:
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=args.patches, entities=args.entities, learning=True),
                                    devices=args.devices)
     _cdc_topics(args.partitions)
-    counts = produce_records([*samples.seed_records(), *traffic.records(),
+    counts = produce_records([*samples.seed_records(), *traffic.changes(),
                               *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES)),
                               *samples.CdcTraffic(rows=args.cdc_rows).records(), samples.CDC_BAD])
     print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
     code = _run_all()
+    if code == 0:  # the apps acknowledge what those slices sent them: a slice of its own
+        counts = produce_records(traffic.acks())
+        print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
+        code = _run_all()
     print()
     cmd_summary(args)
     print(f"\nDagster home: {os.environ['DAGSTER_HOME']}\nOpen the UI:  scripts/ui.sh   (then http://127.0.0.1:3000)")
@@ -610,15 +619,16 @@ def main(argv: list[str] | None = None) -> int:
     spark.add_argument("--spark-port", **_port_of("ENTITY_ASSETS_SPARK_CONNECT_PORT", SPARK_CONNECT_PORT),
                        help="the local Spark Connect server's port (ENTITY_ASSETS_SPARK_CONNECT_PORT)")
     produce = sub.add_parser("produce", help="produce records to the input topics")
-    produce.add_argument("source", choices=["sample", "seed", "file", "cdc"],
-                         help="cdc: change data capture of four source systems (Debezium, GoldenGate, DB2, Qlik)")
+    produce.add_argument("source", choices=["sample", "seed", "file", "cdc", "acks"],
+                         help="cdc: change data capture of four source systems (Debezium, GoldenGate, DB2, Qlik); "
+                              "acks: the sample's acknowledgements (--devices), after the slices that notified them")
     produce.add_argument("path", nargs="?", help="JSONL of {topic, key, value} (for 'file')")
     produce.add_argument("--patches", type=int, default=10_000)
     produce.add_argument("--entities", type=int, default=1_000)
     produce.add_argument("--ops", type=int, default=3)
     produce.add_argument("--seed", type=int, default=7)
     produce.add_argument("--learning", action="store_true")
-    produce.add_argument("--devices", type=int, default=0, help="whole-graph traffic: schemas, devices, subscriptions, acks")
+    produce.add_argument("--devices", type=int, default=0, help="whole-graph traffic: schemas, devices, subscriptions")
     produce.add_argument("--zones", type=int, default=0, help="spread entities and subscriptions over this many zones")
     produce.add_argument("--bad", action="store_true", help="add bad records (malformed JSON, invalid fields, a wrong type), which become dead letters")
     produce.add_argument("--rows", type=int, default=100, help="cdc: rows of each source's projection")

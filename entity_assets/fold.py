@@ -416,16 +416,18 @@ INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device
                           ("zone", pa.string()), ("entity", pa.string()), ("action", pa.string()),
                           *((c, SCHEMAS["changes_by_device"].field(c).type) for c in core.ORDER)])
 INBOX_ORDER = ("device", "kind", *core.ORDER, "ended", "notification")
-"""A device's new notifications in the order the fold applied their changes (`core.ORDER`), then
-its acks by time: `ended` and the notification id order the rows of an older lake, whose
+"""A device's acks by time, then its new notifications in the order the fold applied their
+changes (`core.ORDER`): `ended` and the notification id order the rows of an older lake, whose
 changes_by_device rows lack the request columns."""
-NOTIFY, ACK = "a-notify", "b-ack"
-"""Kinds of inbox events: a device's new notifications sort before its acks."""
+ACK, NOTIFY = "a-ack", "b-notify"
+"""Kinds of inbox events: a device's acks sort before its new notifications, which no ack of the
+slice can have seen (they are published after the slice closed): an `upTo` covers only the
+notifications of earlier slices, not one of this slice that `ended` at or before it."""
 
 
 def inbox_events(table: str, file: TableFile, storage_options, buckets: list[int]) -> pa.Table:
-    """`inbox_task`'s input: new notifications (changes_by_device, kind "a-notify") and acks
-    (notification_acks, kind "b-ack", at their `begun`) in one layout.
+    """`inbox_task`'s input: acks (notification_acks, kind ACK, at their `begun`) and new
+    notifications (changes_by_device, kind NOTIFY) in one layout.
 
     changes_by_device files hold a row group per inbox bucket (`fan_out_task`): a task decodes
     only its buckets' rows, so the step reads the slice's notifications once, whatever its tasks.
@@ -769,7 +771,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: notifications and acks of the slice, sorted by bucket and INBOX_ORDER.
 
-    A device's new notifications apply before its acks (kind NOTIFY < ACK). The task also
+    A device's acks apply before its new notifications (kind ACK < NOTIFY). The task also
     publishes the change summaries (changes-by-device), each device's in the order the fold
     applied their changes: the fan-out's tasks split a device's summaries by zone-changes file.
     """

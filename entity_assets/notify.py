@@ -177,11 +177,12 @@ badge shows "999+" long before."""
 class DeviceInbox:
     """The unacknowledged notifications of one device; state kept between slices as JSON.
 
-    Ordering within a slice: the caller adds the device's new notifications first and then applies
-    its acks, so an ack can acknowledge a notification of the same slice (an app may ack as soon
-    as the push arrives). An ack naming an id that is not pending (unknown, already acked, or not
-    yet seen) is ignored; it is not remembered, so a later notification with that id stays pending
-    until an ``upTo`` covers it.
+    Ordering within a slice: the caller applies the device's acks first and then adds its new
+    notifications, which the slice's acks were sent before (they are published after the slice
+    closed): an ``upTo`` does not take a new notification that ended at or before it, from a
+    partition or a client clock behind the others. An ack naming an id that is not pending
+    (unknown, already acked, or not yet seen) is ignored; it is not remembered, so a later
+    notification with that id stays pending until an ``upTo`` covers it.
 
     ``last`` is the highest ``ended`` ever added; it survives acks so that an emptied inbox still
     has a timestamp for the message's required ``begun``/``ended``.

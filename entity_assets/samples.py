@@ -140,7 +140,8 @@ class GraphTraffic:
 
     Device i belongs to user i % users and subscribes to zone i % zones; even devices to
     every action, odd ones to creations and deletions only (the seed's two-device example).
-    Every third device acknowledges all its notifications.
+    Every third device acknowledges all its notifications (`acks`): an app acknowledges what it
+    was sent, so these go after the slices that notified it, where they clear its inbox.
     """
 
     batches: BatchTraffic = BatchTraffic(learning=True)
@@ -156,6 +157,11 @@ class GraphTraffic:
                    ["created", "updated", "deleted"] if i % 2 == 0 else ["created", "deleted"])
 
     def records(self) -> Iterator[Record]:
+        yield from self.changes()
+        yield from self.acks()
+
+    def changes(self) -> Iterator[Record]:
+        """Everything but the acks."""
         b = self.batches
         client = str(uuid.UUID(int=b.seed, version=4))
         fields = {"firstName": {"type": "STRING", "optional": False}, "lastName": {"type": "STRING", "optional": False}}
@@ -179,6 +185,9 @@ class GraphTraffic:
                      "patches": subscriptions[start:start + 1000]}
             yield ("entity-batches", request_key(client, n), encode(batch))
         yield from b.records()
+
+    def acks(self) -> Iterator[Record]:
+        b = self.batches
         for i in range(0, self.devices, 3):
             device = f"device-{i:05d}"
             yield ("notification-acks", device, encode({"dbid": b.dbid, "user": f"user{i % self.users}",

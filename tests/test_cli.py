@@ -362,6 +362,7 @@ def test_a_kafka_client_setting_librdkafka_refuses_is_a_line_and_status_2(monkey
 @pytest.mark.parametrize("argv, said", [
     (["topics", "--dry-run", "--input-config", "foo"], "--input-config foo: give KEY=VALUE"),
     (["run", "--slices", "1.."], "--slices 1..: give slice numbers"),
+    (["produce", "acks"], "produce acks needs --devices"),
 ])
 def test_arguments_the_user_can_fix_are_a_line_and_status_2(argv, said, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))

@@ -233,11 +233,11 @@ def test_inbox_ack_by_id_and_up_to():
 def test_inbox_ack_from_notification_ack_message():
     inbox = DeviceInbox(DB, "jsmith", "device1")
     for n, t in (("n1", 10), ("n2", 20), ("n3", 30)):
-        inbox.add(n, t)  # this slice's notifications first ...
+        inbox.add(n, t)  # earlier slices' notifications, which the app has seen
     ack = NotificationAck.model_validate(
         {"db": DB, "user": "jsmith", "device": "device1", "notifications": ["n3"], "upTo": 10, "begun": 1}
     )
-    assert inbox.ack(ack.notifications, ack.upTo) == 2  # ... then its acks, which can cover them
+    assert inbox.ack(ack.notifications, ack.upTo) == 2
     assert list(inbox.pending) == ["n2"]
 
 

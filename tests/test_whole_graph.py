@@ -732,10 +732,11 @@ def test_an_inbox_is_stored_in_its_own_bucket(tmp_path):
 
     assert [event(d, "")["bucket"] for d in ("device1", "device4")] == [6, 9]
     # a device shared by two users: its inbox names whom it was last notified for
-    [first], _ = task([event("device1", "a-notify", "n1", 1), event("device1", "a-notify", "n2", 2, user="bob")], K1, {})
+    [first], _ = task([event("device1", fold.NOTIFY, "n1", 1), event("device1", fold.NOTIFY, "n2", 2, user="bob")], K1,
+                      {})
     stored = TableFile(path=first["path"], uri=f"{uris['device_inboxes']}/{first['path']}", size=first["size"],
                        rows=first["rows"])
-    written, replaced = task([event("device1", "b-ack", up_to=1), event("device4", "b-ack", up_to=samples.ACK_ALL)], K2,
+    written, replaced = task([event("device1", fold.ACK, up_to=1), event("device4", fold.ACK, up_to=samples.ACK_ALL)], K2,
                              {6: [stored]})
     # device1's file is rewritten and reported as replaced, with device1's new inbox in it
     assert [json.loads(f["stats"])["minValues"]["bucket"] for f in written] == [6]
