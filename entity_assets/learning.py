@@ -19,6 +19,9 @@ Decisions:
   schema is authoritative; the contradiction is reported by `disagreements`.
 * Reported paths are JSON Pointers without the leading slash ("phone/home"),
   escaped as in RFC 6901 so `patch.parse_path` reads them back.
+* A whole number sent as `5.0` is an INTEGER (JSON, and JSON Schema's `integer`, do not tell
+  them apart); a declared type the learner does not know (`UUID`, `DATE`) admits any value, and
+  a field spec with nested `fields` but no type is a DOCUMENT.
 
 Pure stdlib: it is imported by Spark tasks and by the driver alike.
 """
@@ -56,6 +59,7 @@ _SYNONYMS = {
 }
 
 _FORMAT = 1  # version of the to_json layout, checked by from_json
+_LONG = 2.0**63  # a whole number sent as a float is an INTEGER within a 64-bit integer's range
 
 
 def type_of(value: Any) -> str:
@@ -67,7 +71,7 @@ def type_of(value: Any) -> str:
     if isinstance(value, int):
         return INTEGER
     if isinstance(value, float):
-        return DOUBLE
+        return INTEGER if value.is_integer() and -_LONG <= value < _LONG else DOUBLE
     if isinstance(value, str):
         return STRING
     if isinstance(value, dict):
@@ -266,7 +270,13 @@ def _resolve(types: dict[str, int]) -> tuple[str, bool]:
 
 
 def _compatible(observed: str, declared: str) -> bool:
-    return observed == declared or (observed == INTEGER and declared == DOUBLE)
+    return observed == declared or (observed == INTEGER and declared == DOUBLE) or declared not in _RANK
+
+
+def _declared_type(spec: dict) -> str | None:
+    """A field spec's type: its name, or DOCUMENT when it names none but lists nested fields."""
+    t = normalize_type(spec.get("type"))
+    return DOCUMENT if t is None and isinstance(spec.get("fields"), dict) else t
 
 
 def declaration_errors(schema_doc: Any) -> list[str]:
@@ -317,7 +327,7 @@ def _fields_of(entity_type: Any) -> dict[str, dict] | None:
 def _declared_spec(spec: dict) -> dict:
     """A declared field spec in canonical form, as kept when nothing observed changes it."""
     out: dict[str, Any] = {}
-    t = normalize_type(spec.get("type"))
+    t = _declared_type(spec)
     if t is not None:
         out["type"] = t
     out["optional"] = spec.get("optional") is True
@@ -342,7 +352,7 @@ def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> di
             out[name] = entry
             continue
         optional = f.present < total or f.types.get(NULL, 0) > 0
-        dtype = normalize_type(spec.get("type")) if spec is not None else None
+        dtype = _declared_type(spec) if spec is not None else None
         if dtype is None or dtype == NULL:
             t, _ = _resolve(f.types)
         elif dtype == INTEGER and f.types.get(DOUBLE, 0) > 0:
@@ -392,7 +402,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
                 detail += " (conflicting types)"
             out.append({"path": path, "kind": "undeclared", "detail": detail})
             continue
-        dtype = normalize_type(spec.get("type"))
+        dtype = _declared_type(spec)
         optional = spec.get("optional") is True
         if dtype is not None:
             bad = {

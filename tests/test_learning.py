@@ -66,6 +66,8 @@ def test_a_declaration_is_in_the_seeds_style_or_says_where_not(schema, error):
     [
         (True, "BOOLEAN"), (False, "BOOLEAN"), (0, "INTEGER"), (2**70, "INTEGER"), (1.5, "DOUBLE"),
         ("x", "STRING"), ({}, "DOCUMENT"), ([], "ARRAY"), (None, "NULL"),
+        # a whole number sent as a float (JSON has one number type) within a 64-bit integer's range
+        (5.0, "INTEGER"), (-0.0, "INTEGER"), (-(2.0**63), "INTEGER"), (2.0**63, "DOUBLE"), (1e300, "DOUBLE"),
     ],
 )
 def test_type_of(value, expected):
@@ -234,7 +236,7 @@ def test_conflict_tie_broken_by_types_order():
 
 
 def test_numbers_count_together_against_other_types():
-    s = Summary.of([{"x": 1}, {"x": 2.0}, {"x": "a"}])
+    s = Summary.of([{"x": 1}, {"x": 2.5}, {"x": "a"}])
     assert infer(s)["fields"]["x"]["type"] == "DOUBLE"
 
 
@@ -285,7 +287,7 @@ def test_nested_declared_document():
         }
     }
     s = Summary.of([
-        {"address": {"street": "Main", "geo": {"lat": 1.0}}},
+        {"address": {"street": "Main", "geo": {"lat": 51.5}}},
         {"address": {"zip/code": 12345}},
         {},
     ])
@@ -301,6 +303,30 @@ def test_nested_declared_document():
     assert learned["optional"] is True
     assert learned["fields"]["street"] == {"type": "STRING", "optional": True}
     assert learned["fields"]["geo"]["fields"]["lat"] == {"type": "DOUBLE", "optional": False}
+
+
+def test_a_field_spec_with_nested_fields_and_no_type_is_a_document():
+    declared = {"fields": {"a": {"optional": False, "fields": {"b": {"type": "STRING", "optional": False}}}}}
+    s = Summary.of([{"a": {"b": 1, "c": 2}}, {"a": {}}])
+    assert kinds(disagreements(s, declared)) == [("a/b", "required_missing"), ("a/b", "type_conflict"),
+                                                 ("a/c", "undeclared")]
+    assert infer(s, declared)["fields"]["a"] == {"type": "DOCUMENT", "optional": False, "fields": {
+        "b": {"type": "STRING", "optional": True}, "c": {"type": "INTEGER", "optional": True}}}
+
+
+def test_a_declared_type_the_learner_does_not_know_admits_any_value_and_is_kept():
+    """A declaration may use richer names (`UUID`, `DATE`): no type conflict the client could fix."""
+    declared = {"fields": {"id": {"type": "UUID", "optional": False}, "at": {"type": "date", "optional": True}}}
+    s = Summary.of([{"id": "5c1f", "at": 1700000000000}, {"id": "9a2b", "at": "2026-12-07"}])
+    assert disagreements(s, declared) == []
+    assert infer(s, declared)["fields"] == {"at": {"type": "DATE", "optional": True},
+                                            "id": {"type": "UUID", "optional": False}}
+
+
+def test_a_whole_number_sent_as_a_float_fits_a_declared_integer():
+    declared = {"fields": {"n": {"type": "INTEGER", "optional": False}}}
+    s = Summary.of([{"n": 5.0}, {"n": 6}])
+    assert disagreements(s, declared) == [] and infer(s, declared)["fields"]["n"]["type"] == "INTEGER"
 
 
 def test_document_declared_without_fields_is_unconstrained_inside():
