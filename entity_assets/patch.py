@@ -176,18 +176,34 @@ def nesting(value, limit: int) -> int:
     return deepest
 
 
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')
+"""Characters that JSON text escapes (`core.dumps`): at most 6 characters each (`\u0000`)."""
+
+
+def _str_size(text: str) -> int:
+    """At least the length of ``text`` as a JSON string: a client's control characters must not
+    make a bound that a multi-gigabyte text passes."""
+    size = len(text) + 2
+    return size if _ESCAPED.search(text) is None else size + 5 * len(_ESCAPED.findall(text))
+
+
 def _text_size(value, memo: dict) -> int:
-    """About the length of ``value`` as JSON text; memo (id -> (node, size)) measures a shared
-    subtree once and keeps it alive, so its id is not reused while the memo is."""
+    """At least the length of ``value`` as JSON text (an integer of 4,000 digits counts them all);
+    memo (id -> (node, size)) measures a shared subtree once and keeps it alive, so its id is not
+    reused while the memo is."""
     if isinstance(value, str):
-        return len(value) + 2
-    if not isinstance(value, (dict, list)):
+        return _str_size(value)
+    if value is None or isinstance(value, bool):
         return 5
+    if isinstance(value, int):
+        return value.bit_length() * 30103 // 100000 + 2  # digits (log10 of 2 = 0.30103) and a sign
+    if isinstance(value, float):
+        return len(repr(value))
     hit = memo.get(id(value))
     if hit is not None:
         return hit[1]
     if isinstance(value, dict):
-        size = 2 + sum(len(key) + 4 + _text_size(child, memo) for key, child in value.items())
+        size = 2 + sum(_str_size(key) + 2 + _text_size(child, memo) for key, child in value.items())
     else:
         size = 2 + sum(_text_size(child, memo) + 1 for child in value)
     memo[id(value)] = (value, size)
@@ -196,22 +212,27 @@ def _text_size(value, memo: dict) -> int:
 
 class _Growth:
     """What a patch's copies have grown its document to: an upper bound on its text, up to the
-    other ops' values, which the message's own size bounds."""
+    other ops' values, which the message's own size bounds. A bound past the limit is measured
+    again, which takes off what removes and overwrites took away, at most `MEASURES` times a
+    patch: each measure walks the containers its ops made since the last."""
 
-    __slots__ = ("memo", "size")
+    MEASURES = 8
+    __slots__ = ("memo", "size", "measures")
 
     def __init__(self) -> None:
         self.memo: dict = {}
         self.size: int | None = None
+        self.measures = 0
 
-    def copy(self, doc, tokens: tuple[str, ...], value) -> None:
-        added = _text_size(value, self.memo)
-        if not tokens:
-            self.size = added
+    def copied(self, doc, tokens: tuple[str, ...], value) -> None:
+        """After `value` was copied to `tokens`, making `doc`."""
+        if self.size is None or not tokens:
+            self.size = _text_size(doc, self.memo)
         else:
-            if self.size is None:
-                self.size = _text_size(doc, self.memo)
-            self.size += added + len(tokens[-1]) + 4
+            self.size += _text_size(value, self.memo) + _str_size(tokens[-1]) + 2
+        if self.size > MAX_DOCUMENT_BYTES and self.measures < self.MEASURES:
+            self.measures += 1
+            self.size = _text_size(doc, self.memo)
         if self.size > MAX_DOCUMENT_BYTES:
             raise _Fail(f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON")
 
@@ -379,8 +400,9 @@ def _apply_one(doc, op, growth: _Growth):
     value = _get(doc, src)
     _within_depth(path, value)
     if name == "copy":
-        growth.copy(doc, path, value)
-        return _add(doc, path, value)
+        doc = _add(doc, path, value)
+        growth.copied(doc, path, value)
+        return doc
     # move
     if path == src:
         return doc

@@ -554,6 +554,30 @@ def test_copies_of_one_subtree_into_many_places_count_each_place():
     assert apply_patch(doc, ops[:150]).status == STATUS_OK
 
 
+@pytest.mark.parametrize("doc", [
+    {"n": [int("9" * 4000)] * 200},  # 800,000 characters of digits, each number more than 5
+    {"s": ["\x00" * 1000] * 200},  # 6 characters of text per control character
+    {"f": [-1.2345678901234567e-308] * 40_000},
+], ids=["long-integers", "control-characters", "floats"])
+def test_the_size_limit_counts_every_character_of_numbers_and_escaped_text(doc):
+    """A 1 MB message of such values and copies of the whole document must fail before the
+    document's text is made: its 13th copy would be gigabytes."""
+    ops = [{"op": "copy", "from": "", "path": f"/c{i}"} for i in range(13)]
+    out = apply_patch(doc, ops)
+    assert out.status == STATUS_FAILED and f"over {MAX_DOCUMENT_BYTES} bytes" in out.error
+    done = int(out.error.split()[1])
+    assert len(json.dumps(apply_patch(doc, ops[:done]).doc)) <= MAX_DOCUMENT_BYTES
+
+
+def test_copies_that_overwrite_or_follow_a_remove_count_what_the_document_holds():
+    doc = {"big": "x" * 6_000_000}
+    twice = [{"op": "copy", "from": "/big", "path": "/x"}] * 2
+    assert apply_patch(doc, twice).status == STATUS_OK
+    assert apply_patch(doc, [twice[0], {"op": "remove", "path": "/x"},
+                             {"op": "copy", "from": "/big", "path": "/y"}]).status == STATUS_OK
+    assert apply_patch(doc, [twice[0], {"op": "copy", "from": "/big", "path": "/y"}]).status == STATUS_FAILED
+
+
 def test_the_depth_check_walks_a_shared_subtree_once():
     """A document of copies of copies is a chain of shared nodes; walking it as a tree never ends."""
     doc = {"a": {"v": 1}}
@@ -562,5 +586,5 @@ def test_the_depth_check_walks_a_shared_subtree_once():
                                 {"op": "copy", "from": "/a", "path": "/a/r"}]).doc
         if i < 10:
             assert doc["a"]["l"] is doc["a"]["r"]["l"]  # shared, not copied
-    out = apply_patch(doc, [{"op": "copy", "from": "/a", "path": "/b"}])
+    out = apply_patch(doc, [{"op": "copy", "from": "/a", "path": "/b"}, {"op": "copy", "from": "/a", "path": "/c"}])
     assert out.status == STATUS_FAILED
