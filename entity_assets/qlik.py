@@ -184,11 +184,40 @@ def _schema(text: str, what: str):
     except Exception as exc:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: not an Avro schema ({exc})"[:300]) from None
     named = parsed.get("__named_schemas", {}) if isinstance(parsed, dict) else {}
+    if _contains_itself(parsed, named, set(), set()):
+        # fastavro decodes a level per nested value, in C: 20 KB of them overflow the stack
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: a named type that contains itself "
+                                                            "(a recursive schema): no table row is one")
     if any(_takes_no_bytes(items, named) for items in _array_items(parsed, named)):
         # a 5-byte block count would make 10^12 items out of nothing: memory, not a dead letter
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: an array of items that take no bytes "
                                                             "(null, a record without fields)")
     return parsed
+
+
+def _contains_itself(schema, named: dict, inside: set, acyclic: set) -> bool:
+    """Whether a named type of `schema` reaches itself (a depth-first walk: `inside` the types
+    being walked, `acyclic` those walked already, so a type used many times is walked once)."""
+    if isinstance(schema, str):
+        if schema in inside:
+            return True
+        return schema in named and schema not in acyclic and _contains_itself(named[schema], named, inside, acyclic)
+    if isinstance(schema, list):
+        return any(_contains_itself(branch, named, inside, acyclic) for branch in schema)
+    kind = schema["type"]
+    if kind in ("record", "error"):
+        name = schema["name"]
+        if name in acyclic:
+            return False
+        inside.add(name)
+        if any(_contains_itself(f["type"], named, inside, acyclic) for f in schema["fields"]):
+            return True
+        inside.discard(name)
+        acyclic.add(name)
+        return False
+    if kind in ("array", "map"):
+        return _contains_itself(schema["items" if kind == "array" else "values"], named, inside, acyclic)
+    return (not isinstance(kind, str) or kind in named) and _contains_itself(kind, named, inside, acyclic)
 
 
 def _takes_no_bytes(schema, named: dict, seen: frozenset = frozenset()) -> bool:

@@ -180,3 +180,29 @@ def test_an_array_of_items_that_take_no_bytes_is_refused_before_decoding(items):
         qlik._schema(json.dumps(schema), "dataSchema")
     schema["fields"].pop()
     assert qlik._schema(json.dumps(schema), "dataSchema")
+
+
+RECURSIVE = '{"type": "record", "name": "N", "fields": [{"name": "next", "type": ["null", "N"]}]}'
+
+
+@pytest.mark.parametrize("schema", [
+    RECURSIVE,
+    '{"type": "record", "name": "A", "namespace": "x", "fields": [{"name": "b", "type": {"type": "record", '
+    '"name": "B", "fields": [{"name": "a", "type": {"type": "map", "values": {"type": "array", "items": "x.A"}}}]}}]}',
+])
+def test_a_recursive_schema_is_a_dead_letter_not_a_crashed_worker(schema):
+    """fastavro decodes a level per nested value in C: a 20 KB message of them overflowed the
+    stack and killed the run's process (signal 11) at every run of its slice."""
+    raw = _envelope(messageSchemaId=None, messageSchema=RECURSIVE, message=b"\x02" * 20_000 + b"\x00")
+    with pytest.raises(InvalidMessage) as caught:
+        qlik.Decoder({}).decode(raw)
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "contains itself" in caught.value.reason
+    with pytest.raises(InvalidMessage, match="contains itself"):
+        qlik._schema(schema, "dataSchema")
+    # a type used in many places, and deeply, is no recursion, and is walked once per name
+    fields = [{"name": f"f{i}", "type": "T0" if i else {"type": "record", "name": "T0", "fields": [
+        {"name": "v", "type": "long"}]}} for i in range(40)]
+    for depth in range(1, 30):
+        fields = [{"name": f"g{i}", "type": f"T{depth}" if i else {"type": "record", "name": f"T{depth}",
+                                                                   "fields": fields}} for i in range(3)]
+    assert qlik._schema(json.dumps({"type": "record", "name": "R", "fields": fields}), "dataSchema")
