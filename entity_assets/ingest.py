@@ -177,6 +177,10 @@ def file_stats(table: str) -> tuple[str, ...]:
     return WAIT_STATS if table == "schema_waits" else (SLICE,)
 
 
+def record_size(key: bytes | None, value: bytes | None) -> int:
+    return len(key or b"") + len(value or b"")
+
+
 def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, topic: str, partition: int,
                 offset: int, timestamp: int, key: bytes | None, value: bytes | None) -> None:
     """A `dead_letters` row of a record: an InvalidMessage's code, or GENERR009 for anything else (a
@@ -185,7 +189,8 @@ def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, to
                     else (m.DeadLetterCode.UNEXPECTED.value, f"{type(exc).__name__}: {exc}"))
     out.append({"slice": slice_key, "kafka_topic": topic, "kafka_partition": partition, "kafka_offset": offset,
                 "kafka_timestamp": timestamp, "stream": stream, "kafka_key": key, "value": value, "code": code,
-                "reason": reason, "schemaId": exc.schema_id if isinstance(exc, qlik.SchemaPending) else None})
+                "reason": reason, "schemaId": exc.schema_id if isinstance(exc, qlik.SchemaPending) else None},
+               record_size(key, value))
 
 
 def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, InputStream | IngestionStream],
@@ -331,12 +336,12 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
             stream = streams[topic]
             if stream is None or schema_id not in new:
                 if not task["earlier"]:
-                    waits.append(r)
+                    waits.append(r, record_size(r["kafka_key"], r["value"]))
                 if r["slice"] == due and schema_id not in registry:
                     reason = (f"no metadata message registered schema {schema_id} in the {wait_slices} slice(s) from "
                               f"slice {r['slice']}, which read this data message; the slice that registers it applies it")
                     dead.append({**r, "slice": slice_key, "code": m.DeadLetterCode.SCHEMA_UNKNOWN.value,
-                                 "reason": reason})
+                                 "reason": reason}, record_size(r["kafka_key"], r["value"]))
                 continue
             coordinates = (topic, r["kafka_partition"], r["kafka_offset"], r["kafka_timestamp"])
             try:

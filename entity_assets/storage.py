@@ -250,7 +250,9 @@ def _azure(options: tuple[tuple[str, str], ...]) -> pafs.AzureFileSystem:
 class FileWriter:
     """Buffers rows of one table in a task and writes bounded parquet files.
 
-    Memory stays bounded by `max_rows` per buffer, whatever the slice size.
+    Memory stays bounded by `max_rows` per buffer, whatever the slice size, and by `max_bytes` of
+    the sizes `append` is told (rows that hold a record's bytes: 2,200 dead letters of 1 MB
+    would pass the 2 GiB an Arrow column of binary holds).
     """
 
     def __init__(
@@ -263,6 +265,7 @@ class FileWriter:
         stats_columns: Sequence[str] = (SLICE,),
         storage_options: dict[str, str] | None = None,
         max_rows: int = 250_000,
+        max_bytes: int = 256 * 1024 * 1024,
         row_groups_by: str | None = None,
         whole_keys: str | None = None,
     ):
@@ -273,7 +276,8 @@ class FileWriter:
         self.stats_columns = tuple(stats_columns)
         self.row_groups_by = row_groups_by
         self.whole_keys = whole_keys
-        self.max_rows = max_rows
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self._bytes = 0
         self._fs, self._root = filesystem(table_uri, storage_options)
         self._remote = is_remote(table_uri)
         self.struct = pa.struct(list(schema))
@@ -283,10 +287,12 @@ class FileWriter:
         self._files: list[DataFile | Future] = []  # uploads to an object store run in threads
         self._uploading: list[tuple[Future, int]] = []  # those not done yet, with their rows' bytes
 
-    def append(self, row: dict) -> None:
-        """Buffers `row` as it is (columns by name, extra keys ignored): do not change it afterwards."""
+    def append(self, row: dict, size: int = 0) -> None:
+        """Buffers `row` as it is (columns by name, extra keys ignored): do not change it afterwards.
+        `size`: its bytes, where they may be large."""
         self._rows.append(row)
-        if len(self._rows) + self._table_rows >= self.max_rows:
+        self._bytes += size
+        if len(self._rows) + self._table_rows >= self.max_rows or self._bytes >= self.max_bytes:
             self.flush()
 
     def append_table(self, data: pa.Table) -> None:
@@ -321,7 +327,7 @@ class FileWriter:
             self._tables.append(self._from_dicts(self._rows))
         if self._tables:
             data = pa.concat_tables(self._tables)
-            self._rows, self._tables, self._table_rows = [], [], 0
+            self._rows, self._tables, self._table_rows, self._bytes = [], [], 0, 0
             self._write(data)
 
     def _roll(self) -> None:

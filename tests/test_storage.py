@@ -66,6 +66,22 @@ def test_arrow_rows_are_buffered_into_bounded_files_like_dict_rows(tmp_path):
     assert [r["entity"] for r in rows[-2:]] == ["e29", "e99"]  # Arrow rows, then the dicts
 
 
+def test_dead_letters_of_large_records_are_written_in_files_bounded_by_their_bytes(tmp_path):
+    """A record's bytes stay in its dead letter: 2,200 of 1 MB in one buffer would pass the 2 GiB an
+    Arrow column of binary holds, and the task would fail at every run of its slice."""
+    from entity_assets import messages as m
+    from entity_assets.ingest import dead_letter
+
+    writer = FileWriter("dead_letters", str(tmp_path), SCHEMAS["dead_letters"], KEY, max_bytes=3_000_000)
+    bad = m.InvalidMessage(m.DeadLetterCode.OVERSIZE, "over the limit")
+    for offset in range(7):
+        dead_letter(writer, bad, KEY, "entity-batches", "entity-batches", 0, offset, 1, b"k", b"x" * 1_000_000)
+    files = writer.close()
+    assert [f.rows for f in files] == [3, 3, 1]
+    rows = [r for f in files for r in read_table(str(tmp_path / f.path)).to_pylist()]
+    assert [r["kafka_offset"] for r in rows] == list(range(7)) and {len(r["value"]) for r in rows} == {1_000_000}
+
+
 def test_a_file_bound_never_splits_a_key_s_rows_when_the_writer_keeps_keys_whole(tmp_path):
     """entity_updates files keep an entity's updates together: zone_changes' tasks split the files
     and publish each entity's zone changes in file order."""
