@@ -8,7 +8,7 @@ and `after`), Debezium (`op` c/r/u/d with `before`, `after` and `source`), or Ql
 Avro envelope (`qlik`: data messages decoded with the schemas its metadata messages register;
 the primary key comes from the metadata).
 
-Each record becomes a one-patch entity batch, the row a client's batch would give, so it takes
+Each record becomes an entity batch, the row a client's batch would give, so it takes
 the native path from `entity_batches` on (patches, updates, state, responses, zone changes):
 - entity: the primary key's values joined by underscores, GoldenGate's own key form, so a
   projection gets the same ids whichever connector feeds it;
@@ -16,7 +16,8 @@ the native path from `entity_batches` on (patches, updates, state, responses, zo
   names (topics that carry several tables); zone and dbid: the source's (by default its system name);
 - ops: an insert, update, upsert or snapshot read replaces the whole document
   (`add` at `""`, which also creates it); a delete, or a record without a value (a tombstone),
-  deletes the entity (`remove` of `""`);
+  deletes the entity (`remove` of `""`); an update whose before image holds another key also
+  deletes the entity of that key;
 - clientid: a UUID of the topic; request: the record's partition and offset, so a topic's
   records keep their Kafka order in the fold's (begun, clientid, request) order;
 - begun: the Kafka timestamp;
@@ -125,9 +126,13 @@ class GoldenGateChange(BaseModel):
     op_type: Literal["I", "U", "D"]
     before: m.Document | None = None
     after: m.Document | None = None
-    pos: m.Long | None = None
+    pos: m.Long | str | None = None
+    """An integer in the seed's spec; the JSON formatter writes a zero-padded string."""
     table: str | None = None
     """`SCHEMA.TABLE`; the collection is its last part with `collection="table"`."""
+    primary_keys: list[str] | None = None
+    """The key's columns (the formatter's `includePrimaryKeys`): an update's `before` then
+    tells a changed key."""
 
 
 class DebeziumChange(BaseModel):
@@ -180,19 +185,20 @@ def detect(value: Any) -> str:
     return "db2"
 
 
-def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None]:
+def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None, GoldenGateChange | None]:
     """(UPSERT, the row after, its table) or (DELETE, None, its table) of one record value, the
-    table None where the format or the record does not name it; InvalidMessage if it is bad."""
+    table None where the format or the record does not name it, and a GoldenGate update (whose
+    `before` may hold another key); InvalidMessage if it is bad."""
     if not raw:
-        return DELETE, None, None  # a tombstone: its key is gone
+        return DELETE, None, None, None  # a tombstone: its key is gone
     value = _json(raw, "value")
     if value is None:
-        return DELETE, None, None
+        return DELETE, None, None, None
     fmt = detect(value) if fmt == AUTO else fmt
     if fmt == "db2":
         if not isinstance(value, dict):
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "value: a DB2 record is the row (an object) or null")
-        return UPSERT, value, None
+        return UPSERT, value, None, None
     if fmt == "debezium" and isinstance(value, dict) and value.get("op") in _ROWLESS_DEBEZIUM_OPS:
         op = value["op"]
         raise m.InvalidMessage(m.DeadLetterCode.UNSUPPORTED_TYPE,
@@ -205,11 +211,27 @@ def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None]:
         op, table = parsed.op, parsed.source and parsed.source.get("table")
     table = table if isinstance(table, str) and table else None
     if op in ("D", "d"):
-        return DELETE, None, table
+        return DELETE, None, table, None
     if parsed.after is None:
         field = "op_type" if fmt == "goldengate" else "op"
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"after: field required for {field} '{op}'")
-    return UPSERT, parsed.after, table
+    return UPSERT, parsed.after, table, parsed if op == "U" and parsed.before else None
+
+
+def key_before(update: GoldenGateChange, raw_key: bytes) -> str | None:
+    """The entity id of a GoldenGate update's `before`, where the key's columns are known (its
+    `primary_keys`, or the fields of a key object) and `before` holds them all."""
+    columns = update.primary_keys
+    if not columns:
+        try:
+            key = from_json(raw_key)
+        except ValueError:
+            return None
+        key = _unwrapped(key)
+        columns = list(key) if isinstance(key, dict) else None
+    if not columns or not all(m.names_a_key(update.before.get(c)) for c in columns):
+        return None
+    return joined_key([key_text(update.before[c]) for c in columns])
 
 
 def entity_id(raw: bytes | None) -> str:
@@ -298,18 +320,23 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
         decoded = (decoder or qlik.Decoder({})).decode(value or b"")
         if isinstance(decoded, qlik.Registered):
             return decoded
-        row, primary_key, table = decoded
+        row, primary_key, table, moved = decoded
         kind = DELETE if row is None else UPSERT
         entity = joined_key([key_text(v) for v in primary_key]) if primary_key else entity_id(key)
+        left = moved and joined_key([key_text(v) for v in moved])
     else:
         entity = entity_id(key)
-        kind, row, table = change(source.format, value)
+        kind, row, table, update = change(source.format, value)
+        left = update and key_before(update, key)
     if nesting(row, MAX_DEPTH) > MAX_DEPTH:  # every patch of it would fail; past ~196, explode could not read it
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"the row nests deeper than {MAX_DEPTH} levels, "
                                                              "a document's limit")
     collection = table if table and source.collection == "table" else projection
-    patch = {"collection": collection, "zone": source.zone or source.system, "entity": entity,
-             "ops": ops(kind, row, merge=source.updates == "merge")}
+    zone = source.zone or source.system
+    patches = [{"collection": collection, "zone": zone, "entity": entity,
+                "ops": ops(kind, row, merge=source.updates == "merge")}]
+    if left and left != entity:  # the update changed the row's key: its old entity is deleted
+        patches.insert(0, {"collection": collection, "zone": zone, "entity": left, "ops": ops(DELETE, None)})
     return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,
-            max(timestamp, 0), 1, m.value_json([patch]), source.learning, source.includeBefore,
+            max(timestamp, 0), 1, m.value_json(patches), source.learning, source.includeBefore,
             source.includeAfter)

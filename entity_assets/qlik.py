@@ -273,7 +273,8 @@ class Decoder:
     def decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None, str | None]:
         """A metadata message's `Registered`, or a data message's (row after the change, None for
         a delete; its primary key values, None when its schema names no key; its table, None
-        when no registered schema names it); `SchemaPending` or InvalidMessage otherwise."""
+        when no registered schema names it; the key values before an update that changed them,
+        else None); `SchemaPending` or InvalidMessage otherwise."""
         env = envelope(raw)
         if env.type == "MD":
             if env.messageSchema is None:
@@ -306,11 +307,15 @@ class Decoder:
             key = tuple(row[c] for c in registered.primary_key)
         table = registered.table if registered else None
         if msg.headers.operation == "DELETE":
-            return None, key, table
+            return None, key, table, None
         if msg.data is None:
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"data: field required for operation "
                                                                 f"'{msg.headers.operation}'")
-        return msg.data, key, table
+        moved = None  # an update of the primary key: the row leaves its old key
+        if key is not None and msg.beforeData is not None and msg.headers.operation == "UPDATE":
+            before = tuple(msg.beforeData.get(c) for c in registered.primary_key)
+            moved = before if before != key and all(map(m.names_a_key, before)) else None
+        return msg.data, key, table, moved
 
 
 _JSON_SCALARS = frozenset((str, int, float, bool, type(None)))

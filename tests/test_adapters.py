@@ -47,6 +47,25 @@ def test_goldengate_seed_examples(fmt):
     assert patch_of(batch(source, b"pk1_pk2", enc({"op_type": "D", "before": ROW})))["entity"] == "pk1_pk2"
 
 
+@pytest.mark.parametrize("key, value", [
+    (b"124", {"primary_keys": ["USER_ID"]}),  # the formatter's includePrimaryKeys
+    (enc({"USER_ID": 124}), {}),  # a key object names the key's columns
+])
+def test_a_goldengate_update_of_the_key_deletes_the_entity_of_the_old_key(key, value):
+    """GoldenGate sends a key update as one `U` whose `before` holds the old key: without a delete
+    of that entity, the projection would keep a row the source no longer has."""
+    source = adapters.Source("erp", "goldengate")
+    moved = {**ROW, "USER_ID": 124}
+    row = batch(source, key, enc({"op_type": "U", "before": ROW, "after": moved, "pos": "00000000000000001234", **value}))
+    assert [(p["entity"], p["ops"]) for p in loads(row["patches"])] == [
+        ("123", [{"op": "remove", "path": ""}]), ("124", [{"op": "add", "path": "", "value": moved}])]
+    same = batch(source, key, enc({"op_type": "U", "before": moved, "after": {**moved, "COINS": 1}, **value}))
+    assert [p["entity"] for p in loads(same["patches"])] == ["124"]
+    # a before image without the key's columns (compressed) tells nothing
+    partial = batch(source, key, enc({"op_type": "U", "before": {"COINS": 2}, "after": moved, **value}))
+    assert [p["entity"] for p in loads(partial["patches"])] == ["124"]
+
+
 @pytest.mark.parametrize("fmt", ["debezium", "auto"])
 def test_debezium_seed_examples(fmt):
     source = adapters.Source("shop", fmt, dbid="my-db", zone="A")

@@ -54,12 +54,23 @@ def test_a_primary_key_s_columns_are_in_their_key_positions_not_by_name():
 
 def test_data_messages_decode_with_the_registered_schema():
     decoder = qlik.Decoder({SID: registered()})
-    assert decoder.decode(dt_message()) == (ROW, ("R&D", 7), "EMPLOYEES")
-    assert decoder.decode(dt_message("REFRESH")) == (ROW, ("R&D", 7), "EMPLOYEES")
+    assert decoder.decode(dt_message()) == (ROW, ("R&D", 7), "EMPLOYEES", None)
+    assert decoder.decode(dt_message("REFRESH")) == (ROW, ("R&D", 7), "EMPLOYEES", None)
     changed = {**ROW, "NAME": "Ada L."}
-    assert decoder.decode(dt_message("UPDATE", changed, ROW)) == (changed, ("R&D", 7), "EMPLOYEES")
-    assert decoder.decode(dt_message("DELETE", ROW)) == (None, ("R&D", 7), "EMPLOYEES")
-    assert decoder.decode(dt_message("DELETE", None, ROW)) == (None, ("R&D", 7), "EMPLOYEES")
+    assert decoder.decode(dt_message("UPDATE", changed, ROW)) == (changed, ("R&D", 7), "EMPLOYEES", None)
+    assert decoder.decode(dt_message("DELETE", ROW)) == (None, ("R&D", 7), "EMPLOYEES", None)
+    assert decoder.decode(dt_message("DELETE", None, ROW)) == (None, ("R&D", 7), "EMPLOYEES", None)
+
+
+def test_an_update_of_the_primary_key_deletes_the_entity_of_the_old_key():
+    """Replicate sends a key update as an UPDATE whose beforeData holds the old key: without a
+    delete of that entity, the projection would keep a row the source no longer has."""
+    decoder = qlik.Decoder({SID: registered()})
+    moved = {**ROW, "EMP_ID": 8}
+    assert decoder.decode(dt_message("UPDATE", moved, ROW)) == (moved, ("R&D", 8), "EMPLOYEES", ("R&D", 7))
+    values = adapters.batch_values(SOURCE, "employees", "hr.employees.ingestion", 0, 4, 1000, None,
+                                   dt_message("UPDATE", moved, ROW), decoder)
+    assert [(p["entity"], p["ops"][0]["op"]) for p in loads(values[6])] == [("R&D_7", "remove"), ("R&D_8", "add")]
 
 
 def test_batch_values_of_envelopes():
