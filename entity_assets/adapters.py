@@ -160,7 +160,7 @@ def _json(raw: bytes, what: str) -> Any:
     try:
         return _unwrapped(from_json(raw, allow_inf_nan=False))
     except ValueError as exc:
-        raise m.InvalidMessage(m.DeadLetterCode.MALFORMED_JSON, f"{what}: {exc}") from None
+        raise m.malformed_json(f"{what}: {exc}") from None
 
 
 def _unwrapped(value: Any) -> Any:

@@ -515,7 +515,7 @@ def _classify(exc: ValidationError) -> InvalidMessage:
     first = errors[0]
     kind = first["type"]
     if kind == "json_invalid":
-        return InvalidMessage(DeadLetterCode.MALFORMED_JSON, first["msg"])
+        return malformed_json(first["msg"])
     if kind in _NOT_OBJECT_TYPES and not first["loc"]:
         return InvalidMessage(DeadLetterCode.BAD_FORMAT, "message is not a JSON object")
     code = DeadLetterCode.BAD_FORMAT
@@ -533,6 +533,14 @@ def _classify(exc: ValidationError) -> InvalidMessage:
     if len(errors) > _MAX_REASONS:
         reason += f" (+{len(errors) - _MAX_REASONS} more)"
     return InvalidMessage(code, reason)
+
+
+def malformed_json(reason: str) -> InvalidMessage:
+    """GENERR007; but JSON nested past the parser's limit (about 200 levels) is well formed and
+    past a document's (100): GENERR001, as a shallower one's patch fails for its depth."""
+    if "recursion limit exceeded" in reason:
+        return InvalidMessage(DeadLetterCode.BAD_FORMAT, f"{reason}: nested deeper than a document may be")
+    return InvalidMessage(DeadLetterCode.MALFORMED_JSON, reason)
 
 
 def names_a_key(value) -> bool:

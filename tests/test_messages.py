@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import uuid
 from typing import Any
 
 import pyarrow as pa
@@ -749,3 +750,21 @@ def test_an_integer_beyond_a_long_is_a_dead_letter():
     assert parse_message(EntityBatch, json.dumps(_batch(request=2**63 - 1))).request == 2**63 - 1
     ack = {"device": "d1", "user": "u", "db": "my-db", "begun": 1, "upTo": -(2**63) - 1}
     assert _invalid(NotificationAck, ack).reason.startswith("upTo: ")
+
+
+def test_json_nested_past_the_parser_s_limit_is_a_bad_format_not_malformed_json():
+    """Well-formed JSON past a document's depth: GENERR001, as a patch of 150 levels fails for its depth."""
+    from entity_assets import adapters
+
+    value = "[" * 199 + "]" * 199
+    raw = (f'{{"dbid": "d", "clientid": "{uuid.uuid4()}", "request": 1, "user": "u", "begun": 1, "patches": '
+           f'[{{"collection": "C", "zone": "z", "entity": "e", "ops": [{{"op": "add", "path": "a", "value": {value}}}]}}]}}')
+    with pytest.raises(InvalidMessage) as caught:
+        parse_message(TOPIC_MODELS["entity-batches"], raw.encode())
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "nested deeper" in caught.value.reason
+    with pytest.raises(InvalidMessage) as caught:
+        adapters._json(b'{"a": ' + b"[" * 250 + b"]" * 250 + b"}", "value")
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT
+    with pytest.raises(InvalidMessage) as caught:
+        adapters._json(b'{"a": ', "value")
+    assert caught.value.code is DeadLetterCode.MALFORMED_JSON
