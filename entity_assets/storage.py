@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import NamedTuple
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -122,21 +122,25 @@ def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.F
 
     An S3 or Azure lake's data files use the credentials and endpoint of `storage_options`, as its
     Delta commits do; what the options leave out comes from the environment, as for delta-rs
-    (AWS_*, AZURE_*; GOOGLE_APPLICATION_CREDENTIALS for Google Cloud Storage).
+    (AWS_*, AZURE_*; GOOGLE_APPLICATION_CREDENTIALS for Google Cloud Storage). A URI's path is
+    read percent-decoded: delta-rs gives a table's URI encoded (`my%20lake` for a root `my lake`).
     """
     parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
+    if not parsed.scheme:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    path = unquote(parsed.path)
+    if parsed.scheme == "file":
+        return pafs.LocalFileSystem(), os.path.abspath(path)
     scheme = {"s3a": "s3", "s3n": "s3"}.get(parsed.scheme, parsed.scheme)
     if scheme == "s3":
         settings = _settings(storage_options, S3_OPTIONS, "AWS_")
-        return _s3(parsed.netloc, tuple(sorted(settings.items()))), f"{parsed.netloc}{parsed.path}"
+        return _s3(parsed.netloc, tuple(sorted(settings.items()))), f"{parsed.netloc}{path}"
     if scheme in AZURE_SCHEMES:
         container, _, host = parsed.netloc.partition("@")
         settings = _settings(storage_options, AZURE_OPTIONS, "AZURE_", "AZURITE_")
         if host:  # the account named in the URI is the account
             settings["account_name"] = host.split(".")[0]
-        return _azure(tuple(sorted(settings.items()))), f"{container}{parsed.path}"
+        return _azure(tuple(sorted(settings.items()))), f"{container}{path}"
     fs, path = pafs.FileSystem.from_uri(uri.replace(parsed.scheme + "://", scheme + "://", 1))
     return fs, path
 

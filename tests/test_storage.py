@@ -114,6 +114,18 @@ def test_footer_bounds_cover_every_row_group_of_the_slice(tmp_path):
     assert engine.column_bounds("entity_updates", "0000000002", "status") is None
 
 
+@pytest.mark.parametrize("root", ["my lake", "hash#lake", "é lake"])
+def test_a_lake_whose_path_holds_characters_a_uri_escapes_reads_back(tmp_path, root):
+    """delta-rs gives a table's URI percent-encoded (`my%20lake`): its files are read at the path."""
+    engine = DeltaRsEngine(str(tmp_path / root))
+    engine.ensure("entity_updates", SCHEMAS["entity_updates"])
+    writer = FileWriter("entity_updates", engine.uri("entity_updates"), SCHEMAS["entity_updates"], KEY)
+    writer.append({"slice": KEY, "status": 1})
+    engine.replace_slice("entity_updates", SCHEMAS["entity_updates"], writer.close(), KEY)
+    assert engine.read("entity_updates").column("status").to_pylist() == [1]
+    assert engine.missing("entity_updates", engine.files("entity_updates")) == []
+
+
 def test_an_engine_keeps_its_table_handles_current_with_other_writers_commits(tmp_path):
     reader, writer_engine = DeltaRsEngine(str(tmp_path)), DeltaRsEngine(str(tmp_path))
     reader.ensure("entity_updates", SCHEMAS["entity_updates"])
