@@ -634,6 +634,19 @@ DONE_PROPERTY = "entity_assets.slicesDone."
 ("1-40,42-97"), so that `reached` still knows them (a gap is a slice that never succeeded)."""
 
 
+def _replay_base(history: list[dict]) -> dict | None:
+    """Of a table's slice commits (`history` entries), the older of the last slice's commit (not
+    always the newest slice commit, as a re-run of an older slice comes after it) and the commit
+    of the slice before it, whose state a replay of the last slice reads."""
+    def by_slice(entry: dict) -> tuple:
+        return entry["entity_assets.slice"], entry["version"]
+
+    last = max(history, default=None, key=by_slice)
+    before_last = last and max((e for e in history if e["entity_assets.slice"] < last["entity_assets.slice"]),
+                               default=None, key=by_slice)
+    return min((e for e in (last, before_last) if e), default=None, key=lambda e: e["version"])
+
+
 def _parse_ranges(text: str) -> list[tuple[int, int]]:
     return [(int(low), int(high or low)) for low, _, high in (part.partition("-") for part in text.split(",") if part)]
 
@@ -997,6 +1010,13 @@ class DeltaRsEngine:
         """
         self._set_properties(table, {DELETED_FILE_RETENTION_SETTING: f"interval {retention_hours} hours"})
         self._written.add(table)  # its commits record the vacuum
+        # the files a replay of the last slice reads stay, however long the lake was idle: those
+        # that the slice commits after its base removed
+        slices = [e for e in self._open(table).history() if "entity_assets.slice" in e]
+        kept = _replay_base(slices)
+        removed_since = min((e["timestamp"] for e in slices if kept and e["version"] > kept["version"]), default=None)
+        if removed_since is not None:
+            retention_hours = max(retention_hours, int((time.time() * 1000 - removed_since) // 3_600_000) + 1)
         return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                                         full=True, post_commithook_properties=_post_commit())
 
@@ -1036,15 +1056,7 @@ class DeltaRsEngine:
                                      **{DONE_PROPERTY + op: _format_ranges(ranges) for op, ranges in done.items() if op}})
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)
         before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
-        # the last slice's commit (not always the newest slice commit, as a re-run of an older slice
-        # comes after it), and the commit of the slice before it
-        def by_slice(entry: dict) -> tuple:
-            return entry["entity_assets.slice"], entry["version"]
-
-        last = max(history, default=None, key=by_slice)
-        before_last = last and max((e for e in history if e["entity_assets.slice"] < last["entity_assets.slice"]),
-                                   default=None, key=by_slice)
-        kept = min((e for e in (last, before_last) if e), default=None, key=lambda e: e["version"])
+        kept = _replay_base(history)
         dt = self._open(table)
         checkpoints = [int(info.base_name[:20]) for info in before if ".checkpoint." in info.base_name]
         cutoff_ms = (time.time() - retention_hours * 3600) * 1000

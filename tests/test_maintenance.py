@@ -96,6 +96,21 @@ def test_a_retention_past_delta_s_seven_days_keeps_the_files_its_versions_name(t
         storage.DELETED_FILE_RETENTION_SETTING] == "interval 720 hours"
 
 
+def test_the_vacuum_keeps_what_a_replay_of_the_last_slice_reads_however_long_the_lake_was_idle(tmp_path):
+    """Slice 2 replaced slice 1's state, and no slice came since (its publish failed, say): a
+    re-run of slice 2 reads the state as of slice 1, whose file the vacuum keeps, as the log
+    keeps its commit, past the retention (here none, for a lake idle longer than it)."""
+    engine = DeltaRsEngine(str(tmp_path))
+    engine.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(engine, "dead_letters", "0000000001", 1),
+                         "0000000001")
+    [first] = _parquet(engine, "dead_letters")
+    engine.commit("dead_letters", SCHEMAS["dead_letters"], add=_write(engine, "dead_letters", "0000000002", 2),
+                  remove=engine.files("dead_letters"), operation="apply", slice_key="0000000002")
+    engine.vacuum("dead_letters", 0)
+    assert first in _parquet(engine, "dead_letters")
+    assert engine.missing("dead_letters", engine.files("dead_letters", 1)) == []
+
+
 def test_observed_tables_are_the_graphs_assets():
     assets = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
     assert ASSET_TABLES <= assets
