@@ -498,10 +498,15 @@ def cmd_changes(args) -> int:
     engine = build_resources()["lake"].open()
     if not engine.exists(args.table):
         raise SystemExit(f"entity-assets changes: the lake has no {args.table} table yet")
+    from entity_assets.assets.common import STATE_APP
+
     since = None if args.since is None else slice_key(int(args.since))
-    for table in engine.changes(args.table, since):
+    version = engine.version(args.table)  # one snapshot: the rows, and the slice to go on from
+    for table in engine.changes(args.table, since, version):
         for row in table.drop_columns(["bucket"]).to_pylist():
             print(json.dumps(row, ensure_ascii=False))
+    upto = engine.applied(args.table, STATE_APP, version)
+    print(f"changes of {args.table} as of slice {slice_key(upto or 0)}: next, --since {upto or 0}", file=sys.stderr)
     return 0
 
 

@@ -784,9 +784,9 @@ class DeltaRsEngine:
     def version(self, table: str) -> int:
         return self._open(table).version()
 
-    def applied(self, table: str, app_id: str) -> int | None:
-        """The last slice sequence number committed to `table` by `app_id`."""
-        return self._open(table).transaction_version(app_id)
+    def applied(self, table: str, app_id: str, version: int | None = None) -> int | None:
+        """The last slice sequence number committed to `table` by `app_id` (as of `version`)."""
+        return self._open(table, version).transaction_version(app_id)
 
     def file_stats(self, table: str) -> pa.Table:
         """One row per file of the current snapshot: `path`, `num_records` and the `min.<column>`

@@ -87,8 +87,11 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
 
     # changes: a state's rows that later slices changed, as JSON lines
     assert cli.main(["changes", "entities"]) == 0
-    every = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    out = capsys.readouterr()
+    every = [json.loads(line) for line in out.out.splitlines()]
     assert len(every) == len(built["entities"]) and "bucket" not in every[0]
+    # where to go on from: the slice of the snapshot read
+    assert out.err == f"changes of entities as of slice {slice_key(slices)}: next, --since {slices}\n"
     assert cli.main(["changes", "entities", "--since", str(slices - 1)]) == 0
     late = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert late and sorted(map(json.dumps, late)) == sorted(
