@@ -1020,7 +1020,7 @@ class DeltaRsEngine:
         return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                                         full=True, post_commithook_properties=_post_commit())
 
-    def expire_log(self, table: str, retention_hours: int) -> int:
+    def expire_log(self, table: str, retention_hours: int, record_done: bool = True) -> int:
         """Deletes the Delta log files older than `retention_hours` that precede a checkpoint, as
         delta-rs would at each commit (see `_post_commit`); returns how many. Versions they held
         can no longer be opened.
@@ -1030,7 +1030,9 @@ class DeltaRsEngine:
         the commits of the table's last slice, which the next slice looks for (`commit_after`),
         and of the slice before it, whose state a replay of the last one reads: while the older
         of them is old and a checkpoint follows it (maintenance commits of an idle lake),
-        nothing is deleted.
+        nothing is deleted. `record_done=False`: a table no step asks what it `reached` (the
+        manifests, which the sensor commits to outside the lake pool: no daily property commit
+        that its commits would meet).
         """
         entries = self._open(table).history()
         history = [e for e in entries if "entity_assets.slice" in e]
@@ -1053,7 +1055,8 @@ class DeltaRsEngine:
                 if int(oldest["entity_assets.slice"]) > 1:
                     done[op].append((1, int(oldest["entity_assets.slice"]) - 1))
         self._set_properties(table, {LOG_RETENTION_SETTING: f"interval {retention_hours} hours",
-                                     **{DONE_PROPERTY + op: _format_ranges(ranges) for op, ranges in done.items() if op}})
+                                     **{DONE_PROPERTY + op: _format_ranges(ranges)
+                                        for op, ranges in done.items() if op and record_done}})
         fs, path = filesystem(f"{self.uri(table)}/_delta_log", self.storage_options)
         before = fs.get_file_info(pafs.FileSelector(path))  # after that commit, whose hook may checkpoint
         kept = _replay_base(history)

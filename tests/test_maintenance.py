@@ -305,3 +305,25 @@ def test_a_stream_publishes_a_slice_after_the_slice_before_unless_the_table_star
     # a slice an older release wrote records no publish: taken as published
     engine.commit(table, SCHEMAS[table], add=[], operation="replace_slice", slice_key=key(7))
     require_published(engine, table, key(8))
+
+
+def test_maintenance_leaves_the_manifests_properties_as_they_are_once_set(tmp_path):
+    """The sensor commits manifests outside the lake pool: a daily property commit (the slices
+    done, which no step asks of the manifests) could meet one and fail the tick or the maintenance."""
+    from entity_assets import storage
+    from entity_assets.manifests import TABLE, ManifestStore
+    from entity_assets.slices import Manifest, OffsetRange
+
+    engine = DeltaRsEngine(str(tmp_path))
+    store = ManifestStore(engine)
+
+    def maintain() -> int:
+        assert lake_maintenance.execute_in_process(resources={"lake": LakeResource(root=str(tmp_path))}).success
+        return DeltaTable(engine.uri(TABLE)).version()
+
+    store.write(Manifest(1, (OffsetRange("entity-batches", 0, 0, 5),), 1))
+    first = maintain()
+    store.write(Manifest(2, (OffsetRange("entity-batches", 0, 5, 9),), 2))
+    assert maintain() == first + 1  # the manifest's commit only
+    assert not [name for name in DeltaTable(engine.uri(TABLE)).metadata().configuration
+                if name.startswith(storage.DONE_PROPERTY)]
