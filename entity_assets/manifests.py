@@ -20,9 +20,12 @@ class MissingManifest(LookupError):
 class ManifestStore:
     """Manifests live in a Delta table, one commit per slice, idempotent by sequence number."""
 
-    def __init__(self, engine: DeltaRsEngine):
+    def __init__(self, engine: DeltaRsEngine, *, reading: bool = False):
+        """`reading`: the table exists, and its reader (`trace`) commits nothing to it, not even
+        an older lake's property that `ensure` would add."""
         self.engine = engine
-        engine.ensure(TABLE, MANIFEST_SCHEMA)
+        if not reading:
+            engine.ensure(TABLE, MANIFEST_SCHEMA)
 
     def latest_seq(self) -> int:
         return self.engine.applied(TABLE, APP_ID) or 0

@@ -90,7 +90,7 @@ def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> 
     slice's end (past it, a record of the topic's first life is not found)."""
     if not engine.exists(MANIFESTS):
         return None
-    store = ManifestStore(engine)
+    store = ManifestStore(engine, reading=True)
 
     @functools.cache  # the search's last slice is often one it read already
     def range_of(seq: int) -> OffsetRange | None:
