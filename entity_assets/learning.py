@@ -29,6 +29,7 @@ Pure stdlib: it is imported by Spark tasks and by the driver alike.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 __all__ = [
@@ -283,35 +284,56 @@ def declaration_errors(schema_doc: Any) -> list[str]:
     """What makes a database schema document not the seed's style: learning would read
     `"optional": "false"` as a field that may be missing, and skip a field spec that is not an
     object. A null `type` or `optional` counts as absent."""
+    return [_path(type_name, error) for type_name, error in _declaration_errors(schema_doc)]
+
+
+def _declaration_errors(schema_doc: Any) -> list[tuple[str | None, str]]:
+    """(entity type, error within it: its path from the type's `fields` on) of each error."""
     if not isinstance(schema_doc, dict):
-        return ["a database schema must be an object of entity types"]
-    errors, todo = [], [(f"{escape(n)}/fields", et.get("fields")) for n, et in schema_doc.items() if isinstance(et, dict)]
+        return [(None, "a database schema must be an object of entity types")]
+    errors, todo = [], [(n, "fields", et.get("fields")) for n, et in schema_doc.items() if isinstance(et, dict)]
     while todo:
-        path, fields = todo.pop()
+        type_name, path, fields = todo.pop()
         if fields is None:
             continue
         if not isinstance(fields, dict):
-            errors.append(f"{path}: must be an object of field specs")
+            errors.append((type_name, f"{path}: must be an object of field specs"))
             continue
         for name, spec in fields.items():
             where = f"{path}/{escape(name)}"
             if not isinstance(spec, dict):
-                errors.append(f"{where}: a field spec must be an object, such as {{\"type\": \"STRING\", \"optional\": true}}")
+                errors.append((type_name, f"{where}: a field spec must be an object, such as "
+                                          "{\"type\": \"STRING\", \"optional\": true}"))
                 continue
             if spec.get("type") is not None and normalize_type(spec["type"]) is None:
-                errors.append(f"{where}/type: must be a type name, such as \"STRING\"")
+                errors.append((type_name, f"{where}/type: must be a type name, such as \"STRING\""))
             if spec.get("optional") is not None and not isinstance(spec["optional"], bool):
-                errors.append(f"{where}/optional: must be true or false")
-            todo.append((f"{where}/fields", spec.get("fields")))
+                errors.append((type_name, f"{where}/optional: must be true or false"))
+            todo.append((type_name, f"{where}/fields", spec.get("fields")))
     return errors
 
 
 def new_declaration_error(before: Any, after: Any) -> str | None:
     """The first of `after`'s declaration errors that `before` (None: no schema yet) did not have:
     a schema patch that makes one fails (status 3); one a schema already held, from a release
-    that did not check, neither fails the patches that leave it be nor hides a new one."""
-    held = set(declaration_errors(before)) if before is not None else set()
-    return next((error for error in declaration_errors(after) if error not in held), None)
+    that did not check, neither fails the patches that leave it be (a type renamed by a `move`
+    keeps its errors, counted in any type) nor hides a new one."""
+    held = Counter(error for _, error in _declaration_errors(before)) if before is not None else Counter()
+    for type_name, error in _declaration_errors(after):
+        if held[error] <= 0:
+            return _path(type_name, error)
+        held[error] -= 1
+    return None
+
+
+def _path(type_name: str | None, error: str) -> str:
+    return error if type_name is None else f"{_top(type_name)}/{error}"
+
+
+def _top(name: str) -> str:
+    """A top-level name as a path's first token: an empty one keeps the path's leading slash,
+    which `patch.parse_path` would otherwise drop (`/b` reads as `b`, `""` as the document)."""
+    return escape(name) or "/"
 
 
 def _fields_of(entity_type: Any) -> dict[str, dict] | None:
@@ -394,7 +416,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
     for name, f in level.fields.items():
         if f.present == 0:
             continue
-        path = prefix + escape(name)
+        path = prefix + escape(name) if prefix else _top(name)
         spec = (declared or {}).get(name)
         if spec is None:
             detail = f"observed in {f.present} of {total} documents as {_counts(f.types)}"
@@ -428,7 +450,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
             missing = total - (f.present if f is not None else 0)
             if missing > 0:
                 out.append({
-                    "path": prefix + escape(name),
+                    "path": prefix + escape(name) if prefix else _top(name),
                     "kind": "required_missing",
                     "detail": f"missing in {missing} of {total} documents",
                 })

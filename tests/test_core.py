@@ -106,6 +106,13 @@ def test_a_schema_patch_that_leaves_a_declaration_learning_cannot_read_fails_wit
     state = core.DocState({"document": json.dumps(held), "version": 7, "deleted": False, "ended": 1})
     assert declare({"type": "STRING", "optional": True})["status"] == 1 and state.version == 8
     assert declare({"type": "STRING", "optional": 0})["status"] == 3 and state.version == 8
+    # a type renamed keeps its errors: no new one; a copy of it makes one
+    rename = [{"op": "move", "from": "Groups", "path": "Teams"}]
+    assert core.apply_one(state, {**patch, "ops": json.dumps(rename)}, implicit_empty=True,
+                          check=new_declaration_error)["status"] == 1
+    copy = [{"op": "copy", "from": "Teams", "path": "Groups"}]
+    failed = core.apply_one(state, {**patch, "ops": json.dumps(copy)}, implicit_empty=True, check=new_declaration_error)
+    assert failed["status"] == 3 and "optional: must be true or false" in failed["error"]
 
 
 def test_a_document_grown_by_adds_stops_at_the_size_a_copy_may_grow_it_to():

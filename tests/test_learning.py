@@ -329,6 +329,16 @@ def test_a_whole_number_sent_as_a_float_fits_a_declared_integer():
     assert disagreements(s, declared) == [] and infer(s, declared)["fields"]["n"]["type"] == "INTEGER"
 
 
+def test_paths_under_a_field_named_empty_read_back_as_that_field():
+    """`parse_path` drops a path's leading slash: a path under the empty name keeps it."""
+    s = Summary.of([{"": {"b": 1}}])
+    assert [parse_path(d["path"]) for d in disagreements(s, {"fields": {}})] == [("",)]
+    declared = {"fields": {"": {"type": "DOCUMENT", "optional": False, "fields": {}}}}
+    assert [parse_path(d["path"]) for d in disagreements(s, declared)] == [("", "b")]
+    [error] = declaration_errors({"": {"fields": {"a": {"optional": "no"}}}})
+    assert parse_path(error.split(":")[0]) == ("", "fields", "a", "optional")
+
+
 def test_document_declared_without_fields_is_unconstrained_inside():
     declared = {"fields": {"meta": {"type": "OBJECT", "optional": False}}}
     s = Summary.of([{"meta": {"anything": 1}}])
