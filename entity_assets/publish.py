@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -150,6 +151,11 @@ STREAMS: dict[str, Stream] = {
 }
 
 
+def process() -> str:
+    """This process, told apart from one of another host or container that has the same pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 @dataclass(frozen=True)
 class Publishing:
     """Where a step publishes: the Kafka settings, per table its topic and partition count, and
@@ -166,7 +172,8 @@ class Publishing:
     topics: dict[str, tuple[str, int]]
     outbox: str
     storage_options: dict | None = None
-    held_by: int | None = None
+    held_by: str | None = None
+    """`process()` of the step's driver."""
     limits: dict[str, int] = field(default_factory=dict)
     """Per table, the largest message (key and value bytes, compressed) its topic takes
     (`kafka_io.message_limits`; the producer's limit where the cluster does not tell)."""
@@ -194,7 +201,7 @@ class Publisher:
     def _spool(self) -> Spool:
         if self.spool is None:
             self.uri = f"{self.publishing.outbox}/{uuid.uuid4().hex}.spool"
-            if self.publishing.held_by == os.getpid():
+            if self.publishing.held_by == process():
                 sink = self._memory = pa.BufferOutputStream()
             else:
                 fs, path = filesystem(self.uri, self.publishing.storage_options)
@@ -231,10 +238,12 @@ class Publisher:
         limit. The others would be refused, and with them the step at every run of the slice:
         they stay in the lake only, counted and named."""
         sizes = pc.fill_null(pc.add(pc.binary_length(texts), pc.fill_null(pc.binary_length(keys), 0)), 0)
-        if (pc.max(sizes).as_py() or 0) <= limit:
+        config = self.publishing.kafka_config
+        most = producer_limit(config)  # a topic may allow more than the producer sends
+        if (pc.max(sizes).as_py() or 0) <= min(limit, most):
             return None
-        config, within = self.publishing.kafka_config, pc.less_equal(sizes, limit)
-        fits, most = within.to_pylist(), producer_limit(config)
+        within = pc.less_equal(sizes, min(limit, most))
+        fits = within.to_pylist()
         for i in pc.indices_nonzero(pc.invert(within)).to_pylist():
             key, size, value = keys[i].as_py(), sizes[i].as_py(), texts[i].as_py()
             value = value.encode() if isinstance(value, str) else value

@@ -125,10 +125,10 @@ def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.F
     (AWS_*, AZURE_*; GOOGLE_APPLICATION_CREDENTIALS for Google Cloud Storage). A URI's path is
     read percent-decoded: delta-rs gives a table's URI encoded (`my%20lake` for a root `my lake`).
     """
-    parsed = urlparse(uri)
+    parsed = urlparse(uri, allow_fragments=False)  # a `#` or `?` of a folder's name is no fragment nor query
     if not parsed.scheme:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
-    path = unquote(parsed.path)
+    path = unquote(parsed.path + (f"?{parsed.query}" if parsed.query else ""))
     if parsed.scheme == "file":
         return pafs.LocalFileSystem(), os.path.abspath(path)
     scheme = {"s3a": "s3", "s3n": "s3"}.get(parsed.scheme, parsed.scheme)
@@ -1010,15 +1010,19 @@ class DeltaRsEngine:
         """
         self._set_properties(table, {DELETED_FILE_RETENTION_SETTING: f"interval {retention_hours} hours"})
         self._written.add(table)  # its commits record the vacuum
-        # the files a replay of the last slice reads stay, however long the lake was idle: those
-        # that the slice commits after its base removed
-        slices = [e for e in self._open(table).history() if "entity_assets.slice" in e]
-        kept = _replay_base(slices)
-        removed_since = min((e["timestamp"] for e in slices if kept and e["version"] > kept["version"]), default=None)
-        if removed_since is not None:
-            retention_hours = max(retention_hours, int((time.time() * 1000 - removed_since) // 3_600_000) + 1)
-        return self._open(table).vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
-                                        full=True, post_commithook_properties=_post_commit())
+        dt = self._open(table)
+        doomed = dt.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False, full=True)
+        # the files a replay of the last slice reads stay, however long the lake was idle
+        kept = _replay_base([e for e in dt.history() if "entity_assets.slice" in e])
+        needed = {f.path for f in self.files(table, kept["version"])} & set(doomed) if kept else set()
+        if not needed:
+            return dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
+                             full=True, post_commithook_properties=_post_commit())
+        fs, root = filesystem(self.uri(table), self.storage_options)
+        doomed = [path for path in doomed if path not in needed]
+        for path in doomed:
+            fs.delete_file(f"{root}/{path}")
+        return doomed
 
     def expire_log(self, table: str, retention_hours: int, record_done: bool = True) -> int:
         """Deletes the Delta log files older than `retention_hours` that precede a checkpoint, as

@@ -252,8 +252,9 @@ def test_tasks_in_the_step_s_process_hold_their_spools_in_memory_and_tasks_elsew
                      "entity": ["e1", "e1"], "notification": ["n1", "n2"], "action": ["created", "created"],
                      "ended": [5, 5]})
     topics = {"changes_by_device": ("changes-by-device", 2)}
-    here = Publishing({}, topics, str(tmp_path), held_by=os.getpid())  # as the step makes it
-    elsewhere = Publishing({}, topics, str(tmp_path), held_by=os.getpid() + 1)  # as a Spark worker sees it
+    here = Publishing({}, topics, str(tmp_path), held_by=publish.process())  # as the step makes it
+    host, _, pid = publish.process().rpartition(":")
+    elsewhere = Publishing({}, topics, str(tmp_path), held_by=f"{host}-other:{pid}")  # a worker of another host
     spools = {}
     for name, publishing in (("here", here), ("elsewhere", elsewhere)):
         publisher = publish.Publisher(publishing)

@@ -206,7 +206,8 @@ def test_a_record_that_fails_for_no_reason_a_check_foresaw_is_an_unexpected_erro
     from entity_assets.ingest import dead_letter
 
     rows = []
-    dead_letter(SimpleNamespace(append=rows.append), KeyError("x"), K1, STREAM, "entity-batches", 0, 5, 1, b"k", b"v")
+    dead_letter(SimpleNamespace(append=lambda row, size: rows.append(row)), KeyError("x"), K1, STREAM, "entity-batches",
+                0, 5, 1, b"k", b"v")
     assert (rows[0]["code"], rows[0]["reason"]) == ("GENERR009", "KeyError: 'x'")
 
 

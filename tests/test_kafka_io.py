@@ -268,3 +268,18 @@ def test_offsets_are_committed_to_the_slices_group_or_the_one_the_client_config_
 def test_a_commit_without_an_answer_says_which_group():
     with pytest.raises(kafka_io.OffsetsNotCommitted, match="group entity-assets-slices: .*"):
         kafka_io.commit_offsets({"bootstrap.servers": "127.0.0.1:1"}, {("commits", 0): 1}, timeout=1)
+
+
+def test_a_message_the_producer_would_refuse_is_left_out_even_where_its_topic_takes_it():
+    """A topic raised past the producer's `message.max.bytes` (16 MiB for large documents) took
+    every message as fitting: librdkafka then refused one at once, after the commit, and the
+    step failed at every run of its slice."""
+    from entity_assets.publish import STREAMS, Publisher, Publishing
+
+    config = {"bootstrap.servers": "127.0.0.1:1", "message.max.bytes": 10_000}
+    publisher = Publisher(Publishing(config, {"entity_updates": ("entity-updates", 1)}, "/nowhere",
+                                     limits={"entity_updates": 16 * 1024 * 1024}))
+    texts = pa.array(["x" * 100, "y" * 20_000])
+    fits = publisher._fitting("entity_updates", STREAMS["entity_updates"], pa.array(["a", "b"]), texts,
+                              16 * 1024 * 1024)
+    assert fits.to_pylist() == [True, False] and publisher.undeliverable == {"entity_updates": 1}

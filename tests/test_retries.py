@@ -72,6 +72,9 @@ def test_blips_are_transient(exc):
     OSError("When writing 'lake/x.parquet': AWS Error ACCESS_DENIED during PutObject operation"),
     KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "Topic authorization failed")),
     DeliveryFailed("producing to ['entity-updates'] failed: [KafkaError{code=TOPIC_AUTHORIZATION_FAILED}]"),
+    # a record the broker or the producer will never take: a retry would publish the slice again
+    DeliveryFailed("producing to ['entity-updates'] failed: [KafkaError{code=MSG_SIZE_TOO_LARGE,val=10,"
+                   "str=\"Broker: Message size too large\"}]"),
     _task_failure("ValueError: Exceeds the limit (4300 digits)"),
     _task_failure("FileNotFoundError: lake/entities/x.parquet"),
     _task_failure("OSError: the store" + HANDLING + "Traceback (most recent call last):\nKeyError: 'bucket'"),

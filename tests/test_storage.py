@@ -18,6 +18,7 @@ from entity_assets.storage import (
     REQUESTS_IN_FLIGHT,
     LayoutError,
     TableFile,
+    filesystem,
     key_string,
     key_strings,
     prefetched,
@@ -124,6 +125,10 @@ def test_a_lake_whose_path_holds_characters_a_uri_escapes_reads_back(tmp_path, r
     engine.replace_slice("entity_updates", SCHEMAS["entity_updates"], writer.close(), KEY)
     assert engine.read("entity_updates").column("status").to_pylist() == [1]
     assert engine.missing("entity_updates", engine.files("entity_updates")) == []
+    # the same lake named as a URI: its `#` is a folder's name, not a fragment
+    assert filesystem(f"file://{tmp_path / root}/entity_updates/x?y#z", None)[1] == \
+        f"{tmp_path / root}/entity_updates/x?y#z"
+    assert filesystem("s3://bucket/hash#lake/t?v", {"endpoint_url": "http://127.0.0.1:1"})[1] == "bucket/hash#lake/t?v"
 
 
 def test_an_engine_keeps_its_table_handles_current_with_other_writers_commits(tmp_path):

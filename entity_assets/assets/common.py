@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -509,7 +508,7 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     all but those too large for their topic (`undeliverable_check`).
     """
     from entity_assets.kafka_io import PRODUCER_DEFAULTS, ensure_topics, message_limits, partition_counts, producer_limit
-    from entity_assets.publish import STREAMS, Publishing
+    from entity_assets.publish import STREAMS, Publishing, process
     from entity_assets.storage import filesystem, is_remote
 
     topics = {table: kafka.topic(STREAMS[table].name) for table in tables if kafka.publishes(STREAMS[table].name)}
@@ -528,7 +527,7 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     if limits and (smallest := max(1, min(limits.values()))) < batch:  # the broker holds a batch to its topic's limit
         config = {**config, "batch.size": smallest}
     return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()}, outbox,
-                      engine.storage_options, held_by=os.getpid(),
+                      engine.storage_options, held_by=process(),
                       limits={table: limits.get(topic, producer_limit(config)) for table, topic in topics.items()})
 
 

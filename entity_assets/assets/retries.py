@@ -31,8 +31,10 @@ _TRANSIENT_NAMES = re.compile(
 reaches the driver as text)."""
 _DENIED = re.compile(r"AUTHORIZATION_FAILED|AUTHENTICATION|ACCESS_DENIED|AccessDenied|Forbidden|InvalidAccessKeyId|"
                      r"SignatureDoesNotMatch|NO_SUCH_BUCKET|NoSuchBucket|AuthorizationFailure|AuthenticationFailed|"
-                     r"INVALID_REPLICATION_FACTOR|POLICY_VIOLATION|INVALID_CONFIG")
-"""What Kafka and the object stores say of a setting or a right that is missing: no wait brings it."""
+                     r"INVALID_REPLICATION_FACTOR|POLICY_VIOLATION|INVALID_CONFIG|"
+                     r"MSG_SIZE_TOO_LARGE|RECORD_LIST_TOO_LARGE|INVALID_RECORD|INVALID_MSG")
+"""What Kafka and the object stores say of a setting or a right that is missing, or of a record
+they will never take: no wait brings it, and each retry would publish the slice's messages again."""
 _ERROR_LINE = re.compile(r"^(?!(?:org|java|scala|py4j)\.)([\w.]+)(?::|$)")
 
 
