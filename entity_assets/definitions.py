@@ -88,14 +88,16 @@ def _number(field: str, default: str, kind: type = int):
         raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
-SECRET_KEYS = re.compile(r"(password|secret|token|secret\.key|access_key|account_key|sas_key|jaas\.config"
+SECRET_KEYS = re.compile(r"(password|secret|token|secret\.key|access_key|account_key|master_key|sas_key|jaas\.config"
                          r"|oauthbearer\.config|key\.pem|private\.key|encryption\.key)$"
-                         r"|account\.key|fs\.azure\.sas\.(?!token\.(provider\.type|renew\.period\.for\.streams)$)")
+                         r"|account\.key(\.|$)|client\.secret\.|fs\.azure\.sas\.(?!token\.(provider\.type|renew\.period\.for\.streams)$)")
 """Keys of librdkafka and Spark (Hadoop) settings that hold a secret (`ssl.keystore.password`,
 `sasl.oauthbearer.client.secret`, `ssl.key.pem`, `spark.hadoop.fs.s3a.secret.key`,
 `fs.s3a.session.token`, `fs.azure.account.key.<account>`, `fs.azure.sas.fixed.token`,
-`fs.gs.auth.service.account.private.key`), and executors' variables that do
-(`spark.executorEnv.AWS_SECRET_ACCESS_KEY`, `…AZURE_STORAGE_SAS_KEY`): a resource's plain
+`fs.azure.account.oauth2.client.secret.<account>`, `fs.gs.auth.service.account.private.key`),
+and executors' variables that do (`spark.executorEnv.AWS_SECRET_ACCESS_KEY`,
+`…AZURE_STORAGE_SAS_KEY`, `…AZURE_STORAGE_MASTER_KEY`); not `fs.azure.account.keyprovider.<account>`,
+which names a class: a resource's plain
 setting is shown in the UI and stored with the code location's snapshot, so a secret comes
 through the environment (`ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV`; Spark's object stores read
 their own variables)."""

@@ -207,6 +207,8 @@ def test_commands_give_librdkafka_the_sasl_credentials_not_the_names_of_their_va
     monkeypatch.setenv("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.aws.credentials.provider=x.Provider, "
                                                    "spark.hadoop.fs.azure.sas.token.provider.type=y.Provider, "
                                                    "spark.hadoop.fs.azure.sas.token.renew.period.for.streams=120, "
+                                                   "spark.hadoop.fs.azure.account.keyprovider.acct.blob.core.windows.net="
+                                                   "z.Provider, "
                                                    "spark.hadoop.fs.s3a.access.key=AKIA, spark.executorEnv.AWS_REGION=r")
     config = cli.kafka_resource().config()
     assert config["ssl.keystore.password"] == "st0re" and config["ssl.keystore.location"] == "/etc/kafka/client.p12"
@@ -405,6 +407,9 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.sas.fixed.token=t", "sas.fixed.token holds a secret"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.sas.logs.acct.blob.core.windows.net=t", "logs.acct"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.gs.auth.service.account.private.key=k", "private.key holds"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.account.oauth2.client.secret.acct.dfs.core.windows.net=s",
+     "client.secret.acct.dfs.core.windows.net holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.executorEnv.AZURE_STORAGE_MASTER_KEY=k", "AZURE_STORAGE_MASTER_KEY holds"),
     ("ENTITY_ASSETS_SPARK_MASTER", "sc://spark:15002/;token=abc", "SPARK_CONNECT_AUTHENTICATE_TOKEN"),
     ("ENTITY_ASSETS_STEP_RETRIES", "many", "ENTITY_ASSETS_STEP_RETRIES='many' is not a count of retries"),
     # a cluster's executors would write the default lake, a folder of this host, on their own disks
