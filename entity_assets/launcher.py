@@ -10,6 +10,7 @@ tells: the worker logs it when it starts, and `entity-assets run` tags its runs 
 import functools
 import json
 import os
+import signal
 import socket
 import time
 
@@ -102,7 +103,8 @@ def check_worker(instance: DagsterInstance, run: DagsterRun) -> CheckRunHealthRe
 
 
 class LocalRunLauncher(DefaultRunLauncher):
-    """The default launcher, plus health checks of run workers on this host for run monitoring."""
+    """The default launcher, plus health checks of run workers on this host for run monitoring,
+    and termination of `entity-assets run`'s runs, which no code server runs."""
 
     @property
     def supports_check_run_worker_health(self) -> bool:
@@ -110,6 +112,19 @@ class LocalRunLauncher(DefaultRunLauncher):
 
     def check_run_worker_health(self, run: DagsterRun) -> CheckRunHealthResult:
         return check_worker(self._instance, run)
+
+    def terminate(self, run_id: str) -> bool:
+        """A run of `entity-assets run` is interrupted in its process, as Ctrl-C would: the
+        default launcher finds no code server to ask, so run monitoring would mark the run
+        canceled after its timeout while the process went on writing, beside the next run of
+        the lake pool."""
+        run = self._instance.get_run_by_id(run_id)
+        worker = run_worker(self._instance, run) if run is not None and WORKER_TAG in run.tags else None
+        if worker is None or not process_alive(*worker):
+            return super().terminate(run_id)
+        self._instance.report_run_canceling(run)
+        os.kill(worker[0], signal.SIGINT)
+        return True
 
 
 def settle_runs(instance: DagsterInstance, sensor_name: str) -> list[str]:

@@ -57,3 +57,40 @@ def test_the_cli_fails_dead_runs_and_waits_for_live_or_starting_ones(project_ins
     reasons = settle_runs(instance, "kafka_offsets_sensor")
     assert {r.split()[1] for r in reasons} == {live.run_id, starting.run_id}
     assert instance.get_run_by_id(live.run_id).status == DagsterRunStatus.STARTED
+
+
+SLOW_CLI_RUN = """
+import time
+from dagster import DagsterInstance, job, op
+from entity_assets.launcher import worker_tag
+
+@op
+def slow():
+    time.sleep(60)
+
+@job
+def slow_job():
+    slow()
+
+with DagsterInstance.get() as instance:
+    print(slow_job.execute_in_process(instance=instance, tags=worker_tag(), raise_on_error=False).success)
+"""
+
+
+def test_terminating_a_run_of_the_cli_interrupts_its_process(project_instance):
+    """No code server runs `entity-assets run`'s runs: the default launcher would ask none, and run
+    monitoring would mark the run canceled after its timeout while the process went on writing."""
+    instance = project_instance
+    child = subprocess.Popen([sys.executable, "-c", SLOW_CLI_RUN], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True)
+    try:
+        deadline = time.time() + 60
+        while not (runs := instance.get_runs()) or runs[0].status != DagsterRunStatus.STARTED:
+            assert time.time() < deadline and child.poll() is None
+            time.sleep(0.2)
+        assert instance.run_launcher.terminate(runs[0].run_id)
+        out, _ = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert out.strip() == "False"
+    assert instance.get_run_by_id(runs[0].run_id).status == DagsterRunStatus.CANCELED
