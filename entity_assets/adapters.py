@@ -219,19 +219,22 @@ def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None, G
 
 
 def key_before(update: GoldenGateChange, raw_key: bytes) -> str | None:
-    """The entity id of a GoldenGate update's `before`, where the key's columns are known (its
-    `primary_keys`, or the fields of a key object) and `before` holds them all."""
-    columns = update.primary_keys
-    if not columns:
-        try:
-            key = from_json(raw_key)
-        except ValueError:
-            return None
-        key = _unwrapped(key)
-        columns = list(key) if isinstance(key, dict) else None
-    if not columns or not all(m.names_a_key(update.before.get(c)) for c in columns):
+    """The entity id of a GoldenGate update's old key, where the update changed it: the key's
+    columns (a key object's fields, or the record's `primary_keys`) differ between `before` and
+    `after`. The id is made in the form the record's key makes the new one: a key object's
+    values joined as `entity_id` joins them, or GoldenGate's text of them joined by `_`."""
+    try:
+        key = _unwrapped(from_json(raw_key))
+    except ValueError:
+        key = None
+    columns = list(key) if isinstance(key, dict) else update.primary_keys
+    rows = (update.before, update.after or {})
+    if not columns or not all(m.names_a_key(row.get(c)) for row in rows for c in columns):
         return None
-    return joined_key([key_text(update.before[c]) for c in columns])
+    if all(update.before[c] == update.after[c] for c in columns):
+        return None  # the same key: an ordinary update
+    values = [key_text(update.before[c]) for c in columns]
+    return joined_key(values) if isinstance(key, dict) else "_".join(values)
 
 
 def entity_id(raw: bytes | None) -> str:

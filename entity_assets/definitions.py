@@ -233,6 +233,21 @@ def build_resources() -> dict:
         ("slicing", SlicingResource, slicing))}
 
 
+def drifted(resource) -> list[str]:
+    """The fields of `resource` (a run's) whose value is not the one their variable, set, gives."""
+    name, deployed = next((name, r) for name, r in build_resources().items() if type(r) is type(resource))
+    out = []
+    for field, variable in [*VARIABLES.items(), ("publish", VARIABLES["published_streams"])]:
+        if field not in type(resource).model_fields or not os.environ.get(variable):
+            continue
+        given, value = (v.get_value() if isinstance(v, EnvVar) else v for v in (getattr(deployed, field),
+                                                                               getattr(resource, field)))
+        if value != given:
+            shown = "(a secret)" if isinstance(getattr(deployed, field), EnvVar) else repr(value)[:80]
+            out.append(f"{name}.{field} is {shown}, where {variable} sets it")
+    return out
+
+
 def _resource(cls, settings: dict):
     """The resource; a value it refuses is said on one line, naming its variable."""
     try:

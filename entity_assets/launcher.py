@@ -122,8 +122,11 @@ class LocalRunLauncher(DefaultRunLauncher):
         worker = run_worker(self._instance, run) if run is not None and WORKER_TAG in run.tags else None
         if worker is None or not process_alive(*worker):
             return super().terminate(run_id)
+        try:
+            os.kill(worker[0], signal.SIGINT)
+        except OSError:  # another user's process, or gone meanwhile
+            return super().terminate(run_id)
         self._instance.report_run_canceling(run)
-        os.kill(worker[0], signal.SIGINT)
         return True
 
 

@@ -1009,7 +1009,7 @@ class DeltaRsEngine:
         Delta's 7 days would lose files that versions it reaches still name.
         """
         self._set_properties(table, {DELETED_FILE_RETENTION_SETTING: f"interval {retention_hours} hours"})
-        self._written.add(table)  # its commits record the vacuum
+        self._written.add(table)  # delta-rs's vacuum commits record it
         dt = self._open(table)
         doomed = dt.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False, full=True)
         # the files a replay of the last slice reads stay, however long the lake was idle
@@ -1019,10 +1019,14 @@ class DeltaRsEngine:
             return dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                              full=True, post_commithook_properties=_post_commit())
         fs, root = filesystem(self.uri(table), self.storage_options)
-        doomed = [path for path in doomed if path not in needed]
-        for path in doomed:
-            fs.delete_file(f"{root}/{path}")
-        return doomed
+        deleted = []
+        for path in (path for path in doomed if path not in needed):
+            try:
+                fs.delete_file(f"{root}/{path}")
+            except FileNotFoundError:  # gone meanwhile
+                continue
+            deleted.append(path)
+        return deleted
 
     def expire_log(self, table: str, retention_hours: int, record_done: bool = True) -> int:
         """Deletes the Delta log files older than `retention_hours` that precede a checkpoint, as

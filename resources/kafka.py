@@ -12,6 +12,7 @@ from entity_assets import adapters
 from entity_assets.broker import DEFAULT_PORT
 from entity_assets.ingest import INPUT_STREAMS, IngestionStream, InputStream, ingestion_stream
 from entity_assets.publish import STREAMS
+from resources.deployed import Deployed
 
 DERIVED_STREAMS = tuple(stream.name for stream in STREAMS.values())
 """The streams the assets publish, by their seed names (`KafkaResource.published_streams`)."""
@@ -45,7 +46,7 @@ class IngestionSource(Config):
                                   "its metadata messages first, so data that they register decodes at once")
 
 
-class KafkaResource(ConfigurableResource):
+class KafkaResource(Deployed, ConfigurableResource):
     """Connection settings shared by the sensor (driver) and the Spark tasks (executors).
 
     Topic names are the seed's stream names behind an optional prefix, such as the

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from entity_assets import shards
 from entity_assets.storage import DeltaRsEngine
+from resources.deployed import Deployed
 
 
 def default_home() -> str:
@@ -16,7 +17,7 @@ def default_home() -> str:
     return os.path.abspath(os.environ.get("ENTITY_ASSETS_HOME") or ".entity-assets")  # set empty: unset
 
 
-class LakeResource(ConfigurableResource):
+class LakeResource(Deployed, ConfigurableResource):
     """Root URI and engine of the Delta lake.
 
     `delta-rs` commits the files Spark tasks write; a cluster with the Delta Lake jars can

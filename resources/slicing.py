@@ -8,9 +8,10 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from entity_assets.slices import SlicePolicy
+from resources.deployed import Deployed
 
 
-class SlicingResource(ConfigurableResource):
+class SlicingResource(Deployed, ConfigurableResource):
     """How offsets become slices. See docs/slices.md for how to size these."""
 
     min_interval_seconds: float = Field(default=900.0, ge=0, description="minimum time between two slices")

@@ -8,6 +8,8 @@ import sys
 from dagster import ConfigurableResource
 from pydantic import Field, PrivateAttr
 
+from resources.deployed import Deployed
+
 DEFAULT_CONF = {
     "spark.sql.shuffle.partitions": "8",
     "spark.ui.showConsoleProgress": "false",
@@ -24,7 +26,7 @@ up to 10,000 tasks on the same cores (1-1.5 s on a read of the 64 files of a 1M-
 which pays only against an object store's latency."""
 
 
-class SparkResource(ConfigurableResource):
+class SparkResource(Deployed, ConfigurableResource):
     """One SparkSession per run.
 
     The code location's runs use Dagster's in-process executor, so every asset step of a run shares

@@ -63,6 +63,17 @@ def _isolated_home(tmp_path_factory):
             os.environ[k] = v
 
 
+@pytest.fixture(autouse=True)
+def _no_deployment_settings(monkeypatch):
+    """A setting exported in the developer's shell, or set by a command an earlier test ran
+    (`cli.prepare_environment`), would differ from a test's own resources, which runs refuse
+    (`resources.deployed`): each test starts without them and sets its own."""
+    from entity_assets.definitions import VARIABLES
+
+    for variable in VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

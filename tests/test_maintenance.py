@@ -327,3 +327,26 @@ def test_maintenance_leaves_the_manifests_properties_as_they_are_once_set(tmp_pa
     assert maintain() == first + 1  # the manifest's commit only
     assert not [name for name in DeltaTable(engine.uri(TABLE)).metadata().configuration
                 if name.startswith(storage.DONE_PROPERTY)]
+
+
+def test_a_run_whose_resource_differs_from_the_environment_is_refused(tmp_path, monkeypatch):
+    """A run config that sets one field of a resource makes Dagster drop the deployment's other
+    fields that have a fixed default: here the retention, which would fall back to 7 days."""
+    from entity_assets.definitions import build_resources
+
+    deployed = DeltaRsEngine(str(tmp_path / "deployed"))
+    for n in (3, 2):
+        deployed.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(deployed, "dead_letters", "0000000001", n),
+                               "0000000001")
+    monkeypatch.setenv("ENTITY_ASSETS_LAKE", str(tmp_path / "deployed"))
+    monkeypatch.setenv("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "0")
+    lake = build_resources()["lake"]
+    result = lake_maintenance.execute_in_process(run_config={"resources": {"lake": {"config": {"state_file_rows": 99}}}},
+                                                 resources={"lake": lake}, raise_on_error=False)
+    assert not result.success
+    said = str(result.all_events)
+    assert "lake.vacuum_retention_hours is 168, where ENTITY_ASSETS_VACUUM_RETENTION_HOURS sets it" in said
+    assert len(_parquet(deployed, "dead_letters")) == 2  # nothing vacuumed
+    # the deployment's settings: the run goes
+    assert lake_maintenance.execute_in_process(resources={"lake": lake}).success
+    assert len(_parquet(deployed, "dead_letters")) == 1
