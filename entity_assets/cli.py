@@ -685,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, SettingError) as exc:  # a resource's setting from the environment (ENTITY_ASSETS_*)
         print(f"entity-assets {args.command}: a setting is not valid: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or the UI's Terminate of a run of `run` (launcher.LocalRunLauncher)
+        print(f"entity-assets {args.command}: interrupted", file=sys.stderr)
+        return 130
     except KafkaException as exc:
         if exc.args[0].code() != KafkaError._INVALID_ARG:  # librdkafka refused a client's settings
             raise

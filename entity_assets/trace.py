@@ -87,7 +87,8 @@ def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> 
     partition, idle ones too, so their offset statistics do not narrow it). Where a topic's
     offsets went back and were read again (`offsets_went_back="restart"`), they do not grow:
     the manifests that can hold the offset are read then, for an offset below the newest
-    slice's end (past it, a record of the topic's first life is not found)."""
+    slice's end (past it, a record of the topic's first life is not found), and so they are for
+    a partition the newest slice does not name (its topic deleted since)."""
     if not engine.exists(MANIFESTS):
         return None
     store = ManifestStore(engine, reading=True)
@@ -98,14 +99,16 @@ def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> 
 
     low, high = 1, store.latest_seq()
     newest = range_of(high) if high else None
-    if newest is None or offset >= newest.end:
-        return None  # past every slice (or a partition no slice names)
-    while low < high:  # the first slice whose range of the partition ends past the offset
-        middle = (low + high) // 2
-        found = range_of(middle)
-        low, high = (middle + 1, high) if found is None or found.end <= offset else (low, middle)
-    if (found := range_of(low)) is not None and found.start <= offset < found.end:
-        return slice_key(low)
+    if newest is not None:
+        if offset >= newest.end:
+            return None  # past every slice
+        while low < high:  # the first slice whose range of the partition ends past the offset
+            middle = (low + high) // 2
+            found = range_of(middle)
+            low, high = (middle + 1, high) if found is None or found.end <= offset else (low, middle)
+        if (found := range_of(low)) is not None and found.start <= offset < found.end:
+            return slice_key(low)
+    # offsets read again, or a partition the newest slice does not name (its topic deleted since)
     files = [f for f in engine.files(MANIFESTS)
              if f.min.get("start_offset", offset) <= offset < f.max.get("end_offset", offset + 1)]
     at = [("topic", "=", topic), ("partition", "=", partition), ("start_offset", "<=", offset), ("end_offset", ">", offset)]

@@ -364,6 +364,19 @@ def test_a_kafka_client_setting_librdkafka_refuses_is_a_line_and_status_2(monkey
     assert err.count("\n") == 1
 
 
+def test_an_interrupted_command_is_a_line_and_status_130(monkeypatch, tmp_path, capsys):
+    """The UI's Terminate of a run of `run` interrupts its process, as Ctrl-C does, maybe between runs."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_summary", interrupted)
+    assert cli.main(["summary"]) == 130
+    assert capsys.readouterr().err == "entity-assets summary: interrupted\n"
+
+
 @pytest.mark.parametrize("argv, said", [
     (["topics", "--dry-run", "--input-config", "foo"], "--input-config foo: give KEY=VALUE"),
     (["run", "--slices", "1.."], "--slices 1..: give slice numbers"),
