@@ -186,6 +186,10 @@ def _file_records(path: str):
         raise UsageError(f"{path}: {exc.strerror}") from None
 
 
+def _say_produced(counts: Counter) -> None:
+    print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
+
+
 def cmd_produce(args) -> int:
     from entity_assets import samples
 
@@ -214,7 +218,7 @@ def cmd_produce(args) -> int:
             counts = produce_records(traffic.changes() if args.devices else traffic.records())
         if args.bad:
             counts += produce_records(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))
-    print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
+    _say_produced(counts)
     return 0
 
 
@@ -576,11 +580,11 @@ def cmd_demo(args) -> int:
     counts = produce_records([*samples.seed_records(), *traffic.changes(),
                               *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES)),
                               *samples.CdcTraffic(rows=args.cdc_rows).records(), samples.CDC_BAD])
-    print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
+    _say_produced(counts)
     code = _run_all()
     if code == 0:  # the apps acknowledge what those slices sent them: a slice of its own
         counts = produce_records(traffic.acks())
-        print("produced " + ", ".join(f"{n} to {s}" for s, n in sorted(counts.items())))
+        _say_produced(counts)
         code = _run_all()
     print()
     cmd_summary(args)
