@@ -218,27 +218,24 @@ def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None, G
     return UPSERT, parsed.after, table, parsed if op == "U" and parsed.before else None
 
 
-def key_before(update: GoldenGateChange, raw_key: bytes) -> str | None:
+def key_before(update: GoldenGateChange, key_columns: list[str] | None) -> str | None:
     """The entity id of a GoldenGate update's old key, where the update changed it: the key's
     columns (a key object's fields, or the record's `primary_keys`) differ between `before` and
     `after`. The id is made in the form the record's key makes the new one: a key object's
     values joined as `entity_id` joins them, or GoldenGate's text of them joined by `_`."""
-    try:
-        key = _unwrapped(from_json(raw_key))
-    except ValueError:
-        key = None
-    columns = list(key) if isinstance(key, dict) else update.primary_keys
+    columns = key_columns or update.primary_keys
     rows = (update.before, update.after or {})
     if not columns or not all(m.names_a_key(row.get(c)) for row in rows for c in columns):
         return None
     if all(update.before[c] == update.after[c] for c in columns):
         return None  # the same key: an ordinary update
     values = [key_text(update.before[c]) for c in columns]
-    return joined_key(values) if isinstance(key, dict) else "_".join(values)
+    return joined_key(values) if key_columns else "_".join(values)
 
 
-def entity_id(raw: bytes | None) -> str:
-    """The primary key's values joined by underscores (an object key), or the key's text."""
+def entity_id(raw: bytes | None) -> tuple[str, list[str] | None]:
+    """The primary key's values joined by underscores (an object key), or the key's text; and a
+    key object's columns, which tell a GoldenGate update's old key."""
     if not raw:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "key: the record has no key (the row's primary key)")
     try:
@@ -246,7 +243,7 @@ def entity_id(raw: bytes | None) -> str:
     except m.InvalidMessage as exc:
         if exc.code is m.DeadLetterCode.OVERSIZE or _json_but_nan(raw) or _OBJECT.fullmatch(raw):
             raise
-        return _plain_key(raw)  # GoldenGate's `pk1_pk2` text, a braced GUID
+        return _plain_key(raw), None  # GoldenGate's `pk1_pk2` text, a braced GUID
     if not isinstance(key, dict) and not m.names_a_key(key):
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key: {raw[:80]!r} names no primary key")
     if isinstance(key, dict):
@@ -258,10 +255,10 @@ def entity_id(raw: bytes | None) -> str:
                 raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.{name}: a key value must be a non-empty "
                                                                      "string, a number or a boolean")
             parts.append(key_text(value))
-        return joined_key(parts)
+        return joined_key(parts), list(key)
     if isinstance(key, str) or raw.lstrip()[:1] == b"{":  # a string, or a wrapped payload's value
-        return key_text(key)
-    return raw.decode()  # a number's text as written (`12.50`), as a plain key's
+        return key_text(key), None
+    return raw.decode(), None  # a number's text as written (`12.50`), as a plain key's
 
 
 _OBJECT = re.compile(rb'\s*\{\s*".*\}\s*', re.DOTALL)
@@ -325,12 +322,12 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
             return decoded
         row, primary_key, table, moved = decoded
         kind = DELETE if row is None else UPSERT
-        entity = joined_key([key_text(v) for v in primary_key]) if primary_key else entity_id(key)
+        entity = joined_key([key_text(v) for v in primary_key]) if primary_key else entity_id(key)[0]
         left = moved and joined_key([key_text(v) for v in moved])
     else:
-        entity = entity_id(key)
+        entity, key_columns = entity_id(key)
         kind, row, table, update = change(source.format, value)
-        left = update and key_before(update, key)
+        left = update and key_before(update, key_columns)
     if nesting(row, MAX_DEPTH) > MAX_DEPTH:  # every patch of it would fail; past ~196, explode could not read it
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"the row nests deeper than {MAX_DEPTH} levels, "
                                                              "a document's limit")

@@ -1011,10 +1011,18 @@ class DeltaRsEngine:
         self._set_properties(table, {DELETED_FILE_RETENTION_SETTING: f"interval {retention_hours} hours"})
         self._written.add(table)  # delta-rs's vacuum commits record it
         dt = self._open(table)
-        doomed = dt.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False, full=True)
-        # the files a replay of the last slice reads stay, however long the lake was idle
-        kept = _replay_base([e for e in dt.history() if "entity_assets.slice" in e])
-        needed = {f.path for f in self.files(table, kept["version"])} & set(doomed) if kept else set()
+        history = dt.history()
+        # the files a replay of the last slice reads stay, however long the lake was idle; only a
+        # commit after it older than the retention (with an hour for writers' clocks) can have
+        # removed them for the vacuum, so a busy lake lists its files once
+        kept = _replay_base([e for e in history if "entity_assets.slice" in e])
+        cutoff_ms = (time.time() - (retention_hours - 1) * 3600) * 1000
+        if kept and any(e["version"] > kept["version"] and e["timestamp"] <= cutoff_ms for e in history):
+            doomed = dt.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False,
+                               full=True)
+            needed = {f.path for f in self.files(table, kept["version"])} & set(doomed)
+        else:
+            needed = set()
         if not needed:
             return dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
                              full=True, post_commithook_properties=_post_commit())

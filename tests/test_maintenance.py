@@ -111,6 +111,21 @@ def test_the_vacuum_keeps_what_a_replay_of_the_last_slice_reads_however_long_the
     assert engine.missing("dead_letters", engine.files("dead_letters", 1)) == []
 
 
+def test_a_busy_lake_is_vacuumed_by_one_listing_of_its_files(tmp_path, monkeypatch):
+    """No commit after the replay base is past the retention, so nothing it reads can be doomed:
+    the vacuum runs once, without a dry run, and still deletes a failed run's old file."""
+    engine, now = DeltaRsEngine(str(tmp_path)), time.time()
+    for seq in (1, 2):
+        _commit_slice(engine, seq)
+    orphan = _write(engine, "dead_letters", "0000000003", 1)[0].path  # a failed run's, 3 hours ago
+    os.utime(engine.uri("dead_letters") + "/" + orphan, (now - 10_800, now - 10_800))
+    live, runs = _parquet(engine, "dead_letters") - {orphan}, []
+    vacuum = DeltaTable.vacuum
+    monkeypatch.setattr(DeltaTable, "vacuum", lambda self, **kw: runs.append(kw["dry_run"]) or vacuum(self, **kw))
+    assert engine.vacuum("dead_letters", 2) == [orphan]
+    assert runs == [False] and _parquet(engine, "dead_letters") == live
+
+
 def test_observed_tables_are_the_graphs_assets():
     assets = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
     assert ASSET_TABLES <= assets
