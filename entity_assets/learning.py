@@ -350,8 +350,7 @@ def _declared_spec(spec: dict) -> dict:
     """A declared field spec in canonical form, as kept when nothing observed changes it."""
     out: dict[str, Any] = {}
     t = _declared_type(spec)
-    if t is not None:
-        out["type"] = t
+    out["type"] = NULL if t is None else t  # declared without a type, never seen: as an undeclared one
     out["optional"] = spec.get("optional") is True
     nested = _fields_of(spec)
     if t == DOCUMENT and nested is not None:

@@ -314,6 +314,12 @@ def test_a_field_spec_with_nested_fields_and_no_type_is_a_document():
         "b": {"type": "STRING", "optional": True}, "c": {"type": "INTEGER", "optional": True}}}
 
 
+def test_a_field_declared_without_a_type_is_typed_by_what_is_learned_and_null_before():
+    declared = {"fields": {"a": {"optional": True}}}
+    assert infer(Summary(), declared)["fields"]["a"] == {"type": "NULL", "optional": True}
+    assert infer(Summary.of([{"a": "x"}]), declared)["fields"]["a"] == {"type": "STRING", "optional": True}
+
+
 def test_a_declared_type_the_learner_does_not_know_admits_any_value_and_is_kept():
     """A declaration may use richer names (`UUID`, `DATE`): no type conflict the client could fix."""
     declared = {"fields": {"id": {"type": "UUID", "optional": False}, "at": {"type": "date", "optional": True}}}

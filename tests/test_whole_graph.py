@@ -797,7 +797,11 @@ def test_a_slice_without_learning_leaves_learned_schemas_as_they_were(pipeline):
     assert pipeline.materializations(second)["learned_schemas"]["observed_this_slice"] == 0
     checks = [pipeline.checks(r)["entities_match_declared_schema"] for r in (first, second)]
     assert [c.passed for c in checks] == [False, True] and checks[0].metadata["disagreement_count"].value > 0
-    run_slice(pipeline, list(samples.BatchTraffic(patches=30, entities=12, learning=True, seed=7).records()), K3)
+    ghost = {**samples.SEED_SCHEMA_PATCH, "dbid": graph.batches.dbid, "request": 10, "parts": 1, "part": 1,
+             "ops": [{"op": "add", "path": "Ghost", "value": {"fields": {}}}]}  # declared, never learned
+    run_slice(pipeline, [*samples.BatchTraffic(patches=30, entities=12, learning=True, seed=7).records(),
+                         ("schema-patches", graph.batches.dbid, samples.encode(ghost))], K3)
+    assert {r["observed"] for r in rows(pipeline, "learned_schemas") if r["collection"] == "Ghost"} == {0}
     observed = {(r["dbid"], r["collection"]): r["observed"] for r in rows(pipeline, "learned_schemas")}
     assert sum(observed.values()) > sum(json.loads(s)["observed"] for _, _, _, s, _ in before)
     # a slice that deletes the declared schema has no learning rows (no entity type is left), and
@@ -808,7 +812,9 @@ def test_a_slice_without_learning_leaves_learned_schemas_as_they_were(pipeline):
     deleting = run_slice(pipeline, [("schema-patches", dbid, samples.encode(deleted))], K4)
     assert [r["status"] for r in rows(pipeline, "schema_updates") if r["slice"] == K4] == [1]
     assert not [r for r in rows(pipeline, "schema_learning") if r["slice"] == K4]
-    assert {(r["slice"], r["declared"]) for r in rows(pipeline, "learned_schemas") if r["dbid"] == dbid} == {(K4, None)}
+    left = [r for r in rows(pipeline, "learned_schemas") if r["dbid"] == dbid]
+    assert {(r["slice"], r["declared"]) for r in left} == {(K4, None)}
+    assert all(r["observed"] for r in left)  # a type declared, never learned, is gone with its declaration
     assert pipeline.materializations(deleting)["learned_schemas"]["observed_this_slice"] == 0
 
 

@@ -76,6 +76,8 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     for dbid, collection in sorted(set(summaries) | set(declared)):
         summary = summaries.get((dbid, collection), Summary())
         decl = declared.get((dbid, collection))
+        if not summary.observed and decl is None:
+            continue  # a type declared once, never learned, and since removed or renamed: none now
         issues = disagreements(summary, decl) if summary.observed else []
         rows.append({"slice": key, "dbid": dbid, "collection": collection, "observed": summary.observed,
                      "declared": None if decl is None else json.dumps(decl, sort_keys=True),
@@ -91,7 +93,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
         result.update(files=len(files), version=commit_state(engine, "learned_schemas", key, files,
                                                             engine.files("learned_schemas", version)))
     meta = table_metadata(engine, "learned_schemas", result)
-    meta.update(collections=MetadataValue.int(len(summaries)),
+    meta.update(collections=MetadataValue.int(len(rows)),
                 observed_this_slice=MetadataValue.int(sum(learned.observed for learned in now.values())),
                 replayed=MetadataValue.bool(not apply))
     yield MaterializeResult(asset_key="learned_schemas", metadata=meta)
