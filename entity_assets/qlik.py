@@ -275,6 +275,13 @@ class Decoder:
         a delete; its primary key values, None when its schema names no key; its table, None
         when no registered schema names it; the key values before an update that changed them,
         else None); `SchemaPending` or InvalidMessage otherwise."""
+        try:
+            return self._decode(raw)
+        except RecursionError:  # walking a schema or converting a value, hundreds of levels deep
+            raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "a schema or value nested deeper than a document "
+                                                                "may be") from None
+
+    def _decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None, str | None]:
         env = envelope(raw)
         if env.type == "MD":
             if env.messageSchema is None:

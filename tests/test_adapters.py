@@ -59,6 +59,7 @@ def test_a_goldengate_update_of_the_key_deletes_the_entity_of_the_old_key(key, v
     row = batch(source, key, enc({"op_type": "U", "before": ROW, "after": moved, "pos": "00000000000000001234", **value}))
     assert [(p["entity"], p["ops"]) for p in loads(row["patches"])] == [
         ("123", [{"op": "remove", "path": ""}]), ("124", [{"op": "add", "path": "", "value": moved}])]
+    assert row["parts"] == 2  # the batch's two patches, as a native batch's `parts` counts them
     same = batch(source, key, enc({"op_type": "U", "before": moved, "after": {**moved, "COINS": 1}, **value}))
     assert [p["entity"] for p in loads(same["patches"])] == ["124"]
     # a before image without the key's columns (compressed) tells nothing
@@ -149,9 +150,13 @@ def test_merge_updates_keep_the_columns_a_change_does_not_send():
 
 def test_request_keeps_kafka_order_and_client_is_the_topic():
     source = adapters.Source("crm")
-    rows = [batch(source, b"1", enc({"a": 1}), partition=p, offset=o) for p, o in ((0, 9), (0, 10), (1, 0), (3, 2**39))]
+    rows = [batch(source, b"1", enc({"a": 1}), partition=p, offset=o)
+            for p, o in ((0, 9), (0, 10), (1, 0), (3, 2**39), (3, 2**40 - 1), (3, 2**40), (3, 2**46))]
     requests = [r["request"] for r in rows]
-    assert requests == sorted(requests) and len(set(requests)) == 4
+    assert requests == sorted(requests) and len(set(requests)) == 7 and max(requests) < 2**63
+    # past offset 2^40, ids of other partitions stay apart, and the first form's ids are pinned
+    assert adapters.request_id(0, 2**40) != adapters.request_id(1, 2**40) > adapters.request_id(2**21, 2**40 - 1)
+    assert adapters.request_id(2, 5) == 2 * 2**40 + 5
     assert {r["clientid"] for r in rows} == {adapters.client_id("acme.PROD.crm.customers.ingestion")}
     assert adapters.client_id("a.b.ingestion") != adapters.client_id("a.c.ingestion")
     first = rows[0]
@@ -220,6 +225,11 @@ def test_topic_names():
     ("db2", b"1", enc({"A": [[[[]]]]}).replace(b"[[[[]]]]", b"[" * 100 + b"]" * 100),
      DeadLetterCode.BAD_FORMAT, "the row nests deeper than 100 levels"),
     ("db2", b"1", b'{"a": "' + b"x" * 1_000_001 + b'"}', DeadLetterCode.OVERSIZE, "value is 1000010 bytes"),
+    # an op of another type than text is a bad op, not an error no check foresaw
+    ("debezium", b"1", enc({"op": ["c"], "after": ROW}), DeadLetterCode.BAD_FORMAT, "op: input should be"),
+    ("auto", b"1", enc({"op": {"x": 1}, "before": None}), DeadLetterCode.BAD_FORMAT, "op: input should be"),
+    # a key nested past the parser's limit is JSON, not a plain key's text
+    ("db2", b"[" * 5000 + b"]" * 5000, enc(ROW), DeadLetterCode.BAD_FORMAT, "nested deeper than a document"),
 ])
 def test_bad_records(fmt, key, value, code, reason):
     with pytest.raises(InvalidMessage) as caught:

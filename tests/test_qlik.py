@@ -193,6 +193,19 @@ def test_an_array_of_items_that_take_no_bytes_is_refused_before_decoding(items):
     assert qlik._schema(json.dumps(schema), "dataSchema")
 
 
+def test_a_value_nested_hundreds_of_levels_deep_is_a_dead_letter():
+    """Not recursive, yet deep: converting its value, or walking its schema, went past Python's
+    recursion limit, an error no check foresaw (GENERR009) instead of the producer's."""
+    column, value = "long", 1
+    for _ in range(500):
+        column, value = {"type": "array", "items": column}, [value]
+    schema = qlik.data_schema("DEEP", {"X": column})
+    decoder = qlik.Decoder({"d" * 32: qlik.Registered("d" * 32, json.dumps(schema), "DEEP")})
+    with pytest.raises(InvalidMessage) as caught:
+        decoder.decode(qlik.data_envelope("d" * 32, schema, "INSERT", {"X": value}))
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "nested deeper" in caught.value.reason
+
+
 RECURSIVE = '{"type": "record", "name": "N", "fields": [{"name": "next", "type": ["null", "N"]}]}'
 
 

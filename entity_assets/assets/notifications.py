@@ -105,18 +105,20 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     read = [(r["dbid"], r["zone"], r["entity"], *notify.read_subscription(core.loads(r["document"])))
             for r in to_rows(state) if not r["deleted"]] if state.num_rows else []
     subscriptions = [(dbid, zone, entity, sub) for dbid, zone, entity, sub, _ in read if sub is not None]
-    invalid = {f"{dbid}/{zone}/{entity}": error for dbid, zone, entity, _, error in read if error}
+    # names cut, as zone_changes' are: the check's metadata is written at every slice
+    invalid = {f"{shown(dbid)}/{shown(zone)}/{shown(entity)}": shown(error, 300)
+               for dbid, zone, entity, _, error in read if error}
     summary, _ = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
                                "changes_by_device", key, fold.fan_out_task, published=False,
                                subscriptions=subscriptions, columns=fold.FAN_OUT_COLUMNS)
-    shown = dict(sorted(invalid.items())[:INVALID_SHOWN])
+    first = dict(sorted(invalid.items())[:INVALID_SHOWN])
     meta = table_metadata(engine, "changes_by_device", summary)
     meta.update(subscriptions=MetadataValue.int(len(subscriptions)), invalid_subscriptions=MetadataValue.int(len(invalid)))
     return MaterializeResult(
         metadata=meta,
         check_results=[AssetCheckResult(check_name="subscriptions_are_valid", passed=not invalid,
                                         severity=AssetCheckSeverity.WARN,
-                                        metadata={"invalid": len(invalid), "first": MetadataValue.json(shown)})])
+                                        metadata={"invalid": len(invalid), "first": MetadataValue.json(first)})])
 
 
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["changes_by_device", "notification_acks"],
@@ -130,7 +132,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
 @retried_when_transient
 def device_notifications(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                          kafka: KafkaResource) -> MaterializeResult:
-    """Device inboxes are bucketed state; acks of a slice apply after its new notifications. Its
+    """Device inboxes are bucketed state; acks of a slice apply before its new notifications. Its
     tasks have each device's change summaries in order, so they publish changes-by-device too."""
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["device_notifications", "device_inboxes"],
