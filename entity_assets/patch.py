@@ -26,6 +26,7 @@ Deliberate differences from RFC 6902:
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass
 
@@ -90,6 +91,12 @@ def _describe(op) -> str:
     return " ".join(parts)
 
 
+def _named(value) -> str:
+    """A client's token, name or path in an error, quoted and cut: a failed patch's response
+    stays a line, not a second copy of its request."""
+    return shown(repr(value))
+
+
 def shown(path: str, limit: int = 120) -> str:
     """A path (or a name) as errors and metadata show it: long ones are cut, so it stays a line,
     not a copy of the input."""
@@ -127,7 +134,7 @@ def parse_path(path: str) -> tuple[str, ...]:
     tokens = raw.split("/")
     if "~" in raw:
         if _BAD_ESCAPE.search(raw):
-            raise ValueError(f"invalid '~' escape in path {path!r}")
+            raise ValueError(f"invalid '~' escape in path {_named(path)}")
         tokens = [t.replace("~1", "/").replace("~0", "~") for t in tokens]
     return tuple(tokens)
 
@@ -139,7 +146,7 @@ def _index(token: str, size: int, end_ok: bool) -> int:
             return size
         raise _Fail("index '-' (past the end) is only valid as an add target")
     if not (token.isascii() and token.isdigit()) or (len(token) > 1 and token[0] == "0"):
-        raise _Fail(f"invalid array index: {token!r}")
+        raise _Fail(f"invalid array index: {_named(token)}")
     # compared as digits first: int() refuses more than 4,300 of them (a ValueError, not the op's failure)
     if len(token) > len(str(size)) or int(token) > size or (int(token) == size and not end_ok):
         raise _Fail(f"index out of range: {token[:20]!r}{'...' if len(token) > 20 else ''} (array length {size})")
@@ -217,12 +224,24 @@ class _Growth:
     patch: each measure walks the containers its ops made since the last."""
 
     MEASURES = 8
-    __slots__ = ("memo", "size", "measures")
+    __slots__ = ("memo", "size", "measures", "depths")
 
     def __init__(self) -> None:
         self.memo: dict = {}
         self.size: int | None = None
         self.measures = 0
+        self.depths: dict[int, tuple] = {}  # id -> (container, its nesting): kept alive, so ids stay its
+
+    def moved_within_depth(self, tokens: tuple[str, ...], src: tuple[str, ...], value) -> None:
+        """`_within_depth` of a value the document holds at `src`: a target no deeper cannot nest
+        the document deeper than it was, and a container's nesting is walked once a patch, so
+        25,000 moves of one large subtree back and forth cost their paths, not its size each."""
+        if len(tokens) <= len(src):
+            return
+        held = self.depths.get(id(value))
+        if held is None and isinstance(value, (dict, list)):
+            held = self.depths[id(value)] = (value, nesting(value, MAX_DEPTH))
+        _within_depth(tokens, value, held and held[1])
 
     def copied(self, doc, tokens: tuple[str, ...], value) -> None:
         """After `value` was copied to `tokens`, making `doc`."""
@@ -237,11 +256,12 @@ class _Growth:
             raise _Fail(f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON")
 
 
-def _within_depth(tokens: tuple[str, ...], value) -> None:
-    """A value put at ``tokens`` sits inside ``len(tokens)`` containers (the document's own included)."""
+def _within_depth(tokens: tuple[str, ...], value, nested: int | None = None) -> None:
+    """A value put at ``tokens`` sits inside ``len(tokens)`` containers (the document's own
+    included); `nested`: the value's nesting, where known."""
     if len(tokens) < MAX_DEPTH and not isinstance(value, (dict, list)):
         return  # a scalar at a shallow path: the common case, decided without walking anything
-    if len(tokens) + nesting(value, MAX_DEPTH - len(tokens)) > MAX_DEPTH:
+    if len(tokens) + (nesting(value, MAX_DEPTH - len(tokens)) if nested is None else nested) > MAX_DEPTH:
         raise _Fail(f"the document would nest deeper than {MAX_DEPTH} levels")
 
 
@@ -250,12 +270,12 @@ def _get(doc, tokens: tuple[str, ...]):
     for token in tokens:
         if isinstance(node, dict):
             if token not in node:
-                raise _Fail(f"path not found: {token!r}")
+                raise _Fail(f"path not found: {_named(token)}")
             node = node[token]
         elif isinstance(node, list):
             node = node[_index(token, len(node), end_ok=False)]
         else:
-            raise _Fail(f"cannot resolve {token!r} inside a {_kind(node)}")
+            raise _Fail(f"cannot resolve {_named(token)} inside a {_kind(node)}")
     return node
 
 
@@ -270,7 +290,7 @@ def _edit(node, tokens: tuple[str, ...], depth: int, leaf, arg, create: bool):
         elif create:
             child = {}
         else:
-            raise _Fail(f"path not found: {token!r}")
+            raise _Fail(f"path not found: {_named(token)}")
         new = dict(node)
         new[token] = _edit(child, tokens, depth + 1, leaf, arg, create)
         return new
@@ -279,7 +299,7 @@ def _edit(node, tokens: tuple[str, ...], depth: int, leaf, arg, create: bool):
         new = list(node)
         new[i] = _edit(node[i], tokens, depth + 1, leaf, arg, create)
         return new
-    raise _Fail(f"cannot resolve {token!r} inside a {_kind(node)}")
+    raise _Fail(f"cannot resolve {_named(token)} inside a {_kind(node)}")
 
 
 def _leaf_add(parent, key, value):
@@ -290,26 +310,26 @@ def _leaf_add(parent, key, value):
     if isinstance(parent, list):
         i = _index(key, len(parent), end_ok=True)
         return parent[:i] + [value] + parent[i:]
-    raise _Fail(f"cannot add {key!r} to a {_kind(parent)}")
+    raise _Fail(f"cannot add {_named(key)} to a {_kind(parent)}")
 
 
 def _leaf_remove(parent, key, _):
     if isinstance(parent, dict):
         if key not in parent:
-            raise _Fail(f"path not found: {key!r}")
+            raise _Fail(f"path not found: {_named(key)}")
         new = dict(parent)
         del new[key]
         return new
     if isinstance(parent, list):
         i = _index(key, len(parent), end_ok=False)
         return parent[:i] + parent[i + 1 :]
-    raise _Fail(f"cannot resolve {key!r} inside a {_kind(parent)}")
+    raise _Fail(f"cannot resolve {_named(key)} inside a {_kind(parent)}")
 
 
 def _leaf_replace(parent, key, value):
     if isinstance(parent, dict):
         if key not in parent:
-            raise _Fail(f"path not found: {key!r}")
+            raise _Fail(f"path not found: {_named(key)}")
         new = dict(parent)
         new[key] = value
         return new
@@ -317,7 +337,7 @@ def _leaf_replace(parent, key, value):
         new = list(parent)
         new[_index(key, len(parent), end_ok=False)] = value
         return new
-    raise _Fail(f"cannot resolve {key!r} inside a {_kind(parent)}")
+    raise _Fail(f"cannot resolve {_named(key)} inside a {_kind(parent)}")
 
 
 def _add(doc, tokens, value):
@@ -379,7 +399,7 @@ def _apply_one(doc, op, growth: _Growth):
         raise _Fail(f"an op must be an object, got {_kind(op)}")
     name = op.get("op")
     if not isinstance(name, str) or name not in _OPS:
-        raise _Fail(f"unknown op: {name!r}" if "op" in op else "missing 'op'")
+        raise _Fail(f"unknown op: {_named(name)}" if "op" in op else "missing 'op'")
     path = _tokens(op, "path")
     if name == "add":
         value = _value(op)
@@ -394,11 +414,11 @@ def _apply_one(doc, op, growth: _Growth):
     if name == "test":
         value = _value(op)
         if not json_equal(_get(doc, path), value):
-            raise _Fail(f"test failed: value is not {value!r}")
+            raise _Fail(f"test failed: value is not {shown(json.dumps(value, ensure_ascii=False))}")
         return doc
     src = _tokens(op, "from")
     value = _get(doc, src)
-    _within_depth(path, value)
+    growth.moved_within_depth(path, src, value)
     if name == "copy":
         doc = _add(doc, path, value)
         growth.copied(doc, path, value)

@@ -254,9 +254,10 @@ def _azure(options: tuple[tuple[str, str], ...]) -> pafs.AzureFileSystem:
 class FileWriter:
     """Buffers rows of one table in a task and writes bounded parquet files.
 
-    Memory stays bounded by `max_rows` per buffer, whatever the slice size, and by `max_bytes` of
+    Memory stays bounded by `max_rows` per buffer, whatever the slice size, and by `max_bytes`:
     the sizes `append` is told (rows that hold a record's bytes: 2,200 dead letters of 1 MB
-    would pass the 2 GiB an Arrow column of binary holds).
+    would pass the 2 GiB an Arrow column of binary holds) and the Arrow rows' (responses that
+    each carry a 1 MB document).
     """
 
     def __init__(
@@ -304,9 +305,10 @@ class FileWriter:
 
         A file holds the buffered tables' rows before the dicts' (`append`).
         """
-        self._tables.append(self._conform(data))
+        self._tables.append(data := self._conform(data))
         self._table_rows += data.num_rows
-        if len(self._rows) + self._table_rows >= self.max_rows:
+        self._bytes += data.nbytes
+        if len(self._rows) + self._table_rows >= self.max_rows or self._bytes >= self.max_bytes:
             self._roll()
 
     def write_table(self, data: pa.Table, rows: Sequence[dict] = (), tag: str | None = None) -> None:
@@ -349,6 +351,7 @@ class FileWriter:
             return
         cut = others[-1].as_py() + 1
         self._tables, self._table_rows = [data.slice(cut)], data.num_rows - cut
+        self._bytes = self._tables[0].nbytes
         self._write(data.slice(0, cut))
 
     def close(self) -> list[DataFile]:

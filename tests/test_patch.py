@@ -531,6 +531,38 @@ def test_documents_up_to_the_depth_limit_apply():
     assert json.loads(json.dumps(out.doc)) == out.doc
 
 
+@pytest.mark.parametrize("op", [
+    {"op": "test", "path": "/a", "value": "v" * 900_000},
+    {"op": "replace", "path": "/" + "k" * 900_000, "value": 1},
+    {"op": "add", "path": "/" + "k" * 900_000 + "~2", "value": 1},
+    {"op": "add", "path": "/a/" + "k" * 900_000, "value": 1},
+    {"op": "x" * 900_000, "path": "/a"},
+])
+def test_an_error_cuts_what_the_client_sent(op):
+    """The response carries the ops already: an error that copied a 900 KB value or token made
+    it twice a producer's message limit, so the client never got it."""
+    out = apply_patch({"a": 1}, [op])
+    assert out.status == STATUS_FAILED and len(out.error) < 500 and "(9000" in out.error, out.error[:300]
+
+
+def test_a_failed_test_shows_the_value_as_json():
+    out = apply_patch({"a": 1}, [{"op": "test", "path": "/a", "value": [True, None, "x"]}])
+    assert out.error.endswith('test failed: value is not [true, null, "x"]')
+
+
+def test_moves_of_a_large_subtree_walk_it_once_a_patch(monkeypatch):
+    """25,000 moves of 300,000 arrays back and forth, in one valid message, walked the subtree at
+    each move: hours of one task, at every run of its slice."""
+    from entity_assets import patch
+
+    walked = []
+    monkeypatch.setattr(patch, "nesting", lambda value, limit: walked.append(limit) or 2)
+    big = [[] for _ in range(1000)]
+    ops = [{"op": "move", "from": "/a", "path": "/b/a"}, {"op": "move", "from": "/b/a", "path": "/a"}] * 500
+    out = apply_patch({"a": big, "b": {}}, ops)
+    assert out.status == STATUS_OK and out.doc["a"] is big and walked == [MAX_DEPTH]
+
+
 def test_copies_that_double_a_document_fail_at_the_size_limit_without_writing_it_out():
     """Each copy of the whole document shares it: 40 of them would be a terabyte of text."""
     doc = {"x": "y" * 100}

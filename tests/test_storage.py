@@ -83,6 +83,19 @@ def test_dead_letters_of_large_records_are_written_in_files_bounded_by_their_byt
     assert [r["kafka_offset"] for r in rows] == list(range(7)) and {len(r["value"]) for r in rows} == {1_000_000}
 
 
+def test_arrow_rows_are_written_in_files_bounded_by_their_bytes(tmp_path):
+    """A slice of responses that each carry a 1 MB `after` was buffered whole until the task
+    ended: 600 of them took a worker 1.5 GB, 10,000 would fail its slice at every run."""
+    writer = FileWriter("entity_updates", str(tmp_path), SCHEMAS["entity_updates"], KEY, max_bytes=3_000_000)
+    for request in range(7):
+        writer.append_table(pa.Table.from_pylist([{"slice": KEY, "entity": "e", "request": request,
+                                                   "after": "x" * 1_000_000}], SCHEMAS["entity_updates"]))
+    files = writer.close()
+    assert [f.rows for f in files] == [3, 3, 1]
+    rows = [r for f in files for r in read_table(str(tmp_path / f.path)).to_pylist()]
+    assert [r["request"] for r in rows] == list(range(7))
+
+
 def test_a_file_bound_never_splits_a_key_s_rows_when_the_writer_keeps_keys_whole(tmp_path):
     """entity_updates files keep an entity's updates together: zone_changes' tasks split the files
     and publish each entity's zone changes in file order."""
