@@ -61,6 +61,15 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     store = ManifestStore(engine)
     cursor_seq, positions, closed_at, reported = load_cursor(context.cursor)
     latest = store.latest_seq()
+    if not latest and cursor_seq:
+        # no backup lacks every slice: another lake (a root mistyped, moved, or relative to another
+        # folder) would read all Kafka holds again and publish it again, its creations as patches
+        # of missing entities
+        said = (f"the lake at {engine.root} has no slice, but this sensor closed {cursor_seq}: is its root the "
+                "lake's (ENTITY_ASSETS_LAKE)? To start this lake from the first offsets Kafka holds, delete the "
+                "sensor's cursor: `dagster sensor cursor kafka_offsets_sensor --delete`")
+        context.log.error(said)
+        return SensorResult(skip_reason=SkipReason(said), cursor=context.cursor)
     if latest != cursor_seq:
         newest = store.get(latest) if latest else None
         positions = newest.positions() if newest else {}
@@ -242,12 +251,17 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     undone = {seq: closed[seq] for seq in range(min(cursor_seq, holds) + 1, last + 1)
               if seq not in closing and not done(runs, seq, holds)}
     whole = newest_whole(context.instance, undone)
+    if DagsterRunStatus.SUCCESS in whole.values():
+        # a run that succeeded since the runs were read committed its state before: look again
+        holds = lake_holds(lake.open())
     now, out = int(time.time() * 1000), {}
     for seq in undone:
         status = whole.get(seq)
         if status == DagsterRunStatus.SUCCESS:
-            out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
-            context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): requested again")
+            if seq > holds:
+                out[seq] = f"{run_key(slice_key(seq), closed[seq])}~{now}"
+                context.log.warning(f"slice {slice_key(seq)} ran, but the lake lacks its state (restored?): "
+                                    "requested again")
         elif seq > cursor_seq:  # below the cursor, requested already
             out[seq] = run_key(slice_key(seq), closed[seq])
         elif status in STOPPED and seq not in healed:

@@ -22,6 +22,7 @@ from entity_assets.kafka_io import ensure_topics, release_producers
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.messages import parse_message
 from entity_assets.publish import STREAMS
+from entity_assets.sensors import dump_cursor
 from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine
 from entity_assets.tables import SCHEMAS
@@ -443,6 +444,40 @@ def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_p
     assert sixth.partition_key == slice_key(6)
     assert pipeline.run(slice_key(4)).success  # as the user re-runs it
     assert all(pipeline.run_request(r).success for r in (restored[1], sixth))
+
+
+def test_a_run_that_succeeds_during_a_tick_is_not_requested_again(pipeline, monkeypatch):
+    """The tick reads the runs, then the lake, then the newest whole runs: slice 1's run ended
+    between the first two, so neither saw it, and the third did. It is done, not a slice the
+    lake lacks (restored?), whose replay would publish its messages again."""
+    from entity_assets import sensors
+
+    pipeline.produce(traffic(20, seed=1))
+    [first] = pipeline.tick()
+    assert pipeline.run_request(first).success
+    pipeline.produce(traffic(8, seed=2))
+    looks, real = [], sensors.lake_holds
+    monkeypatch.setattr(sensors, "slice_runs", lambda instance, closed_at: {})  # before the run ended
+    monkeypatch.setattr(sensors, "lake_holds", lambda engine, *a, **kw: 0 if len(looks) < 2 and not looks.append(1)
+                        else real(engine, *a, **kw))  # before its commits
+    pipeline.cursor = dump_cursor(0, {}, None)  # slice 1 past the cursor, as closed by `entity-assets run`
+    assert [r.partition_key for r in pipeline.tick()] == [slice_key(2)]
+
+
+def test_a_sensor_whose_lake_has_no_slice_closes_none_until_its_cursor_is_deleted(pipeline, tmp_path):
+    """A lake root mistyped or moved is an empty lake: the sensor would read all Kafka holds again
+    and publish it again. No backup lacks every slice, so it refuses, naming the root."""
+    pipeline.produce(traffic(20, seed=1))
+    assert pipeline.tick_and_run()
+    shutil.rmtree(pipeline.lake.root)
+    pipeline.produce(traffic(8, seed=2))
+    assert pipeline.tick() == []
+    reason = pipeline.last_result.skip_reason.skip_message
+    assert f"the lake at {pipeline.engine.root} has no slice, but this sensor closed 1" in reason
+    assert "dagster sensor cursor kafka_offsets_sensor --delete" in reason
+    pipeline.cursor = None
+    [again] = pipeline.tick()
+    assert again.partition_key == K1 and pipeline.manifest(K1).messages == 28
 
 
 def create_again(pipeline, stream: str) -> str:
