@@ -26,7 +26,9 @@ def vacuum_lake(context: OpExecutionContext, lake: LakeResource):
     for table in [*SCHEMAS, MANIFESTS]:
         if not engine.exists(table):
             continue
-        deleted, expired = engine.vacuum(table, hours), engine.expire_log(table, hours, record_done=table != MANIFESTS)
+        # the sensor writes manifests outside the pool: one it is committing is named by no version yet
+        deleted = engine.vacuum(table, hours, full=table != MANIFESTS)
+        expired = engine.expire_log(table, hours, record_done=table != MANIFESTS)
         total += len(deleted) + expired
         context.log.info(f"{table}: {len(deleted)} file(s) deleted, {expired} expired log file(s) (retention {hours} h)")
         if table in ASSET_TABLES:

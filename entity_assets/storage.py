@@ -1001,9 +1001,9 @@ class DeltaRsEngine:
         infos = fs.get_file_info([f"{root}/{f.path}" for f in files])
         return [f for f, info in zip(files, infos) if info.type == pafs.FileType.NotFound]
 
-    def vacuum(self, table: str, retention_hours: int) -> list[str]:
-        """Deletes the files no version newer than `retention_hours` needs, and files of that age
-        no version names (a failed run's, never committed); returns their paths.
+    def vacuum(self, table: str, retention_hours: int, full: bool = True) -> list[str]:
+        """Deletes the files no version newer than `retention_hours` needs, and (`full`) files of
+        that age no version names (a failed run's, never committed); returns their paths.
 
         Copy-on-write leaves every replaced file behind, so without this a lake grows by its
         state's size at each slice. Time travel (and so a slice's replay) reaches back
@@ -1014,30 +1014,10 @@ class DeltaRsEngine:
         self._set_properties(table, {DELETED_FILE_RETENTION_SETTING: f"interval {retention_hours} hours"})
         self._written.add(table)  # delta-rs's vacuum commits record it
         dt = self._open(table)
-        history = dt.history()
-        # the files a replay of the last slice reads stay, however long the lake was idle; only a
-        # commit after it older than the retention (with an hour for writers' clocks) can have
-        # removed them for the vacuum, so a busy lake lists its files once
-        kept = _replay_base([e for e in history if "entity_assets.slice" in e])
-        cutoff_ms = (time.time() - (retention_hours - 1) * 3600) * 1000
-        if kept and any(e["version"] > kept["version"] and e["timestamp"] <= cutoff_ms for e in history):
-            doomed = dt.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False,
-                               full=True)
-            needed = {f.path for f in self.files(table, kept["version"])} & set(doomed)
-        else:
-            needed = set()
-        if not needed:
-            return dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False,
-                             full=True, post_commithook_properties=_post_commit())
-        fs, root = filesystem(self.uri(table), self.storage_options)
-        deleted = []
-        for path in (path for path in doomed if path not in needed):
-            try:
-                fs.delete_file(f"{root}/{path}")
-            except FileNotFoundError:  # gone meanwhile
-                continue
-            deleted.append(path)
-        return deleted
+        # the files a replay of the last slice reads stay, however long the lake was idle
+        kept = _replay_base([e for e in dt.history() if "entity_assets.slice" in e])
+        return dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False, full=full,
+                         keep_versions=[kept["version"]] if kept else None, post_commithook_properties=_post_commit())
 
     def expire_log(self, table: str, retention_hours: int, record_done: bool = True) -> int:
         """Deletes the Delta log files older than `retention_hours` that precede a checkpoint, as

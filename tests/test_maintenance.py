@@ -111,6 +111,32 @@ def test_the_vacuum_keeps_what_a_replay_of_the_last_slice_reads_however_long_the
     assert engine.missing("dead_letters", engine.files("dead_letters", 1)) == []
 
 
+def test_a_raised_retention_keeps_what_a_replay_reads_after_a_checkpoint_dropped_its_removal(tmp_path, monkeypatch):
+    """Slice 3 removed slice 2's file three days ago, under a 24-hour retention whose checkpoint
+    dropped the record of that removal; the retention is then raised to a week. The file's
+    removal is younger than the week, yet the vacuum finds no record of it: only the replay base
+    (slice 2's version) keeps it."""
+    from entity_assets import storage
+
+    engine, hour, now = DeltaRsEngine(str(tmp_path)), 3600, time.time()
+    with monkeypatch.context() as ago:
+        ago.setattr(storage.time, "time", lambda: now - 30 * 24 * hour)
+        _commit_slice(engine, 1)
+        _commit_slice(engine, 2)
+    old = _parquet(engine, "dead_letters")
+    for name in old:
+        os.utime(engine.uri("dead_letters") + "/" + name, (now - 30 * 24 * hour,) * 2)
+    with monkeypatch.context() as ago:
+        ago.setattr(storage.time, "time", lambda: now - 72 * hour)
+        engine.commit("dead_letters", SCHEMAS["dead_letters"], add=_write(engine, "dead_letters", "0000000003", 1),
+                      remove=engine.files("dead_letters"), operation="apply", slice_key="0000000003")
+    engine.vacuum("dead_letters", 24)
+    DeltaTable(engine.uri("dead_letters")).create_checkpoint()
+    engine.vacuum("dead_letters", 168)
+    base = [v for v in range(engine.version("dead_letters")) if {f.path for f in engine.files("dead_letters", v)} == old]
+    assert base and engine.missing("dead_letters", engine.files("dead_letters", base[-1])) == []
+
+
 def test_a_busy_lake_is_vacuumed_by_one_listing_of_its_files(tmp_path, monkeypatch):
     """No commit after the replay base is past the retention, so nothing it reads can be doomed:
     the vacuum runs once, without a dry run, and still deletes a failed run's old file."""
@@ -342,6 +368,22 @@ def test_maintenance_leaves_the_manifests_properties_as_they_are_once_set(tmp_pa
     assert maintain() == first + 1  # the manifest's commit only
     assert not [name for name in DeltaTable(engine.uri(TABLE)).metadata().configuration
                 if name.startswith(storage.DONE_PROPERTY)]
+
+
+def test_a_vacuum_leaves_a_manifest_the_sensor_is_committing(tmp_path):
+    """A manifest's file is written before its commit, outside the lake pool: a vacuum at a
+    retention of 0 between the two made the slice unreadable for good."""
+    from entity_assets.manifests import TABLE, ManifestStore
+    from entity_assets.slices import Manifest, OffsetRange
+
+    engine = DeltaRsEngine(str(tmp_path))
+    ManifestStore(engine).write(Manifest(1, (OffsetRange("entity-batches", 0, 0, 5),), 1))
+    writing = os.path.join(engine.uri(TABLE), "part-00001-being-committed.parquet")
+    with open(writing, "wb") as f:
+        f.write(b"PAR1")
+    assert lake_maintenance.execute_in_process(
+        resources={"lake": LakeResource(root=str(tmp_path), vacuum_retention_hours=0)}).success
+    assert os.path.exists(writing)
 
 
 def test_a_run_whose_resource_differs_from_the_environment_is_refused(tmp_path, monkeypatch):
