@@ -278,7 +278,9 @@ def _produce(client: _Client, topic: str, value, key, partition: int) -> None:
 
     A record librdkafka refuses at once (a partition it knows the topic lacks) is a failed
     delivery like any other: `close` reports it. Whether librdkafka refuses at once or later
-    depends on whether it has read the topic's metadata yet.
+    depends on whether it has read the topic's metadata yet. A full queue with failed deliveries
+    already reported is a cluster that does not take them: DeliveryFailed at once, not after
+    every queued record timed out in turn (minutes per 100,000 records).
     """
     while True:
         try:
@@ -286,6 +288,8 @@ def _produce(client: _Client, topic: str, value, key, partition: int) -> None:
             return
         except BufferError:
             client.producer.poll(0.05)
+            if client.errors:
+                raise DeliveryFailed(f"producing to {topic} failed: {client.errors[:3]}") from None
         except KafkaException as exc:
             client.errors.append(exc.args[0])
             return
@@ -478,4 +482,17 @@ def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout:
         except KafkaException as exc:
             if "TOPIC_ALREADY_EXISTS" not in str(exc):
                 raise
+    # a broker's metadata may lack a topic for a moment after its creation: the publish that
+    # follows counts its partitions
+    deadline = time.monotonic() + timeout
+    while lacking := [t for t in wanted if not _listed(cluster_metadata(config, timeout, admin), t)]:
+        if time.monotonic() > deadline:
+            raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} created {', '.join(lacking)} but lists "
+                                   f"no partitions of it after {timeout:g} s")
+        time.sleep(0.1)
     return wanted
+
+
+def _listed(metadata, topic: str) -> bool:
+    listed = metadata.topics.get(topic)
+    return listed is not None and listed.error is None and bool(listed.partitions)

@@ -33,6 +33,36 @@ def test_an_undelivered_record_fails_the_close_loudly(broker):
         producer.close(timeout=30)
 
 
+def test_a_cluster_that_takes_nothing_fails_the_send_once_its_queue_is_full():
+    """Without an answer each queued record times out in turn: minutes per 100,000 records
+    before the close would say what the first failure said. No broker listens on port 9."""
+    config = {"bootstrap.servers": "127.0.0.1:9", "message.timeout.ms": "1000",
+              "queue.buffering.max.messages": "10"}
+    producer = BatchProducer(config)
+    with pytest.raises(kafka_io.DeliveryFailed, match="kafka-io-nowhere"):
+        for i in range(10_000):
+            producer.send("kafka-io-nowhere", f"k{i}", "v")
+    assert producer.counts["kafka-io-nowhere"] < 100
+
+
+def test_topics_are_created_once_the_cluster_lists_their_partitions(broker, monkeypatch):
+    """A broker's metadata may lack a topic just created: the publish after it counted no
+    partitions of it, a KeyError."""
+    real, looks = kafka_io.cluster_metadata, []
+
+    def lagging(*args, **kwargs):
+        metadata = real(*args, **kwargs)
+        looks.append(1)
+        if len(looks) in (2, 3):  # the two looks after the creation
+            metadata.topics.pop("kafka-io-lagging", None)
+        return metadata
+
+    monkeypatch.setattr(kafka_io, "cluster_metadata", lagging)
+    config = {"bootstrap.servers": broker.bootstrap}
+    assert ensure_topics(config, ["kafka-io-lagging"], 2) == ["kafka-io-lagging"] and len(looks) == 4
+    assert kafka_io.partition_counts(config, ["kafka-io-lagging"]) == {"kafka-io-lagging": 2}
+
+
 def test_a_cleanly_closed_producer_serves_the_next_one_and_a_failed_one_does_not(broker):
     """A handed-over producer counts and reports only its new holder's records."""
     config = {"bootstrap.servers": broker.bootstrap, "message.timeout.ms": "2000"}
