@@ -170,18 +170,22 @@ def _cdc_topics(partitions: int = 4) -> None:
 def _file_records(path: str):
     """(stream, key, value) of each line of a JSON-lines file of {topic, key, value}."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     r = json.loads(line)
+                    if not isinstance(r["topic"], str):
+                        raise TypeError(f"topic is {json.dumps(r['topic'])[:80]}, not a name")
                     # JSON text of what is not a string (a CDC key object); a null value is a tombstone
                     value, key = (v if v is None or isinstance(v, str) else json.dumps(v) for v in (r["value"], r.get("key")))
                     yield r["topic"], key, None if value is None else value.encode()
                 except (ValueError, TypeError, KeyError) as exc:
                     what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
                     raise UsageError(f"{path}:{number}: {what} (each line: {{topic, key, value}})") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text ({exc.reason})") from None
     except OSError as exc:
         raise UsageError(f"{path}: {exc.strerror}") from None
 
@@ -228,7 +232,7 @@ class RunsInFlight(Exception):
 
 def _instance_for_runs():
     """The Dagster instance, once no slice is being applied elsewhere in it (RunsInFlight otherwise)."""
-    from dagster import DagsterInstance
+    from dagster import DagsterInstance, DagsterInvariantViolationError
 
     from entity_assets.launcher import settle_runs
     from entity_assets.sensors import kafka_offsets_sensor
@@ -242,7 +246,10 @@ def _instance_for_runs():
         print(f"entity-assets: runs of the lake {os.environ['ENTITY_ASSETS_LAKE']} are recorded in the project's own "
               f"instance ({home}), and only its runs in flight are waited for: if a daemon runs this lake's slices, "
               "set DAGSTER_HOME to its instance", file=sys.stderr)
-    instance = DagsterInstance.get()
+    try:
+        instance = DagsterInstance.get()
+    except DagsterInvariantViolationError as exc:  # DAGSTER_HOME not a folder
+        raise UsageError(str(exc)) from None
     blockers = settle_runs(instance, kafka_offsets_sensor.name)
     if blockers:
         raise RunsInFlight(blockers)
@@ -609,6 +616,13 @@ def _port_of(variable: str, default: int) -> dict:
     return {"type": port, "default": os.environ.get(variable) or str(default)}
 
 
+def _count(text: str) -> int:
+    """A count of at least 1 (partitions, messages): 0 or less is a usage error, not a default."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="entity-assets", description=__doc__.split("\n")[0])
     parser.add_argument("--port", **_port_of("ENTITY_ASSETS_BROKER_PORT", DEFAULT_PORT),
@@ -616,9 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     broker = sub.add_parser("broker", help="start, stop or inspect the local broker")
     broker.add_argument("action", choices=["start", "stop", "status"])
-    broker.add_argument("--partitions", type=int, default=4, help="partitions of the input topics it creates")
+    broker.add_argument("--partitions", type=_count, default=4, help="partitions of the input topics it creates")
     topics = sub.add_parser("topics", help="create the input and output topics the cluster lacks, and list them")
-    topics.add_argument("--partitions", type=int, default=4, help="partitions of the input topics it creates "
+    topics.add_argument("--partitions", type=_count, default=4, help="partitions of the input topics it creates "
                         "(output topics: KafkaResource.new_topic_partitions)")
     topics.add_argument("--input-config", action="append", default=[], metavar="KEY=VALUE",
                         help="a topic setting of the input topics it creates (repeatable), e.g. retention.ms=-1")
@@ -642,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     produce.add_argument("--bad", action="store_true", help="add bad records (malformed JSON, invalid fields, a wrong type), which become dead letters")
     produce.add_argument("--rows", type=int, default=100, help="cdc: rows of each source's projection")
     run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
-    run.add_argument("--max-messages", type=int, default=None, help="cap of messages per slice")
+    run.add_argument("--max-messages", type=_count, default=None, help="cap of messages per slice")
     run.add_argument("--slices", metavar="FIRST[..LAST]", default=None,
                      help="materialize these closed slices again, in order (numbers), instead of the pending ones")
     run.add_argument("--assets", metavar="NAME[,NAME]", default=None,
@@ -671,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--patches", type=int, default=10_000)
     demo.add_argument("--entities", type=int, default=1_000)
     demo.add_argument("--devices", type=int, default=20)
-    demo.add_argument("--partitions", type=int, default=4)
+    demo.add_argument("--partitions", type=_count, default=4)
     demo.add_argument("--cdc-rows", type=int, default=100, help="rows of each sample CDC projection")
     args = parser.parse_args(argv)
     prepare_environment(args.port)
@@ -693,11 +707,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"entity-assets {args.command}: interrupted", file=sys.stderr)
         return 130
     except KafkaException as exc:
-        if exc.args[0].code() != KafkaError._INVALID_ARG:  # librdkafka refused a client's settings
-            raise
-        print(f"entity-assets {args.command}: a Kafka client setting is not valid: {exc.args[0].str()} "
-              "(KAFKA_*, ENTITY_ASSETS_KAFKA_CLIENT_CONFIG)", file=sys.stderr)
-        return 2
+        if exc.args[0].code() == KafkaError._INVALID_ARG:  # librdkafka refused a client's settings
+            print(f"entity-assets {args.command}: a Kafka client setting is not valid: {exc.args[0].str()} "
+                  "(KAFKA_*, ENTITY_ASSETS_KAFKA_CLIENT_CONFIG)", file=sys.stderr)
+            return 2
+        # the cluster refused: a topic setting, a right the client lacks
+        print(f"entity-assets {args.command}: Kafka refused: {exc.args[0].name()}: {exc.args[0].str()}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Small slices run in the driver (no Spark session), so each command is a few seco
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -297,6 +298,18 @@ def test_produce_file_writes_keys_and_values_that_are_no_strings_as_json_and_a_n
                                                   ("connections", "jsmith", b"{}")]
 
 
+@pytest.mark.parametrize("content, said", [
+    (b'{"topic": "connections", "key": "k", "value": "\xe9"}\n', "not UTF-8 text"),  # Latin-1
+    (b'{"topic": ["connections"], "key": "k", "value": "{}"}\n', ':1: topic is ["connections"], not a name'),
+    (b'{"topic": 7, "key": "k", "value": "{}"}\n', ":1: topic is 7, not a name"),
+])
+def test_produce_file_says_a_file_it_cannot_read_on_a_line(content, said, tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(cli.UsageError, match=re.escape(said)):
+        list(cli._file_records(str(path)))
+
+
 def test_run_leaves_a_slice_without_a_successful_run_that_slices_after_it_passed(monkeypatch, tmp_path):
     """A run that failed after its last commit (killed, cancelled at its end) leaves a slice the
     state holds and the slices after it applied: the sensor leaves it be, and so does `run`,
@@ -362,6 +375,39 @@ def test_a_kafka_client_setting_librdkafka_refuses_is_a_line_and_status_2(monkey
     err = capfd.readouterr().err
     assert err.startswith("entity-assets topics: a Kafka client setting is not valid: ") and "locaton" in err
     assert err.count("\n") == 1
+
+
+def test_what_the_cluster_refuses_is_a_line_and_status_1(monkeypatch, tmp_path, capsys):
+    """A topic setting the broker refuses (`topics --input-config retention.ms=abc`), or a right
+    the client lacks."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+
+    def refused(args):
+        raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "Topic authorization failed"))
+
+    monkeypatch.setattr(cli, "cmd_summary", refused)
+    assert cli.main(["summary"]) == 1
+    assert capsys.readouterr().err == ("entity-assets summary: Kafka refused: TOPIC_AUTHORIZATION_FAILED: "
+                                       "Topic authorization failed\n")
+
+
+def test_run_with_a_dagster_home_that_is_no_folder_is_a_line_and_status_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "nowhere"))
+    assert cli.main(["run"]) == 2
+    err = capsys.readouterr().err
+    assert "entity-assets run: " in err and "nowhere" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["topics", "--partitions", "-2"], ["run", "--max-messages", "0"],
+                                  ["demo", "--partitions", "0"]])
+def test_a_count_below_1_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2 and "is not a count of 1 or more" in capsys.readouterr().err
 
 
 def test_an_interrupted_command_is_a_line_and_status_130(monkeypatch, tmp_path, capsys):
