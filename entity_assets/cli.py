@@ -237,6 +237,10 @@ def _instance_for_runs():
     from entity_assets.launcher import settle_runs
     from entity_assets.sensors import kafka_offsets_sensor
 
+    try:
+        instance = DagsterInstance.get()
+    except DagsterInvariantViolationError as exc:  # DAGSTER_HOME not a folder
+        raise UsageError(str(exc)) from None
     home = Path(os.environ["DAGSTER_HOME"])
     if not (home / "dagster.yaml").exists():  # installed from a wheel, away from the repository, say
         print(f"entity-assets: no dagster.yaml in DAGSTER_HOME ({home}): runs are recorded in a default instance, "
@@ -246,14 +250,26 @@ def _instance_for_runs():
         print(f"entity-assets: runs of the lake {os.environ['ENTITY_ASSETS_LAKE']} are recorded in the project's own "
               f"instance ({home}), and only its runs in flight are waited for: if a daemon runs this lake's slices, "
               "set DAGSTER_HOME to its instance", file=sys.stderr)
-    try:
-        instance = DagsterInstance.get()
-    except DagsterInvariantViolationError as exc:  # DAGSTER_HOME not a folder
-        raise UsageError(str(exc)) from None
     blockers = settle_runs(instance, kafka_offsets_sensor.name)
     if blockers:
         raise RunsInFlight(blockers)
     return instance
+
+
+def _slices_ran(instance) -> int:
+    """How many slices runs of the instance applied."""
+    from dagster import DagsterRunStatus, RunsFilter
+
+    from entity_assets.slices import slice_seq
+
+    def a_slice(partition: str) -> bool:
+        try:
+            return slice_seq(partition) > 0
+        except ValueError:
+            return False
+
+    return len({d.partition for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS]))
+                if a_slice(d.partition)})
 
 
 def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] | None = None) -> list[dict]:
@@ -269,7 +285,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
-    from entity_assets.sensors import done, dump_cursor, kafka_offsets_sensor, lake_holds, slice_runs
+    from entity_assets.sensors import done, dump_cursor, kafka_offsets_sensor, lake_holds, not_the_lake, slice_runs
     from entity_assets.slices import run_key, slice_key
     from entity_assets.tables import APPLIED_IN_ORDER
 
@@ -279,6 +295,8 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     resources["slicing"] = with_settings(slicing, min_interval_seconds=0, max_messages=max_messages or slicing.max_messages)
     store = ManifestStore(resources["lake"].open())
     newest = store.latest()
+    if newest is None and (ran := _slices_ran(instance)):
+        raise UsageError(not_the_lake(store.engine.root, f"this Dagster instance ran {ran} slice(s)"))
     cursor = dump_cursor(newest.seq, newest.positions(), newest.closed_at) if newest else None
     # the tick's lag report is not stored, nor its commit made: `_report_lag` does both after the runs
     ticking = {**resources, "kafka": with_settings(resources["kafka"], commit_offsets=False)}
@@ -616,11 +634,15 @@ def _port_of(variable: str, default: int) -> dict:
     return {"type": port, "default": os.environ.get(variable) or str(default)}
 
 
-def _count(text: str) -> int:
-    """A count of at least 1 (partitions, messages): 0 or less is a usage error, not a default."""
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
-    return int(text)
+def _at_least(minimum: int):
+    """An option's type: a whole number of at least `minimum`; less is a usage error, not a
+    default nor a traceback of the sample's generator."""
+    def count(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a count of {minimum} or more")
+        return int(text)
+
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -630,9 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     broker = sub.add_parser("broker", help="start, stop or inspect the local broker")
     broker.add_argument("action", choices=["start", "stop", "status"])
-    broker.add_argument("--partitions", type=_count, default=4, help="partitions of the input topics it creates")
+    broker.add_argument("--partitions", type=_at_least(1), default=4, help="partitions of the input topics it creates")
     topics = sub.add_parser("topics", help="create the input and output topics the cluster lacks, and list them")
-    topics.add_argument("--partitions", type=_count, default=4, help="partitions of the input topics it creates "
+    topics.add_argument("--partitions", type=_at_least(1), default=4, help="partitions of the input topics it creates "
                         "(output topics: KafkaResource.new_topic_partitions)")
     topics.add_argument("--input-config", action="append", default=[], metavar="KEY=VALUE",
                         help="a topic setting of the input topics it creates (repeatable), e.g. retention.ms=-1")
@@ -646,17 +668,17 @@ def main(argv: list[str] | None = None) -> int:
                          help="cdc: change data capture of four source systems (Debezium, GoldenGate, DB2, Qlik); "
                               "acks: the sample's acknowledgements (--devices), after the slices that notified them")
     produce.add_argument("path", nargs="?", help="JSONL of {topic, key, value} (for 'file')")
-    produce.add_argument("--patches", type=int, default=10_000)
-    produce.add_argument("--entities", type=int, default=1_000)
-    produce.add_argument("--ops", type=int, default=3)
+    produce.add_argument("--patches", type=_at_least(1), default=10_000)
+    produce.add_argument("--entities", type=_at_least(1), default=1_000)
+    produce.add_argument("--ops", type=_at_least(1), default=3)
     produce.add_argument("--seed", type=int, default=7)
     produce.add_argument("--learning", action="store_true")
-    produce.add_argument("--devices", type=int, default=0, help="whole-graph traffic: schemas, devices, subscriptions")
-    produce.add_argument("--zones", type=int, default=0, help="spread entities and subscriptions over this many zones")
+    produce.add_argument("--devices", type=_at_least(0), default=0, help="whole-graph traffic: schemas, devices, subscriptions")
+    produce.add_argument("--zones", type=_at_least(0), default=0, help="spread entities and subscriptions over this many zones")
     produce.add_argument("--bad", action="store_true", help="add bad records (malformed JSON, invalid fields, a wrong type), which become dead letters")
-    produce.add_argument("--rows", type=int, default=100, help="cdc: rows of each source's projection")
+    produce.add_argument("--rows", type=_at_least(1), default=100, help="cdc: rows of each source's projection")
     run = sub.add_parser("run", help="evaluate the sensor and materialize every pending slice in order")
-    run.add_argument("--max-messages", type=_count, default=None, help="cap of messages per slice")
+    run.add_argument("--max-messages", type=_at_least(1), default=None, help="cap of messages per slice")
     run.add_argument("--slices", metavar="FIRST[..LAST]", default=None,
                      help="materialize these closed slices again, in order (numbers), instead of the pending ones")
     run.add_argument("--assets", metavar="NAME[,NAME]", default=None,
@@ -682,11 +704,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="the document at this time (epoch milliseconds, as begun and ended)")
     history.add_argument("--json", action="store_true", help="each version with every field, as JSON lines")
     demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
-    demo.add_argument("--patches", type=int, default=10_000)
-    demo.add_argument("--entities", type=int, default=1_000)
-    demo.add_argument("--devices", type=int, default=20)
-    demo.add_argument("--partitions", type=_count, default=4)
-    demo.add_argument("--cdc-rows", type=int, default=100, help="rows of each sample CDC projection")
+    demo.add_argument("--patches", type=_at_least(1), default=10_000)
+    demo.add_argument("--entities", type=_at_least(1), default=1_000)
+    demo.add_argument("--devices", type=_at_least(1), default=20)
+    demo.add_argument("--partitions", type=_at_least(1), default=4)
+    demo.add_argument("--cdc-rows", type=_at_least(1), default=100, help="rows of each sample CDC projection")
     args = parser.parse_args(argv)
     prepare_environment(args.port)
     handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,

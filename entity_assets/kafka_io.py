@@ -485,7 +485,7 @@ def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout:
     # a broker's metadata may lack a topic for a moment after its creation: the publish that
     # follows counts its partitions
     deadline = time.monotonic() + timeout
-    while lacking := [t for t in wanted if not _listed(cluster_metadata(config, timeout, admin), t)]:
+    while lacking := _unlisted(cluster_metadata(config, timeout, admin), wanted):
         if time.monotonic() > deadline:
             raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} created {', '.join(lacking)} but lists "
                                    f"no partitions of it after {timeout:g} s")
@@ -493,6 +493,7 @@ def ensure_topics(config: dict, topics: Iterable[str], partitions: int, timeout:
     return wanted
 
 
-def _listed(metadata, topic: str) -> bool:
-    listed = metadata.topics.get(topic)
-    return listed is not None and listed.error is None and bool(listed.partitions)
+def _unlisted(metadata, topics: Iterable[str]) -> list[str]:
+    """The topics of `topics` that `metadata` lists no partition of."""
+    return [t for t in topics if (listed := metadata.topics.get(t)) is None or listed.error is not None
+            or not listed.partitions]

@@ -38,6 +38,14 @@ def load_cursor(raw: str | None) -> Cursor:
     return Cursor(data["seq"], positions, data.get("closed_at"), data.get("lag"))
 
 
+def not_the_lake(root: str, ran: str) -> str:
+    """What a lake with no slice is, where the sensor or the instance ran some: no backup lacks
+    every slice, so another lake (a root mistyped, moved, or relative to another folder), which
+    would read all Kafka holds again and publish it again, creations as patches of missing entities."""
+    return (f"the lake at {root} has no slice, but {ran}: is its root the lake's (ENTITY_ASSETS_LAKE)? To start "
+            "this lake from the first offsets Kafka holds, use a new Dagster instance (DAGSTER_HOME)")
+
+
 def dump_cursor(seq: int, positions: dict, closed_at: int | None, lag: dict | None = None) -> str:
     return json.dumps({"seq": seq, "next": {f"{t}|{p}": off for (t, p), off in sorted(positions.items())},
                        "closed_at": closed_at, **({"lag": lag} if lag else {})})
@@ -62,12 +70,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     cursor_seq, positions, closed_at, reported = load_cursor(context.cursor)
     latest = store.latest_seq()
     if not latest and cursor_seq:
-        # no backup lacks every slice: another lake (a root mistyped, moved, or relative to another
-        # folder) would read all Kafka holds again and publish it again, its creations as patches
-        # of missing entities
-        said = (f"the lake at {engine.root} has no slice, but this sensor closed {cursor_seq}: is its root the "
-                "lake's (ENTITY_ASSETS_LAKE)? To start this lake from the first offsets Kafka holds, delete the "
-                "sensor's cursor: `dagster sensor cursor kafka_offsets_sensor --delete`")
+        said = not_the_lake(engine.root, f"this sensor closed {cursor_seq}") + (
+            ", or delete the sensor's cursor: `dagster sensor cursor kafka_offsets_sensor --delete` (docs/slices.md)")
         context.log.error(said)
         return SensorResult(skip_reason=SkipReason(said), cursor=context.cursor)
     if latest != cursor_seq:

@@ -338,8 +338,10 @@ class FileWriter:
 
     def _roll(self) -> None:
         """Writes the buffered rows as a file, but with `whole_keys` the rows of the last key,
-        which the next rows may continue, stay for the next file (all of them, when one key
-        fills the buffer). Dict rows (`append`) are written as they are."""
+        which the next rows may continue, stay for the next file: when one key fills the
+        buffer, it grows until another key comes (a key's rows in one file, whatever their
+        size: an entity's updates of a slice are published in file order). Dict rows (`append`)
+        are written as they are."""
         if self.whole_keys is None or self._rows:
             self.flush()
             return
@@ -347,7 +349,7 @@ class FileWriter:
         keys = data.column(self.whole_keys)
         others = pc.indices_nonzero(pc.not_equal(keys, keys[-1]).combine_chunks())
         if not len(others):
-            self.flush()
+            self._tables = [data]
             return
         cut = others[-1].as_py() + 1
         self._tables, self._table_rows = [data.slice(cut)], data.num_rows - cut

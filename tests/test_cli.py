@@ -144,6 +144,13 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     rows = lake.open().read("entity_batches", columns=["slice"])["slice"].to_pylist()
     assert sum(s > slice_key(slices) for s in rows) == len(lost) + len(later)
 
+    # a lake with no slice under an instance that ran some is another lake (a root mistyped):
+    # refused, not read from the first offsets and published again
+    shutil.rmtree(lake.root)
+    refused = run()
+    assert refused.returncode == 2 and f"the lake at {lake.root} has no slice, but this Dagster instance ran " \
+        in refused.stderr and not Path(lake.root, "entity_batches").exists(), refused.stderr
+
 
 def test_topics_creates_what_the_cluster_lacks_with_each_topics_settings(broker, monkeypatch, tmp_path, capsys):
     """`entity-assets topics`: a dry run creates nothing; then the input topics get the given

@@ -108,12 +108,21 @@ def test_a_file_bound_never_splits_a_key_s_rows_when_the_writer_keeps_keys_whole
 
     writer.append_table(rows("a", "a", "b", "b", "b"))  # at the bound: b may go on, so it stays
     writer.append_table(rows("b", "c", "c"))
-    writer.append_table(rows(*"dddddd"))  # c is cut before d, which stays: a key is split only when it fills the buffer alone
+    writer.append_table(rows(*"dddddd"))  # c is cut before d, which stays, past the bound: a key is never split
+    writer.append_table(rows("d"))
     writer.append_table(rows("e"))
     files = writer.close()
     written = [[r["entity"] for r in read_table(str(tmp_path / f.path)).to_pylist()] for f in files]
-    assert written == [["a", "a"], ["b", "b", "b", "b"], ["c", "c"], ["d"] * 6, ["e"]]
+    assert written == [["a", "a"], ["b", "b", "b", "b"], ["c", "c"], ["d"] * 7, ["e"]]
     assert all(not set(x) & set(y) for i, x in enumerate(written) for y in written[i + 1:])
+    # nor by the byte bound: seven updates of one entity with a 1 MB `after` each
+    writer = FileWriter("entity_updates", str(tmp_path), SCHEMAS["entity_updates"], KEY, max_bytes=3_000_000,
+                        whole_keys="entity")
+    for request, entity in enumerate("aeeeeeb"):
+        writer.append_table(pa.Table.from_pylist([{"slice": KEY, "entity": entity, "request": request,
+                                                   "after": "x" * 1_000_000}], SCHEMAS["entity_updates"]))
+    written = [[r["entity"] for r in read_table(str(tmp_path / f.path)).to_pylist()] for f in writer.close()]
+    assert written == [["a"], ["e"] * 5, ["b"]]
 
 
 def test_footer_bounds_cover_every_row_group_of_the_slice(tmp_path):

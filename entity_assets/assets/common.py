@@ -507,7 +507,8 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     once per table; the tasks then spool their messages as they write (see `publish_outbox`),
     all but those too large for their topic (`undeliverable_check`).
     """
-    from entity_assets.kafka_io import PRODUCER_DEFAULTS, ensure_topics, message_limits, partition_counts, producer_limit
+    from entity_assets.kafka_io import (PRODUCER_DEFAULTS, KafkaUnreachable, ensure_topics, message_limits,
+                                        partition_counts, producer_limit)
     from entity_assets.publish import STREAMS, Publishing, process
     from entity_assets.storage import filesystem, is_remote
 
@@ -519,6 +520,9 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
                   topic_configs={topic: kafka.new_topic_settings(STREAMS[table].name) for table, topic in topics.items()},
                   replication_factor=kafka.new_topic_replication_factor)
     partitions, limits = partition_counts(config, topics.values()), message_limits(config, topics.values())
+    if lacking := sorted(set(topics.values()) - {t for t, n in partitions.items() if n}):
+        # a broker that learns of a topic created a moment ago after the one ensure_topics asked
+        raise KafkaUnreachable(f"Kafka lists no partitions of {', '.join(lacking)} yet; the step is retried")
     outbox = engine.uri(OUTBOX_FOLDER)
     if not is_remote(outbox):  # an object store has no folders to make: it would be three requests for nothing
         fs, path = filesystem(outbox, engine.storage_options)

@@ -105,13 +105,13 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     read = [(r["dbid"], r["zone"], r["entity"], *notify.read_subscription(core.loads(r["document"])))
             for r in to_rows(state) if not r["deleted"]] if state.num_rows else []
     subscriptions = [(dbid, zone, entity, sub) for dbid, zone, entity, sub, _ in read if sub is not None]
-    # names cut, as zone_changes' are: the check's metadata is written at every slice
-    invalid = {f"{shown(dbid)}/{shown(zone)}/{shown(entity)}": shown(error, 300)
-               for dbid, zone, entity, _, error in read if error}
+    invalid = sorted((dbid, zone, entity, error) for dbid, zone, entity, _, error in read if error)
     summary, _ = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("zone_changes", [key]),
                                "changes_by_device", key, fold.fan_out_task, published=False,
                                subscriptions=subscriptions, columns=fold.FAN_OUT_COLUMNS)
-    first = dict(sorted(invalid.items())[:INVALID_SHOWN])
+    # names cut, as zone_changes' are: the check's metadata is written at every slice
+    first = {f"{shown(dbid)}/{shown(zone)}/{shown(entity)}": shown(error, 300)
+             for dbid, zone, entity, error in invalid[:INVALID_SHOWN]}
     meta = table_metadata(engine, "changes_by_device", summary)
     meta.update(subscriptions=MetadataValue.int(len(subscriptions)), invalid_subscriptions=MetadataValue.int(len(invalid)))
     return MaterializeResult(
