@@ -123,9 +123,11 @@ def cmd_topics(args) -> int:
 
 
 def cmd_spark(args) -> int:
+    from entity_assets.definitions import build_resources
     from entity_assets.spark_connect import LocalSparkConnect
 
-    server = LocalSparkConnect(_home() / "spark", port=args.spark_port)
+    conf = tuple(build_resources()["spark"].conf.items()) if args.action == "start" else ()
+    server = LocalSparkConnect(_home() / "spark", port=args.spark_port, conf=conf)
     if args.action == "start":
         pid = server.start(timeout=180)
         print(f"spark connect server (pid {pid}, log {server.log_file}); connect with:", file=sys.stderr)

@@ -43,6 +43,9 @@ def _spark_home() -> Path:
 class LocalSparkConnect(LocalService):
     port: int = DEFAULT_PORT
     master: str = "local[*]"
+    conf: tuple[tuple[str, str], ...] = ()
+    """Settings over the project's (ENTITY_ASSETS_SPARK_CONF): a Spark Connect session may set
+    SQL settings only, so the server takes the others (memory, JVM options) at its start."""
     name = "spark-connect"
 
     @property
@@ -56,7 +59,7 @@ class LocalSparkConnect(LocalService):
         jar = next((home / "jars").glob("spark-connect_*.jar"))
         conf = {**DEFAULT_CONF, **LOCAL_CONF, "spark.connect.grpc.binding.address": self.host,
                 "spark.connect.grpc.binding.port": str(self.port), "spark.ui.enabled": "false",
-                "spark.connect.session.manager.defaultSessionTimeout": SESSION_TIMEOUT}
+                "spark.connect.session.manager.defaultSessionTimeout": SESSION_TIMEOUT, **dict(self.conf)}
         return [str(home / "bin" / "spark-submit"), "--master", self.master, "--name", "entity-assets",
                 *(arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")),
                 "--class", SERVER_CLASS, str(jar)]

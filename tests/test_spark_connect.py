@@ -52,6 +52,21 @@ def test_the_local_server_serves_one_long_session_with_the_project_workers(tmp_p
     assert set(remote) < set(SparkResource(master="local[2]").settings())
 
 
+def test_the_local_server_takes_the_environment_s_spark_settings(tmp_path, monkeypatch):
+    """A Spark Connect session ignores what is not a SQL setting: `spark start` gives the server
+    ENTITY_ASSETS_SPARK_CONF's, over the project's."""
+    from entity_assets import cli
+
+    started = []
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("ENTITY_ASSETS_SPARK_CONF", "spark.executor.memory=8g,spark.sql.shuffle.partitions=7")
+    monkeypatch.setattr(LocalSparkConnect, "start", lambda self, timeout: started.append(self.command()) or 1)
+    assert cli.main(["spark", "start"]) == 0
+    command = " ".join(started[0])
+    assert "--conf spark.executor.memory=8g" in command and "--conf spark.sql.shuffle.partitions=7" in command
+    assert "spark.sql.shuffle.partitions=8" not in command  # the project's default, overridden
+
+
 def test_a_server_does_not_start_on_a_port_another_process_holds(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as other:
         server = LocalSparkConnect(tmp_path, port=other.getsockname()[1])
