@@ -412,8 +412,7 @@ def connection_rows(table: str, file: TableFile, storage_options, buckets: list[
 
 INBOX_EVENTS = pa.schema([("dbid", pa.string()), ("user", pa.string()), ("device", pa.string()),
                           ("kind", pa.string()), ("notification", pa.string()), ("ended", pa.int64()),
-                          ("notifications", pa.string()), ("upTo", pa.int64()), ("acked_at", pa.int64()),
-                          ("collection", pa.string()),
+                          ("notifications", pa.string()), ("upTo", pa.int64()), ("collection", pa.string()),
                           ("zone", pa.string()), ("entity", pa.string()), ("action", pa.string()),
                           *((c, SCHEMAS["changes_by_device"].field(c).type) for c in core.ORDER)])
 INBOX_ORDER = ("device", "kind", *core.ORDER, "ended", "notification")
@@ -423,7 +422,7 @@ changes_by_device rows lack the request columns."""
 ACK, NOTIFY = "a-ack", "b-notify"
 """Kinds of inbox events: a device's acks sort before its new notifications, which no ack of the
 slice can have seen (they are published after the slice closed): an `upTo` covers only the
-notifications of slices published before it was sent (`notify.DeviceInbox`)."""
+notifications of earlier slices, not one of this slice that `ended` at or before it."""
 
 
 def inbox_events(table: str, file: TableFile, storage_options, buckets: list[int]) -> pa.Table:
@@ -439,9 +438,8 @@ def inbox_events(table: str, file: TableFile, storage_options, buckets: list[int
                           filters=[("bucket", "in", buckets)], schema=SCHEMAS[table])  # an older file: no request
         kind = NOTIFY
     else:
-        data = read_table(file, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo",
-                                                  "kafka_timestamp"])
-        data = data.rename_columns(["dbid", "user", "device", "ended", "notifications", "upTo", "acked_at"])
+        data = read_table(file, storage_options, ["dbid", "user", "device", "begun", "notifications", "upTo"])
+        data = data.rename_columns(["dbid", "user", "device", "ended", "notifications", "upTo"])
         kind = ACK
     columns = {name: data.column(name) if name in data.column_names else pa.nulls(data.num_rows, INBOX_EVENTS.field(name).type)
                for name in INBOX_EVENTS.names}
@@ -770,18 +768,13 @@ EXPIRED = "expired_notifications"
 
 def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
                state_files: dict[int, list[TableFile]], write_state: bool, state_file_rows: int = shards.FILE_ROWS,
-               publishing: Publishing | None = None, published_at: dict[int, int] | None = None
-               ) -> Iterator[pa.RecordBatch]:
+               publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
     """Input: notifications and acks of the slice, sorted by bucket and INBOX_ORDER.
 
-    A device's acks apply before its new notifications (kind ACK < NOTIFY), an `upTo` to the
-    notifications of the slices published before the ack's Kafka time: `published_at`, slice
-    number -> when, of the slices published since the slice's earliest ack (the others were
-    before any). The task also publishes the change summaries (changes-by-device), each
-    device's in the order the fold applied their changes: the fan-out's tasks split a device's
-    summaries by zone-changes file.
+    A device's acks apply before its new notifications (kind ACK < NOTIFY). The task also
+    publishes the change summaries (changes-by-device), each device's in the order the fold
+    applied their changes: the fan-out's tasks split a device's summaries by zone-changes file.
     """
-    seq, published_at = int(slice_key), published_at or {}
     out = Outputs(slice_key, uris, storage_options, publishing)
     store = BucketStore(out.writer("device_inboxes"), ("device",), state_files, write_state, storage_options,
                         state_file_rows)
@@ -796,12 +789,12 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
             dirty = False
             for row in events:
                 if row["kind"] == NOTIFY:
-                    inbox.add(row["notification"], row["ended"], seq)
+                    inbox.add(row["notification"], row["ended"])
                     inbox.dbid, inbox.user = row["dbid"], row["user"]  # whom the device was last notified for
                     dirty = True
                 else:
                     ids = json.loads(row["notifications"]) if row["notifications"] else None
-                    dirty = inbox.ack(ids, row["upTo"], _published_by(published_at, row.get("acked_at"))) > 0 or dirty
+                    dirty = inbox.ack(ids, row["upTo"]) > 0 or dirty
             expired = inbox.expire(notify.MAX_PENDING)
             if expired:
                 out.count(EXPIRED, expired)
@@ -813,13 +806,6 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                                       "ended": inbox.ended, "bucket": bucket})
     out.close_state("device_inboxes", store)
     yield _arrow(out.report())
-
-
-def _published_by(published_at: dict[int, int], sent: int | None):
-    """Whether a slice (its number) was published when an ack was sent (`sent`: its Kafka time)."""
-    if sent is None or not published_at:
-        return None
-    return lambda seq: published_at.get(seq, sent) <= sent
 
 
 def _published_as_read(out: Outputs, batches: Iterator[pa.RecordBatch], table: str, column: str,

@@ -11,7 +11,7 @@ import hashlib
 import heapq
 import json
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -177,18 +177,15 @@ badge shows "999+" long before."""
 class DeviceInbox:
     """The unacknowledged notifications of one device; state kept between slices as JSON.
 
-    An ``upTo`` covers only notifications an app could have seen when it sent the ack: those
-    of slices published before the ack's time (``published``: a slice's first commit of the
-    inboxes, after which its messages are published), not one of a slice closed but not yet
-    run, nor a new one of the ack's own slice, that ended at or before it (a partition or a
-    client clock behind the others). The caller applies a slice's acks before its new
-    notifications. An ack naming an id that is not pending (unknown, already acked, or not yet
-    seen) is ignored; it is not remembered, so a later notification with that id stays pending
-    until an ``upTo`` covers it.
+    Ordering within a slice: the caller applies the device's acks first and then adds its new
+    notifications, which the slice's acks were sent before (they are published after the slice
+    closed): an ``upTo`` does not take a new notification that ended at or before it, from a
+    partition or a client clock behind the others. An ack naming an id that is not pending
+    (unknown, already acked, or not yet seen) is ignored; it is not remembered, so a later
+    notification with that id stays pending until an ``upTo`` covers it.
 
     ``last`` is the highest ``ended`` ever added; it survives acks so that an emptied inbox still
-    has a timestamp for the message's required ``begun``/``ended``. ``slices``: the slice (its
-    number) that added each pending notification; 0, or none, for an inbox of an older release.
+    has a timestamp for the message's required ``begun``/``ended``.
     """
 
     def __init__(
@@ -199,41 +196,30 @@ class DeviceInbox:
         pending: dict[str, int] | None = None,
         *,
         last: int | None = None,
-        slices: dict[str, int] | None = None,
     ) -> None:
         self.dbid = dbid
         self.user = user
         self.device = device
         self.pending: dict[str, int] = dict(pending or {})
-        self.slices: dict[str, int] = dict(slices or {})
         top = max(self.pending.values(), default=None)
         self.last = top if last is None else (last if top is None else max(last, top))
 
-    def add(self, notification: str, ended: int, seq: int = 0) -> None:
-        """Record a notification of slice `seq`; re-adding a pending id keeps its first ``ended``
-        and slice (idempotent)."""
-        if notification not in self.pending:
-            self.pending[notification] = ended
-            if seq:
-                self.slices[notification] = seq
+    def add(self, notification: str, ended: int) -> None:
+        """Record a notification; re-adding a pending id keeps its first ``ended`` (idempotent)."""
+        self.pending.setdefault(notification, ended)
         if self.last is None or ended > self.last:
             self.last = ended
 
-    def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None,
-            published: Callable[[int], bool] | None = None) -> int:
-        """Remove the named notifications and every one with ``ended <= up_to`` of a slice
-        ``published`` (by its number; None: every slice) before the ack; how many went."""
+    def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None) -> int:
+        """Remove the named notifications and every one with ``ended <= up_to``; how many went."""
         removed = 0
         for notification in notifications or ():
             if self.pending.pop(notification, None) is not None:
-                self.slices.pop(notification, None)
                 removed += 1
         if up_to is not None:
-            covered = [n for n, ended in self.pending.items()
-                       if ended <= up_to and (published is None or published(self.slices.get(n, 0)))]
+            covered = [n for n, ended in self.pending.items() if ended <= up_to]
             for notification in covered:
                 del self.pending[notification]
-                self.slices.pop(notification, None)
             removed += len(covered)
         return removed
 
@@ -248,7 +234,6 @@ class DeviceInbox:
             return 0
         for notification, _ in heapq.nsmallest(over, self.pending.items(), key=lambda item: (item[1], item[0])):
             del self.pending[notification]
-            self.slices.pop(notification, None)
         return over
 
     @property
@@ -266,27 +251,23 @@ class DeviceInbox:
         return max(self.pending.values(), default=None)
 
     def to_json(self) -> str:
-        """Members in name order, `pending` in the order its notifications came, and `slices` as
-        runs of that order, [[slice, count], ...]: a slice adds its notifications after the
-        earlier slices', so an inbox holds a pair per slice, not per notification."""
-        runs: list[list[int]] = []
-        for notification in self.pending:
-            seq = self.slices.get(notification, 0)
-            if runs and runs[-1][0] == seq:
-                runs[-1][1] += 1
-            else:
-                runs.append([seq, 1])
-        return json.dumps({"dbid": self.dbid, "device": self.device, "last": self.last, "pending": self.pending,
-                           **({"slices": runs} if self.slices else {}), "user": self.user},
-                          separators=(",", ":"))
+        return json.dumps(
+            {
+                "dbid": self.dbid,
+                "user": self.user,
+                "device": self.device,
+                "pending": self.pending,
+                "last": self.last,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        )
 
     @classmethod
     def from_json(cls, text: str) -> DeviceInbox:
         raw = json.loads(text)
         pending = {str(k): int(v) for k, v in (raw.get("pending") or {}).items()}
-        seqs = [seq for seq, count in raw.get("slices") or () for _ in range(count)]
-        slices = {n: seq for n, seq in zip(pending, seqs) if seq}
-        return cls(raw["dbid"], raw["user"], raw["device"], pending, last=raw.get("last"), slices=slices)
+        return cls(raw["dbid"], raw["user"], raw["device"], pending, last=raw.get("last"))
 
     def message(self) -> dict[str, Any]:
         """The device-notifications message (validates as ``messages.DeviceNotification``).

@@ -261,29 +261,6 @@ def test_inbox_json_round_trip():
     assert back.message() == inbox.message()
 
 
-def test_an_inbox_keeps_each_notification_s_slice_as_runs_and_an_older_one_reads():
-    inbox = DeviceInbox(DB, "jsmith", "device1")
-    for notification, ended, seq in (("z", 100, 3), ("a", 150, 3), ("m", 90, 4), ("b", 80, 5)):
-        inbox.add(notification, ended, seq)
-    inbox.add("a", 999, 6)  # pending already: its first ended and slice stay
-    inbox.ack(["m"])
-    text = inbox.to_json()
-    assert '"pending":{"z":100,"a":150,"b":80},"slices":[[3,2],[5,1]]' in text
-    back = DeviceInbox.from_json(text)
-    assert (back.pending, back.slices, back.to_json()) == (inbox.pending, {"z": 3, "a": 3, "b": 5}, text)
-    older = DeviceInbox.from_json('{"dbid":"d","device":"x","last":5,"pending":{"n1":5},"user":"u"}')
-    assert older.slices == {} and older.ack(up_to=5, published=lambda seq: seq < 3) == 1  # slice 0: long published
-
-
-def test_an_up_to_covers_the_slices_published_before_it():
-    inbox = DeviceInbox(DB, "jsmith", "device1")
-    inbox.add("seen", 100, 1)
-    inbox.add("unseen", 50, 2)  # its slice closed, not yet run, when the app acked: an earlier `ended` all the same
-    assert inbox.ack(up_to=1_000, published=lambda seq: seq <= 1) == 1
-    assert list(inbox.pending) == ["unseen"] and inbox.slices == {"unseen": 2}
-    assert inbox.ack(["unseen"], published=lambda seq: False) == 1  # named: seen, whatever its slice
-
-
 def test_inbox_message_validates():
     inbox = DeviceInbox(DB, "jsmith", "7980f77c-2529-4978-9281-c44297c0f57e")
     inbox.add("n1", 1415747103842)

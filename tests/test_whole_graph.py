@@ -617,24 +617,6 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         failure.step_failure_data.error)
 
 
-def test_an_up_to_ack_leaves_what_a_backlog_had_not_published_when_it_was_sent(pipeline):
-    """Slice 2 was closed, but had not run, when the app acked `upTo` its clock: slice 2's
-    notification, which ended before that time, was never seen and stays pending; slice 1's,
-    published before the ack, goes."""
-    created = [{"op": "add", "path": "firstName", "value": "Ann"}]
-    run_slice(pipeline, [batch(1, 1415747086000, [subscribe("device1")]),
-                         batch(2, FUTURE + 1, [contact("seen", "A", created)])], K1)
-    pipeline.produce([batch(3, FUTURE + 2, [contact("unseen", "A", created)])])
-    [second] = pipeline.tick()  # closed, not run yet: a backlog
-    pipeline.produce([ack("device1", upTo=samples.ACK_ALL)])
-    [third] = pipeline.tick()
-    assert pipeline.run_request(second).success and pipeline.run_request(third).success
-    [inbox] = [r for r in rows(pipeline, "device_inboxes") if r["device"] == "device1"]
-    [left] = json.loads(inbox["document"])["pending"]
-    assert left == notify.notification_id("device1", DB, "Contacts", "A", "unseen", ADMIN, 3, 1)
-    assert [(r["count"], r["slice"]) for r in rows(pipeline, "device_notifications", K3)] == [(1, K3)]
-
-
 def test_a_device_hears_of_a_slice_s_changes_in_the_order_they_were_applied(pipeline):
     """The fan-out's tasks split a device's change summaries by zone-changes file (so by entity
     bucket); device_notifications publishes them, each device's in the fold's order (begun,

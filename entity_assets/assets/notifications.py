@@ -14,7 +14,6 @@ from dagster import (
 
 from entity_assets import core, fold, notify
 from entity_assets.assets.common import (
-    PUBLISH,
     applied_version,
     commit_stream,
     delivery_check_spec,
@@ -122,31 +121,6 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
                                         metadata={"invalid": len(invalid), "first": MetadataValue.json(first)})])
 
 
-def published_since_acks(engine, key: str) -> dict[int, int]:
-    """Slice number -> when its device notifications were published (its first `publish`
-    commit, or its first commit where they are not published), of the slices before `key`
-    published after the slice's earliest ack: an `upTo` covers only what was published before
-    it was sent, not a slice that was closed but not yet run (a backlog). Reads the newest
-    commits back to that ack, a few unless the runs are far behind."""
-    bounds = engine.column_bounds("notification_acks", key, "kafka_timestamp")
-    if bounds is None or not engine.exists("device_notifications"):
-        return {}
-    limit = 8
-    while True:
-        entries = engine.history("device_notifications", limit)
-        if len(entries) < limit or min(e["timestamp"] for e in entries) < bounds[0]:
-            break
-        limit *= 4
-    commits = [(e["entity_assets.slice"], e["entity_assets.operation"] == PUBLISH, e["timestamp"]) for e in entries
-               if e.get("entity_assets.slice", key) < key and "entity_assets.operation" in e]
-    published = {s for s, publish, _ in commits if publish}
-    out: dict[int, int] = {}
-    for s, publish, at in commits:
-        if publish or s not in published:
-            out[int(s)] = min(out.get(int(s), at), at)
-    return out
-
-
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["changes_by_device", "notification_acks"],
        group_name="notifications",
        kinds=KINDS, description="Per device, the count of unacknowledged notifications with the first (begun) and "
@@ -174,7 +148,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
                                   order=fold.INBOX_ORDER, engine=engine,
                                   state_table="device_inboxes", slice_key=key, uris=uris,
                                   state_file_rows=lake.state_file_rows,
-                                  publishing=publish_to, published_at=published_since_acks(engine, key))
+                                  publishing=publish_to)
     summary, counts = commit_stream(context, spark, engine, "device_notifications", files, key, publish_to,
                                     inboxes["counts"])
     return MaterializeResult(metadata=_metadata(
