@@ -465,7 +465,7 @@ def cmd_run(args) -> int:
             return 2
         return _run_all(lambda: run_pending(max_messages=args.max_messages))
     first, dots, last = args.slices.partition("..")
-    if not (first.isdigit() and (last.isdigit() if dots else True)):
+    if not (first.isascii() and first.isdigit() and (last.isascii() and last.isdigit() if dots else True)):
         print(f"--slices {args.slices}: give slice numbers, FIRST or FIRST..LAST", file=sys.stderr)
         return 2
     assets = [a.strip() for a in args.assets.split(",")] if args.assets else None
@@ -483,12 +483,22 @@ def lake_summary() -> dict[str, dict]:
     for table in sorted(t for t in (*SCHEMAS, MANIFESTS) if engine.exists(t)):
         out[table] = {"rows": engine.row_count(table), "version": engine.version(table)}
     if "dead_letters" in out and out["dead_letters"]["rows"]:
-        codes = Counter(engine.read("dead_letters", columns=["code"]).column("code").to_pylist())
-        out["dead_letters"]["codes"] = dict(codes)
+        out["dead_letters"]["codes"] = _value_counts(engine, "dead_letters", "code")
     if "entity_batches" in out and out["entity_batches"]["rows"]:  # native batches and each CDC ingestion topic
-        topics = Counter(engine.read("entity_batches", columns=["kafka_topic"]).column("kafka_topic").to_pylist())
-        out["entity_batches"]["topics"] = dict(sorted(topics.items()))
+        out["entity_batches"]["topics"] = dict(sorted(_value_counts(engine, "entity_batches", "kafka_topic").items()))
     return out
+
+
+def _value_counts(engine, table: str, column: str) -> dict:
+    """A column's values and their counts, a file at a time: an input table is kept for good."""
+    import pyarrow.compute as pc
+
+    from entity_assets.storage import read_tables
+
+    counts: Counter = Counter()
+    for data in read_tables(engine.files(table), engine.storage_options, [column]):
+        counts.update({c["values"]: c["counts"] for c in pc.value_counts(data.column(column)).to_pylist()})
+    return dict(counts)
 
 
 def cmd_summary(args) -> int:
@@ -524,7 +534,7 @@ def cmd_changes(args) -> int:
     from entity_assets.definitions import build_resources
     from entity_assets.slices import slice_key
 
-    if args.since is not None and not args.since.isdigit():
+    if args.since is not None and not (args.since.isascii() and args.since.isdigit()):
         raise UsageError(f"--since {args.since}: give a slice number")
     engine = build_resources()["lake"].open()
     if not engine.exists(args.table):

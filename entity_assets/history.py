@@ -92,6 +92,7 @@ def entity_history(engine: DeltaRsEngine, dbid: str, collection: str, zone: str,
         found = read(engine.slice_files("entity_updates", [at]))
         updates += found
         if not found or found[0]["bucket"] is None:
-            return versions(updates + [u for u in read(engine.files("entity_updates")) if u["slice"] < at])
+            older = [f for f in engine.files("entity_updates") if f.min.get("slice", "") < at]  # no later file
+            return versions(updates + [u for u in read(older) if u["slice"] < at])
         at = found[0]["previousSlice"]
     return versions(updates if state else read(engine.files("entity_updates")))

@@ -129,10 +129,12 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
         _add(trail, "dead_letters", [r for r in _read(engine, "dead_letters", [trail.slice], None, gone)
                                      if offset in (RecordsExpired.span(r["reason"]) or ())])
     if "schema_waits" in trail.rows:  # every slice's files: a rare path
-        later = _read(engine, "entity_batches", None, None, at)
+        # of a later slice: offsets read again after a restart are another record's in earlier ones
+        after = [("slice", ">", trail.slice), *at]
+        later = sorted(_read(engine, "entity_batches", None, None, after), key=lambda r: r["slice"])[:1]
         trail.applied = later[0]["slice"] if later else None
         _add(trail, "entity_batches", later)
-        _add(trail, "dead_letters", _read(engine, "dead_letters", None, None, at))  # the wait's end, or bad once decoded
+        _add(trail, "dead_letters", _read(engine, "dead_letters", None, None, after))  # the wait's end, or bad once decoded
     for table in TRAIL[RECORD_TABLES:]:
         _add(trail, table, _read(engine, table, [trail.applied or trail.slice], None, at))
     trail.inboxes = _inboxes(engine, trail.applied or trail.slice, trail.rows.get("changes_by_device", []))
@@ -149,6 +151,8 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
 LEFT_OUT = {"entity_batches": ("entity_patches", core.BATCH_IDENTITY),
             "schema_patches": ("schema_updates", core.SCHEMA_PATCH_IDENTITY)}
 """An input table whose repeats a step leaves out: the table the others reach, and the identity."""
+STEP_AFTER = {"entity_patches": "partial_responses", "entity_updates": "zone_changes"}
+"""A trail's table, and one that the next step writes a row of for each of its rows."""
 
 
 def _notes(engine: DeltaRsEngine, trail: Trail) -> list[str]:
@@ -165,6 +169,10 @@ def _notes(engine: DeltaRsEngine, trail: Trail) -> list[str]:
                         "(a redelivery; with another `begun`, the id used again, which the request_ids_not_reused "
                         "check names)"]
             return [f"{reached}: its slice's step has not run yet"]
+    for have, then in STEP_AFTER.items():
+        if have in trail.rows and then not in trail.rows and not (
+                engine.exists(then) and engine.reached(then, at, "replace_slice")):
+            return [f"{then}: its slice's step has not run yet"]
     return []
 
 
@@ -195,8 +203,8 @@ def _inboxes(engine: DeltaRsEngine, slice_key: str, changes: list[dict]) -> list
         return []
     devices = [("device", "in", sorted(mine))]
     then = {r["device"]: r["count"] for r in _read(engine, "device_notifications", [slice_key], ["device", "count"], devices)}
-    now = {r["device"]: DeviceInbox.from_json(r["document"])
-           for r in _read(engine, "device_inboxes", None, ["device", "document", "deleted"], devices) if not r["deleted"]}
+    now = {r["device"]: DeviceInbox.from_json(r["document"])  # the files of their buckets only
+           for r in _state(engine, "device_inboxes", ("device",), {(d,) for d in mine}) if not r["deleted"]}
     return [{"device": device, "notifications": ids, "count_after_slice": then.get(device),
              "count_now": now[device].count if device in now else None,
              "unacknowledged": [n for n in ids if device in now and n in now[device].pending]}

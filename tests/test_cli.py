@@ -433,6 +433,8 @@ def test_an_interrupted_command_is_a_line_and_status_130(monkeypatch, tmp_path, 
 @pytest.mark.parametrize("argv, said", [
     (["topics", "--dry-run", "--input-config", "foo"], "--input-config foo: give KEY=VALUE"),
     (["run", "--slices", "1.."], "--slices 1..: give slice numbers"),
+    (["run", "--slices", "\u00b2"], "give slice numbers"),  # a digit to str.isdigit, not to int()
+    (["changes", "entities", "--since", "\u00b2"], "give a slice number"),
     (["produce", "acks"], "produce acks needs --devices"),
 ])
 def test_arguments_the_user_can_fix_are_a_line_and_status_2(argv, said, monkeypatch, tmp_path, capsys):

@@ -908,6 +908,10 @@ def test_a_tick_that_loses_a_race_for_its_slice_commits_nothing(pipeline, monkey
     trail = trace.trace(pipeline.engine, pipeline.topic(STREAM), first["partition"], first["offset"])
     assert trail.slice == K1 and trail.rows == {}
     assert "its slice has not run yet" in trace.format_trail(trail)
+    # a step of the slice not run yet, further down: the trail says which
+    assert pipeline.run(K1, assets=[*ingest_only(pipeline), *pipeline.asset_keys_of("entity_patches")]).success
+    trail = trace.trace(pipeline.engine, pipeline.topic(STREAM), first["partition"], first["offset"])
+    assert "entity_patches" in trail.rows and trail.notes == ["partial_responses: its slice's step has not run yet"]
 
 
 def test_a_run_without_a_manifest_fails_clearly(pipeline):
