@@ -88,7 +88,7 @@ def _number(field: str, default: str, kind: type = int):
         raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
-SECRET_KEYS = re.compile(r"(password|secret|token|secret\.key|access_key|account_key|master_key|sas_key|jaas\.config"
+SECRET_KEYS = re.compile(r"(password|passphrase|secret|token|secret\.key|access_key|account_key|master_key|sas_key|jaas\.config"
                          r"|oauthbearer\.config|key\.pem|private\.key|encryption\.key)$"
                          r"|account\.key(\.|$)|client\.secret\.|fs\.azure\.sas\.(?!token\.(provider\.type|renew\.period\.for\.streams)$)")
 """Keys of librdkafka and Spark (Hadoop) settings that hold a secret (`ssl.keystore.password`,

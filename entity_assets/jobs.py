@@ -1,8 +1,11 @@
 """The slice job (every slice-partitioned asset, one run per slice), and two reads for the UI's
 launchpad: the trace of one input record and the history of one entity."""
 
+import json
+
 from dagster import AssetSelection, Config, Failure, MetadataValue, Nothing, OpExecutionContext, Out, Output, \
     define_asset_job, job, op
+from pydantic import Field
 
 from entity_assets.history import Diverged, as_of, entity_history
 from entity_assets.trace import format_trail, parse_record, trace
@@ -16,8 +19,8 @@ slice_job = define_asset_job(
 
 
 class TraceConfig(Config):
-    record: str
-    """TOPIC:PARTITION:OFFSET of an input record; an input stream's name stands for its topic."""
+    record: str = Field(description="TOPIC:PARTITION:OFFSET of an input record; an input stream's name stands for "
+                                    "its topic (entity-batches:0:17)")
 
 
 @op(out=Out(Nothing), description="One input record's rows in every table of its slice, down to the devices it notified.")
@@ -31,15 +34,23 @@ def trace_record(context: OpExecutionContext, config: TraceConfig, lake: LakeRes
     except ValueError as exc:
         raise Failure(str(exc)) from None
     trail = trace(lake.open(), *record)
-    text = format_trail(trail)
+    text = format_trail(trail, shown=SHOWN_ROWS)
     if trail.slice is None:
         raise Failure(text)
     context.log.info(text)
     yield Output(None, metadata={
         "slice": trail.slice, "rows": MetadataValue.json({t: len(rows) for t, rows in trail.rows.items()}),
-        "devices": MetadataValue.json(trail.inboxes), "trail": MetadataValue.md(f"```\n{text}\n```"),
-        "states": MetadataValue.json({t: [{k: v for k, v in r.items() if k != "document"} for r in rows]
+        "devices": MetadataValue.json({"count": len(trail.inboxes), "first": [
+            {**inbox, "notifications": inbox["notifications"][:SHOWN_ROWS],
+             "unacknowledged": inbox["unacknowledged"][:SHOWN_ROWS]} for inbox in trail.inboxes[:SHOWN_ROWS]]}),
+        "trail": MetadataValue.md(f"```\n{text}\n```"),
+        "states": MetadataValue.json({t: [{k: v for k, v in r.items() if k != "document"} for r in rows[:SHOWN_ROWS]]
                                       for t, rows in trail.states.items()})})
+
+
+SHOWN_ROWS = 50
+"""Rows of each table, devices and their notification ids a trace run's output lists: its
+event log is read by the UI; `entity-assets trace` lists them all."""
 
 
 @job(description="Traces one input record (config: record = TOPIC:PARTITION:OFFSET) through the lake; writes nothing.")
@@ -52,12 +63,13 @@ class HistoryConfig(Config):
     collection: str
     zone: str
     entity: str
-    slice: int | None = None
-    """The version current after this slice (its number); with neither this nor `at`, the latest."""
-    at: int | None = None
-    """The version current at this time (epoch milliseconds, as begun and ended)."""
+    slice: int | None = Field(default=None, description="the version current after this slice (its number); with "
+                                                        "neither this nor `at`, the latest")
+    at: int | None = Field(default=None, description="the version current at this time (epoch milliseconds, as "
+                                                     "begun and ended)")
 
 
+SHOWN_DOCUMENT_CHARS = 100_000
 SHOWN_VERSIONS = 50
 """Versions listed in a history run's metadata (the newest); `entity-assets history` lists all."""
 
@@ -85,7 +97,9 @@ def entity_versions(context: OpExecutionContext, config: HistoryConfig, lake: La
                 "history": MetadataValue.md("| version | slice | valid from | valid to | action | request |\n"
                                             "|---|---|---|---|---|---|\n" + "\n".join(lines))}
     if not found["deleted"]:
-        metadata["document"] = MetadataValue.json(found["document"])
+        text = json.dumps(found["document"])  # a document may be 16 MB: the UI's event log gets a part
+        metadata["document"] = MetadataValue.json(found["document"]) if len(text) <= SHOWN_DOCUMENT_CHARS else \
+            MetadataValue.text(f"{text[:SHOWN_DOCUMENT_CHARS]}... ({len(text)} characters: entity-assets history --json)")
     yield Output(None, metadata=metadata)
 
 

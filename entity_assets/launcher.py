@@ -26,6 +26,8 @@ from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._core.scheduler.instigation import InstigatorStatus, InstigatorType
 from dagster._core.storage.tags import GRPC_INFO_TAG
 
+from entity_assets.partitions import LAKE_POOL
+
 WORKER_TAG = "entity-assets/worker"
 """`host:pid` of the process running a run, for runs not launched through a code server."""
 
@@ -134,12 +136,15 @@ def settle_runs(instance: DagsterInstance, sensor_name: str) -> list[str]:
     """Why a run outside the daemon's queue (`entity-assets run`) must not start now; empty when it may.
 
     Unfinished runs whose worker is gone are failed on the way, as run monitoring would: they
-    only hold the pool. Any other unfinished run, or the sensor on with a live daemon, would
-    apply slices beside this process.
+    only hold the pool. Any other unfinished run with a step in the lake pool, or the sensor on
+    with a live daemon, would apply slices beside this process; a run of no lake step (a trace,
+    a history, another location's job) would not.
     """
     reasons = []
     for record in instance.get_run_records(RunsFilter(statuses=UNFINISHED)):
         run = record.dagster_run
+        if LAKE_POOL not in (run.run_op_concurrency.all_pools or ()) if run.run_op_concurrency else True:
+            continue
         if run.status == DagsterRunStatus.STARTED:
             health = check_worker(instance, run)
             if health.status == WorkerStatus.FAILED:

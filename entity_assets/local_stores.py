@@ -42,13 +42,15 @@ class LocalS3(LocalStore):
 
 
 class LocalAzurite(LocalStore):
-    """Azure Blob Storage's emulator, in memory, on the Blob API only (as a flat-namespace account)."""
+    """Azure Blob Storage's emulator, in memory, on the Blob API only (as a flat-namespace account),
+    without its telemetry: it would send usage to Azure Monitor, and keep what it failed to send
+    in the temporary folder at every start."""
 
     name, account = "azurite", "/devstoreaccount1"
 
     def command(self) -> list[str]:
         return [str(AZURITE), "--blobHost", self.host, "--blobPort", str(self.port), "--inMemoryPersistence",
-                "--skipApiVersionCheck", "--loose", "--silent"]
+                "--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"]
 
 
 @dataclass(frozen=True)

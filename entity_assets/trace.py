@@ -244,8 +244,10 @@ _SUMMARY = {
 }
 
 
-def format_trail(trail: Trail) -> str:
-    """The trail as text: a line per row, per state row as it is now, and per notified device."""
+def format_trail(trail: Trail, shown: int | None = None) -> str:
+    """The trail as text: a line per row, per state row as it is now, and per notified device;
+    `shown`: at most that many lines of each table (a batch of thousands of entities in a zone
+    many devices watch reaches hundreds of thousands of rows), and a line saying how many more."""
     head = f"{trail.topic}:{trail.partition}:{trail.offset}"
     if trail.slice is None:
         return (f"{head}: in no slice (the sensor has not closed one over this offset yet, or the topic has no "
@@ -253,15 +255,20 @@ def format_trail(trail: Trail) -> str:
     lines = [f"{head}: slice {trail.slice}" + (f", applied in slice {trail.applied} (it waited for its schema)"
                                                 if trail.applied else "")]
     width = len("device_notifications")  # the longest name of a line
+
+    def listed(table: str, found: list, line) -> list[str]:
+        more = len(found) - shown if shown is not None and len(found) > shown else 0
+        return [f"  {table:<{width}}  {line(row)}" for row in found[:len(found) - more]] + (
+            [f"  {table:<{width}}  ... {more} more (entity-assets trace lists them all)"] if more else [])
+
     for table, found in trail.rows.items():
-        lines += [f"  {table:<{width}}  {_fields(row, _SUMMARY[table])}" for row in found]
+        lines += listed(table, found, lambda row: _fields(row, _SUMMARY[table]))
     lines += [f"  {note}" for note in trail.notes]
     for table, found in trail.states.items():
-        lines += [f"  {table:<{width}}  now: {_fields(row, _SUMMARY[table])}" for row in found]
-    for inbox in trail.inboxes:
-        lines.append(f"  {'device_notifications':<{width}}  device={inbox['device']} count after the slice="
-                     f"{inbox['count_after_slice']} now={inbox['count_now']} "
-                     f"unacknowledged={len(inbox['unacknowledged'])} of {len(inbox['notifications'])}")
+        lines += listed(table, found, lambda row: f"now: {_fields(row, _SUMMARY[table])}")
+    lines += listed("device_notifications", trail.inboxes, lambda inbox: (
+        f"device={inbox['device']} count after the slice={inbox['count_after_slice']} now={inbox['count_now']} "
+        f"unacknowledged={len(inbox['unacknowledged'])} of {len(inbox['notifications'])}"))
     return "\n".join(lines)
 
 

@@ -28,9 +28,9 @@ find_python() {
     return 1
 }
 
-# One set-up at a time (two scripts started together must not pip-install into one venv at once).
-mkdir -p "$VENV"
-exec 9>"$VENV/.setup.lock"
+# One set-up at a time (two scripts started together must not pip-install into one venv at once):
+# the lock is beside the venv, which `venv --clear` empties.
+exec 9>"$VENV.setup-lock"
 if command -v flock >/dev/null 2>&1; then
     flock 9
 fi
@@ -39,8 +39,6 @@ if ! { [ -x "$VENV/bin/python" ] && supported "$VENV/bin/python"; }; then
     python=$(find_python)
     echo "setup: creating $VENV with $python ($("$python" --version 2>&1))"
     "$python" -m venv --clear "$VENV"
-    exec 9>"$VENV/.setup.lock"  # --clear removed the lock file; keep holding a lock on the new one
-    command -v flock >/dev/null 2>&1 && flock 9
 fi
 
 wanted=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)

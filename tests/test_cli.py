@@ -461,6 +461,8 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_SPARK_CONF", "spark.ui.enabled=false, =true", "ENTITY_ASSETS_SPARK_CONF: '=true' is not KEY=VALUE"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.key.password=hunter2",
      "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: ssl.key.password holds a secret"),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "sasl.oauthbearer.assertion.private.key.passphrase=hunter2",
+     "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: sasl.oauthbearer.assertion.private.key.passphrase holds a secret"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3a.secret.key=abc",
      "ENTITY_ASSETS_SPARK_CONF: spark.hadoop.fs.s3a.secret.key holds a secret"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.keystore.location=/k.p12, ssl.keystore.password=hunter2",
@@ -634,3 +636,22 @@ def test_constraints_pin_every_dependency_at_the_version_pyproject_names():
     for requirement in wanted:
         name = re.sub(r"[-_.]+", "-", requirement.name).lower()
         assert name in pinned and requirement.specifier.contains(pinned[name], prereleases=True), (requirement, pinned.get(name))
+
+
+@pytest.mark.slow
+def test_the_readme_s_demo_command_runs_the_whole_graph_twice_on_one_home(tmp_path, free_port):
+    """`bash scripts/demo.sh`, as a user runs it (smaller traffic), and again on the same home:
+    the second run goes on from the first's slices. The broker it leaves running is stopped."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ENTITY_ASSETS_", "DAGSTER_"))},
+           "ENTITY_ASSETS_HOME": str(tmp_path / "home"), "ENTITY_ASSETS_BROKER_PORT": str(free_port())}
+    demo = ["bash", "scripts/demo.sh", "--patches", "300", "--entities", "30", "--devices", "4", "--cdc-rows", "10"]
+    try:
+        for _ in range(2):
+            done = subprocess.run(demo, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            assert done.stdout.count("lag: 0 messages on the input topics past slice") == 2, done.stdout[-3000:]
+            assert "entity_batches" in done.stdout and "device_notifications" in done.stdout
+    finally:
+        subprocess.run([str(repo / ".venv" / "bin" / "entity-assets"), "broker", "stop"], cwd=repo, env=env,
+                       capture_output=True, timeout=120)

@@ -909,3 +909,9 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
     assert keys and max(keys.values()) == 1
     parts = Counter((r["clientid"], r["request"], r["part"], r["stream"]) for r in rows(pipeline, "partial_responses"))
     assert max(parts.values()) == 1
+
+
+def test_the_updates_preview_keeps_client_text_in_its_cell():
+    from entity_assets.assets.entities import _cell
+
+    assert _cell('{"a": "x|y"}\nz\\') == '{"a": "x\\|y"} z\\\\'

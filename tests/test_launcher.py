@@ -47,13 +47,21 @@ def test_the_instance_checks_workers_of_runs_launched_through_a_code_server_and_
 
 
 def test_the_cli_fails_dead_runs_and_waits_for_live_or_starting_ones(project_instance):
+    from entity_assets.definitions import defs
+
     instance = project_instance
+
+    def lake_run(status, tags=None):  # a slice run: its steps are in the lake pool
+        return instance.create_run_for_job(job_def=defs.resolve_job_def("slice_job"), status=status, tags=tags)
+
     assert settle_runs(instance, "kafka_offsets_sensor") == []
-    dead = create_run_for_test(instance, status=DagsterRunStatus.STARTED, tags={WORKER_TAG: f"{socket.gethostname()}:{_dead_pid()}"})
+    dead = lake_run(DagsterRunStatus.STARTED, {WORKER_TAG: f"{socket.gethostname()}:{_dead_pid()}"})
     assert settle_runs(instance, "kafka_offsets_sensor") == []
     assert instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.FAILURE
-    live = create_run_for_test(instance, status=DagsterRunStatus.STARTED, tags={WORKER_TAG: f"{socket.gethostname()}:{os.getpid()}"})
-    starting = create_run_for_test(instance, status=DagsterRunStatus.STARTING)
+    live = lake_run(DagsterRunStatus.STARTED, {WORKER_TAG: f"{socket.gethostname()}:{os.getpid()}"})
+    starting = lake_run(DagsterRunStatus.STARTING)
+    # a run of no lake step (a trace, another location's job) applies no slice: never waited for
+    create_run_for_test(instance, status=DagsterRunStatus.NOT_STARTED, job_name="history_job")
     reasons = settle_runs(instance, "kafka_offsets_sensor")
     assert {r.split()[1] for r in reasons} == {live.run_id, starting.run_id}
     assert instance.get_run_by_id(live.run_id).status == DagsterRunStatus.STARTED

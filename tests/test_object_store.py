@@ -57,6 +57,7 @@ def azure_options(tmp_path, free_port):
             pytest.fail(said)
         pytest.skip(said)
     server = LocalAzurite(tmp_path / "azurite", port=free_port())
+    assert "--disableTelemetry" in server.command()  # else it sends usage to Azure Monitor, off this machine
     server.start(timeout=60)
     try:
         options = {"azure_storage_account_name": "devstoreaccount1", "azure_storage_account_key": AZURITE_KEY,

@@ -409,3 +409,17 @@ def test_a_lag_report_that_fails_waits_for_the_next_look_as_a_report_does(monkey
     for _ in range(3):  # not at every tick
         assert sensors.report_lag(warned.append, instance, _Kafka(), store, marks, 2, state) == ([], state)
     assert len(warned) == 2 and warned[0].startswith("lag not reported: ZeroDivisionError")
+
+
+def test_a_trail_shown_in_a_run_lists_some_rows_of_each_table_and_says_how_many_more():
+    """A batch of thousands of entities in a zone many devices watch: the CLI lists every row,
+    a trace run (the UI's event log) the first ones."""
+    from entity_assets.trace import Trail, format_trail
+
+    rows = [{"device": f"d{i}", "notification": f"n{i}", "action": "created"} for i in range(60)]
+    inboxes = [{"device": f"d{i}", "notifications": [f"n{i}"], "unacknowledged": [], "count_after_slice": 1,
+                "count_now": 0} for i in range(60)]
+    trail = Trail("t", 0, 7, "0000000001", rows={"changes_by_device": rows}, inboxes=inboxes)
+    assert len(format_trail(trail).splitlines()) == 1 + 60 + 60
+    shown = format_trail(trail, shown=50).splitlines()
+    assert len(shown) == 1 + 51 + 51 and shown[51].endswith("... 10 more (entity-assets trace lists them all)")

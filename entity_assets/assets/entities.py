@@ -276,5 +276,10 @@ def _preview(engine, key: str, n: int = 5) -> str:
     files = sorted(engine.slice_files("entity_updates", [key]), key=lambda f: f.rows)
     rows = next(read_batches(files[0], engine.storage_options, batch_size=n, columns=cols)).to_pylist() if files else []
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join("–" if r[c] is None else str(r[c])[:60] for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join("–" if r[c] is None else _cell(str(r[c])[:60]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """A table cell of client text: a `|` or a line break would end the cell or the row."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
