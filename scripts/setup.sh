@@ -12,7 +12,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 VENV=.venv
 STAMP=$VENV/.entity-assets-install.sha256
-AZURITE_VERSION=3.37.0  # the Azure storage emulator of tests/test_object_store.py, in $VENV/azurite
+# the Azure storage emulator of tests/test_object_store.py, in $VENV/azurite, with every dependency
+# locked (its own ranges float): installed again when the lock changes
+azurite=$(sha256sum scripts/azurite/package-lock.json | cut -d' ' -f1)
 
 supported() { "$1" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 13)))' 2>/dev/null; }
 
@@ -57,9 +59,11 @@ fi
 if [ "${1:-}" = "--test" ]; then
     if ! command -v npm >/dev/null 2>&1; then
         echo "setup: warning: no npm on PATH; the Azure lake tests will be skipped (under CI, fail)" >&2
-    elif [ "$(cat "$VENV/azurite/.version" 2>/dev/null || true)" != "$AZURITE_VERSION" ]; then
-        echo "setup: installing Azurite $AZURITE_VERSION into $VENV/azurite (npm)"
-        npm install --silent --no-fund --no-audit --no-save --prefix "$VENV/azurite" "azurite@$AZURITE_VERSION" >/dev/null
-        echo "$AZURITE_VERSION" > "$VENV/azurite/.version"
+    elif [ "$(cat "$VENV/azurite/.version" 2>/dev/null || true)" != "$azurite" ]; then
+        echo "setup: installing Azurite into $VENV/azurite (npm, scripts/azurite/package-lock.json)"
+        mkdir -p "$VENV/azurite"
+        cp scripts/azurite/package.json scripts/azurite/package-lock.json "$VENV/azurite/"
+        npm ci --no-fund --no-audit --loglevel=error --prefix "$VENV/azurite" >/dev/null
+        echo "$azurite" > "$VENV/azurite/.version"
     fi
 fi
