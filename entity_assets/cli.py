@@ -123,10 +123,13 @@ def cmd_topics(args) -> int:
 
 
 def cmd_spark(args) -> int:
-    from entity_assets.definitions import build_resources
     from entity_assets.spark_connect import LocalSparkConnect
 
-    conf = tuple(build_resources()["spark"].conf.items()) if args.action == "start" else ()
+    conf = ()
+    if args.action == "start":  # stop and status read no setting: one that is not valid does not stop them
+        from entity_assets.definitions import build_resources
+
+        conf = tuple(build_resources()["spark"].conf.items())
     server = LocalSparkConnect(_home() / "spark", port=args.spark_port, conf=conf)
     if args.action == "start":
         pid = server.start(timeout=180)
@@ -280,7 +283,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
     Runs go through the same job the daemon launches, recorded in the Dagster instance, but in
     this process rather than through the daemon's queue, so they start only when the instance
-    has no unfinished run and no daemon running the sensor (RunsInFlight otherwise).
+    has no unfinished run of the lake pool and no daemon running the sensor (RunsInFlight otherwise).
     `steps` limits the runs to those steps (ops) of the job, e.g. the entity core only.
     """
     from dagster import AssetKey, build_sensor_context

@@ -14,7 +14,7 @@ VENV=.venv
 STAMP=$VENV/.entity-assets-install.sha256
 # the Azure storage emulator of tests/test_object_store.py, in $VENV/azurite, with every dependency
 # locked (its own ranges float): installed again when the lock changes
-azurite=$(sha256sum scripts/azurite/package-lock.json | cut -d' ' -f1)
+azurite=$(cat scripts/azurite/package.json scripts/azurite/package-lock.json | sha256sum | cut -d' ' -f1)
 
 supported() { "$1" -c 'import sys; sys.exit(not ((3, 11) <= sys.version_info[:2] < (3, 13)))' 2>/dev/null; }
 

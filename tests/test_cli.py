@@ -646,12 +646,15 @@ def test_the_readme_s_demo_command_runs_the_whole_graph_twice_on_one_home(tmp_pa
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ENTITY_ASSETS_", "DAGSTER_"))},
            "ENTITY_ASSETS_HOME": str(tmp_path / "home"), "ENTITY_ASSETS_BROKER_PORT": str(free_port())}
     demo = ["bash", "scripts/demo.sh", "--patches", "300", "--entities", "30", "--devices", "4", "--cdc-rows", "10"]
+    ran = []
     try:
         for _ in range(2):
             done = subprocess.run(demo, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             assert done.stdout.count("lag: 0 messages on the input topics past slice") == 2, done.stdout[-3000:]
             assert "entity_batches" in done.stdout and "device_notifications" in done.stdout
+            ran.append(re.findall(r"^slice (\d{10}): ok in ", done.stdout, re.MULTILINE))
+        assert ran[0] and ran[1] and min(ran[1]) > max(ran[0]), ran  # the second goes on after the first's
     finally:
         subprocess.run([str(repo / ".venv" / "bin" / "entity-assets"), "broker", "stop"], cwd=repo, env=env,
                        capture_output=True, timeout=120)

@@ -103,3 +103,17 @@ def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_
     finally:
         server.stop()
     assert lake_rows(LakeResource(root=str(tmp_path / "home" / "lake"))) == lake_rows(local.lake)
+
+
+def test_stopping_or_inspecting_the_server_reads_no_setting(tmp_path):
+    """A setting that is not valid (a secret in the Spark conf) must not keep a server up: in a
+    process of its own, as loading the code location checks every setting."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "ENTITY_ASSETS_HOME": str(tmp_path), "ENTITY_ASSETS_SPARK_CONF": "spark.hadoop.fs.s3a.secret.key=x"}
+    command = [str(Path(sys.executable).parent / "entity-assets"), "spark"]
+    for action, status in (("status", 0), ("stop", 0), ("start", 2)):
+        done = subprocess.run([*command, action], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == status, (action, done.stderr)
+    assert "holds a secret" in done.stderr
