@@ -70,6 +70,7 @@ class HistoryConfig(Config):
 
 
 SHOWN_DOCUMENT_CHARS = 100_000
+"""The JSON of a document a history run's metadata holds whole; a larger one (up to 16 MB) is cut."""
 SHOWN_VERSIONS = 50
 """Versions listed in a history run's metadata (the newest); `entity-assets history` lists all."""
 

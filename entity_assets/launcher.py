@@ -143,7 +143,8 @@ def settle_runs(instance: DagsterInstance, sensor_name: str) -> list[str]:
     reasons = []
     for record in instance.get_run_records(RunsFilter(statuses=UNFINISHED)):
         run = record.dagster_run
-        if LAKE_POOL not in (run.run_op_concurrency.all_pools or ()) if run.run_op_concurrency else True:
+        pools = run.run_op_concurrency.all_pools if run.run_op_concurrency else None  # None: no step in a pool
+        if LAKE_POOL not in (pools or ()):
             continue
         if run.status == DagsterRunStatus.STARTED:
             health = check_worker(instance, run)
