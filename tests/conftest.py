@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -75,9 +76,16 @@ def _no_deployment_settings(monkeypatch):
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port below the kernel's ephemeral range (32768 on): one the kernel gave out could be taken
+    by an outgoing connection (a Kafka client's, Spark's) before the server binds it."""
+    for port in random.sample(range(20_000, 32_000), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 def _delete_records_before(config: dict, offsets: dict[tuple[str, int], int]) -> None:

@@ -16,6 +16,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def bench(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """A bench run, ended as Ctrl-C would past `timeout`: it stops the broker it started, which a
+    kill (subprocess.run's timeout) would leave running in a session of its own."""
+    with subprocess.Popen([sys.executable, str(REPO / "bench" / args[0]), *args[1:]], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                out, err = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+            pytest.fail(f"{args[0]} ran past {timeout:g} s: {err[-3000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("args", "keys"), [
     (["bench_ingest.py", "--n", "5000"], {"n", "per_s", "rows", "dead", "peak_driver_mb"}),
@@ -33,8 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 ], ids=["ingest", "ingest-cdc", "ingest-qlik-schema-topic", "pipeline", "pipeline-graph", "floor", "floor-graph",
         "slices", "tasks", "commits"])
 def test_a_bench_runs_to_its_key_value_line(args, keys):
-    done = subprocess.run([sys.executable, str(REPO / "bench" / args[0]), *args[1:]], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    done = bench(args)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = dict(pair.split("=", 1) for pair in done.stdout.strip().splitlines()[-1].split())
     assert keys <= figures.keys(), sorted(figures)
@@ -49,8 +66,7 @@ def test_the_pipeline_bench_runs_on_a_cluster_and_leaves_none_of_its_topics(brok
 
     admin = AdminClient({"bootstrap.servers": broker.bootstrap})
     before = set(admin.list_topics(timeout=30).topics)
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "bench_pipeline.py"), "--n", "2000",
-                           "--cluster", broker.bootstrap], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = bench(["bench_pipeline.py", "--n", "2000", "--cluster", broker.bootstrap])
     assert done.returncode == 0, done.stderr[-3000:]
     figures = dict(pair.split("=", 1) for pair in done.stdout.strip().splitlines()[-1].split())
     assert figures["broker"] == "cluster" and figures["n"] == "2000"
