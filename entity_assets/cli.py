@@ -261,22 +261,6 @@ def _instance_for_runs():
     return instance
 
 
-def _slices_ran(instance) -> int:
-    """How many slices runs of the instance applied."""
-    from dagster import DagsterRunStatus, RunsFilter
-
-    from entity_assets.slices import slice_seq
-
-    def a_slice(partition: str) -> bool:
-        try:
-            return slice_seq(partition) > 0
-        except ValueError:
-            return False
-
-    return len({d.partition for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS]))
-                if a_slice(d.partition)})
-
-
 def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] | None = None) -> list[dict]:
     """One sensor evaluation, then every slice not done, in slice order: without a successful run
     since it closed, or that the lake lacks (restored from a backup).
@@ -290,7 +274,8 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
-    from entity_assets.sensors import done, dump_cursor, kafka_offsets_sensor, lake_holds, not_the_lake, slice_runs
+    from entity_assets.sensors import (done, dump_cursor, kafka_offsets_sensor, lake_holds, not_the_lake, slice_runs,
+                                       successful_slice_runs)
     from entity_assets.slices import run_key, slice_key
     from entity_assets.tables import APPLIED_IN_ORDER
 
@@ -300,7 +285,7 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     resources["slicing"] = with_settings(slicing, min_interval_seconds=0, max_messages=max_messages or slicing.max_messages)
     store = ManifestStore(resources["lake"].open())
     newest = store.latest()
-    if newest is None and (ran := _slices_ran(instance)):
+    if newest is None and (ran := len({seq for seq, _ in successful_slice_runs(instance)})):
         raise UsageError(not_the_lake(store.engine.root, f"this Dagster instance ran {ran} slice(s)"))
     cursor = dump_cursor(newest.seq, newest.positions(), newest.closed_at) if newest else None
     # the tick's lag report is not stored, nor its commit made: `_report_lag` does both after the runs
@@ -468,7 +453,7 @@ def cmd_run(args) -> int:
             return 2
         return _run_all(lambda: run_pending(max_messages=args.max_messages))
     first, dots, last = args.slices.partition("..")
-    if not (first.isascii() and first.isdigit() and (last.isascii() and last.isdigit() if dots else True)):
+    if not (_whole(first) and (_whole(last) if dots else True)):
         print(f"--slices {args.slices}: give slice numbers, FIRST or FIRST..LAST", file=sys.stderr)
         return 2
     assets = [a.strip() for a in args.assets.split(",")] if args.assets else None
@@ -537,7 +522,7 @@ def cmd_changes(args) -> int:
     from entity_assets.definitions import build_resources
     from entity_assets.slices import slice_key
 
-    if args.since is not None and not (args.since.isascii() and args.since.isdigit()):
+    if args.since is not None and not _whole(args.since):
         raise UsageError(f"--since {args.since}: give a slice number")
     engine = build_resources()["lake"].open()
     if not engine.exists(args.table):
@@ -638,11 +623,17 @@ def cmd_demo(args) -> int:
     return code
 
 
+def _whole(text: str) -> bool:
+    """Whether `text` is a whole number as the user types one: `str.isdigit` also takes `²`,
+    which `int` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _port_of(variable: str, default: int) -> dict:
     """The type and default of a port option whose default `variable` sets: a value that is no
     port, given or from the environment, is a usage error (status 2) naming both."""
     def port(text: str) -> int:
-        if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
+        if not _whole(text) or not 0 < int(text) < 65536:
             raise argparse.ArgumentTypeError(f"{text!r} is not a port (the default comes from {variable})")
         return int(text)
 
@@ -653,7 +644,7 @@ def _at_least(minimum: int):
     """An option's type: a whole number of at least `minimum`; less is a usage error, not a
     default nor a traceback of the sample's generator."""
     def count(text: str) -> int:
-        if not (text.isascii() and text.isdigit()) or int(text) < minimum:
+        if not _whole(text) or int(text) < minimum:
             raise argparse.ArgumentTypeError(f"{text!r} is not a count of {minimum} or more")
         return int(text)
 

@@ -407,15 +407,21 @@ def slice_runs(instance: DagsterInstance, closed_at: dict[int, int]) -> dict[int
     if not closed_at:
         return {}
     out: dict[int, str] = {}
-    for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS],
-                                                        created_after=_first_closing(closed_at))):
-        try:
-            seq = slice_seq(d.partition)
-        except ValueError:  # a partition added by hand, not a slice's
-            continue
+    for seq, d in successful_slice_runs(instance, created_after=_first_closing(closed_at)):
         if seq in closed_at and _started_since(d.start_time or d.end_time, closed_at[seq]):
             out[seq] = d.run_id
     return out
+
+
+def successful_slice_runs(instance: DagsterInstance, created_after: datetime | None = None):
+    """(slice, its partition data) of each successful run of a slice partition (not one added by
+    hand), from the partition, status and time columns alone."""
+    for d in instance.get_run_partition_data(RunsFilter(statuses=[DagsterRunStatus.SUCCESS],
+                                                        created_after=created_after)):
+        try:
+            yield slice_seq(d.partition), d
+        except ValueError:  # a partition added by hand, not a slice's
+            continue
 
 
 CLOCK_MARGIN = timedelta(minutes=5)
