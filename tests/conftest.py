@@ -19,6 +19,9 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -45,8 +48,25 @@ SENSOR = "kafka_offsets_sensor"
 TOPIC_PARTITIONS = 4
 
 
+SESSION_MARK = "ENTITY_ASSETS_TEST_SESSION"
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _isolated_home(tmp_path_factory):
+def _reaper() -> Iterable[None]:
+    """Marks the environment every process of this session inherits, for `tests/reaper.py` to end
+    them all if pytest dies; first of the session's fixtures, so it is set before anything starts."""
+    value = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != SESSION_MARK}
+    reaper = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), SESSION_MARK, value],
+                              stdin=subprocess.PIPE, env=env, start_new_session=True)
+    os.environ[SESSION_MARK] = value
+    yield
+    os.environ.pop(SESSION_MARK, None)
+    reaper.communicate(b"done", timeout=30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_home(tmp_path_factory, _reaper):
     """Nothing a test does may touch the project's .entity-assets or the user's Dagster home.
 
     Steps are not retried (`assets.retries`): tests that make a step fail expect its run to fail;
