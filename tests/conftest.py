@@ -48,7 +48,8 @@ SENSOR = "kafka_offsets_sensor"
 TOPIC_PARTITIONS = 4
 
 
-SESSION_MARK = "ENTITY_ASSETS_TEST_SESSION"
+SESSION_MARK = "PYTEST_REAPER_SESSION"
+"""Not an ENTITY_ASSETS_ or DAGSTER_ variable: tests that start commands without those keep it."""
 
 
 @pytest.fixture(scope="session", autouse=True)

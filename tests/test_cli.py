@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from dagster import DagsterInstance
 from entity_assets import cli, history, samples
 from entity_assets.manifests import ManifestStore
 from entity_assets.slices import slice_key
+from entity_assets.tables import SCHEMAS
 from entity_assets.trace import parse_record
 from resources import KafkaResource, LakeResource
 
@@ -649,10 +651,22 @@ def test_the_readme_s_demo_command_runs_the_whole_graph_twice_on_one_home(tmp_pa
     ran = []
     try:
         for _ in range(2):
-            done = subprocess.run(demo, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+            with subprocess.Popen(demo, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) as proc:
+                try:
+                    out, err = proc.communicate(timeout=600)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the script's `entity-assets run` too
+                    raise
+            done = subprocess.CompletedProcess(demo, proc.returncode, out, err)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             assert done.stdout.count("lag: 0 messages on the input topics past slice") == 2, done.stdout[-3000:]
-            assert "entity_batches" in done.stdout and "device_notifications" in done.stdout
+            # A row count per table: every stream of the graph has rows, dead letters by their codes.
+            counts = {t: int(n) for t, n in re.findall(r"^(\w+) +(\d+)  v\d+", done.stdout, re.MULTILINE)}
+            empty = {t for t in SCHEMAS if counts.get(t, 0) == 0}
+            assert empty <= {"schema_waits", "pending_responses"}, (empty, done.stdout[-3000:])
+            assert re.search(r"^dead_letters +\d+  v\d+  \{'GENERR", done.stdout, re.MULTILINE), done.stdout[-3000:]
+            assert "entity-assets trace entity-batches:" in done.stdout and "entity-assets history " in done.stdout
             ran.append(re.findall(r"^slice (\d{10}): ok in ", done.stdout, re.MULTILINE))
         assert ran[0] and ran[1] and min(ran[1]) > max(ran[0]), ran  # the second goes on after the first's
     finally:

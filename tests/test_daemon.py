@@ -23,7 +23,7 @@ from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import ensure_topics
 from entity_assets.publish import STREAMS
 from entity_assets.spark_connect import SESSION_ID, LocalSparkConnect
-from resources import KafkaResource
+from resources import KafkaResource, LakeResource
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,8 @@ def _rows(lake: Path) -> dict[str, int]:
 
 
 @pytest.mark.timeout(2400)  # its waits add up to ~2,000 s, so one that runs out fails naming what it waited for
-def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path, monkeypatch):
+def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path, monkeypatch,
+                                                                               lake_rows):
     home, port, spark_port = tmp_path / "home", free_port(), free_port()
     kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="daemon.")
     ensure_topics(kafka.config(), [kafka.topic(s) for s in INPUT_STREAMS], 4)
@@ -106,7 +107,9 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
     assert stale.tags["dagster/partition"] == "0000000001"
 
     with open(tmp_path / "ui.log", "wb") as log:  # the child keeps its own descriptor
-        ui = subprocess.Popen(["bash", "scripts/ui.sh"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        ui = subprocess.Popen(["bash", "scripts/ui.sh"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                              start_new_session=True)  # its group: dagster dev's webserver, daemon and code server
+    instance = None
     try:
         def serving():
             try:
@@ -126,7 +129,6 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
             return entry["loadStatus"] == "LOADED" and loaded.get("__typename") == "RepositoryLocation"
         _wait(location_loaded, 180, "the code location")
         instance = DagsterInstance.from_config(str(home / "dagster"))
-
         # The sensor's first tick closes three slices and requests their runs at once.
         started = _graphql(port, "mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) { __typename } }",
                            {"s": {**LOCATION, "sensorName": "kafka_offsets_sensor"}})
@@ -144,6 +146,7 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
         assert refused.returncode == 2 and "sensor kafka_offsets_sensor is on" in refused.stderr, refused.stderr
         rows = _rows(home / "lake")
         assert rows["entity_batches"] > 0 and rows["changes_by_device"] > 0
+        content = lake_rows(LakeResource(root=str(home / "lake")))
 
         # The UI's Materialize of every asset over the three slices: an asset backfill, one run
         # per slice of Dagster's asset job, none of them the sensor's job.
@@ -161,14 +164,16 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
                               600, "the backfill's three runs")
         assert _one_at_a_time_in_order(backfill_runs) == ["0000000001", "0000000002", "0000000003"]
         assert sensor_runs[-1].end_time <= backfill_runs[0].start_time
-        assert _rows(home / "lake") == rows  # replayed slices rewrite their rows in place
+        assert lake_rows(LakeResource(root=str(home / "lake"))) == content  # replayed slices rewrite their rows in place
         # The runs used ui.sh's Spark Connect server, in its one shared session.
         assert spark_connect.pid() is not None
         assert f"sessionId: {SESSION_ID}" in spark_connect.log_file.read_text()
     finally:
+        if instance is not None:
+            instance.dispose()
         ui.send_signal(signal.SIGTERM)
         try:
             ui.wait(60)
         except subprocess.TimeoutExpired:
-            ui.kill()
+            os.killpg(ui.pid, signal.SIGKILL)
         spark_connect.stop()

@@ -207,9 +207,14 @@ def test_processes_writing_at_once_lose_nothing(home, tmp_path):
     workers = [spawn.Process(target=_write_runs, args=(str(folder), w, 15)) for w in range(3)]
     for p in workers:
         p.start()
-    for p in workers:
-        p.join(120)
-    assert [p.exitcode for p in workers] == [0, 0, 0]
+    try:
+        for p in workers:
+            p.join(120)
+        assert [p.exitcode for p in workers] == [0, 0, 0]
+    finally:
+        for p in workers:
+            p.kill()  # one still writing, blocked on a lock: the assertion above has failed
+            p.join()
     assert len(_asset_runs(instance, "entity_updates")) == 45
     assert all(len(instance.event_log_storage.get_logs_for_run(f"w{w}-run-{n}")) == 2
                for w in range(3) for n in range(15))

@@ -423,7 +423,8 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         messages.parse_message(messages.EntityUpdate, json.dumps(m["value"]))
 
     # 5. the seed's two-device example: subscriptions of slice 1 are in effect in slice 2
-    assert rows(pipeline, "changes_by_device", K1) == []  # device3 did not exist: never told of ENTITY_B's creation
+    # slice 1 changed zone B only, which nobody watched yet; device3's later subscription does not reach back
+    assert rows(pipeline, "changes_by_device", K1) == []
     changes = rows(pipeline, "changes_by_device", K2)
     assert sorted((r["device"], r["action"]) for r in changes) == [
         ("device1", "created"), ("device1", "deleted"),
