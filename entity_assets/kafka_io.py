@@ -31,6 +31,28 @@ PRODUCER_DEFAULTS = {
 }
 
 
+def producer_settings(config: dict) -> dict:
+    """`PRODUCER_DEFAULTS` under `config`, with librdkafka's alias `compression.codec` named
+    `compression.type`: one name, so what measures a message (`compressed_size`) uses the
+    codec the producer does."""
+    settings = dict(PRODUCER_DEFAULTS)
+    for key, value in config.items():
+        settings["compression.type" if key == "compression.codec" else key] = value
+    return settings
+
+
+def consumer_settings(config: dict) -> dict:
+    """`config` for a consumer: librdkafka refuses one whose `fetch.max.bytes` is below
+    `message.max.bytes`, which a deployment raises for its producers' large messages."""
+    fetch = max(FETCH_BYTES, int(config.get("message.max.bytes", 0)))
+    return {**config, "fetch.max.bytes": fetch,
+            "receive.message.max.bytes": max(int(config.get("receive.message.max.bytes", 0)), fetch + 512)}
+
+
+FETCH_BYTES = 32 * 1024 * 1024
+"""A fetch's bytes at most: several `consume` batches of the largest messages."""
+
+
 class KafkaUnreachable(RuntimeError):
     """Kafka gave no metadata: the broker is down, or the bootstrap servers or security settings are wrong."""
 
@@ -78,15 +100,20 @@ def cluster_metadata(config: dict, timeout: float = 10.0, client: Consumer | Adm
                                "security settings right? (docs/operations.md)") from exc
 
 
-def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
-               timeout: float = 10.0) -> dict[tuple[str, int], tuple[int, int]]:
+def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool], timeout: float = 10.0,
+               unanswered: list[str] | None = None) -> dict[tuple[str, int], tuple[int, int]]:
     """(first offset held, high watermark) of every partition of `topics` (names, or a test of
-    the broker's names)."""
+    the broker's names).
+
+    A partition that gives none (no leader: an election, a broker down) raises, or with
+    `unanswered` is left out and named there, so that one partition of one topic does not hold
+    back every other; no partition answering raises still."""
     cause, logger = _LastError.logger("entity_assets.kafka_offsets")
-    consumer = Consumer({"group.id": "entity-assets-offsets", **config, "enable.auto.commit": False, "logger": logger})
+    consumer = Consumer({"group.id": "entity-assets-offsets", **consumer_settings(config), "enable.auto.commit": False,
+                         "logger": logger})
     try:
         metadata = cluster_metadata(config, timeout, consumer, cause)
-        out = {}
+        out, failed = {}, []
         for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else topics:
             meta = metadata.topics.get(topic)
             if meta is None or meta.error is not None:
@@ -95,9 +122,13 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool],
                 try:
                     out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout,
                                                                      cached=False)
-                except KafkaException as exc:  # a partition without a leader, during an election or a restart
-                    raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no offsets of {topic} "
-                                           f"partition {p} ({exc.args[0].str()}); the next look asks again") from exc
+                except KafkaException as exc:
+                    failed.append(f"{topic} partition {p} ({exc.args[0].str()})")
+        if failed and (unanswered is None or not out):
+            raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no offsets of {'; '.join(failed)}: "
+                                   "the next look asks again")
+        if unanswered is not None:
+            unanswered.extend(failed)
         return out
     finally:
         consumer.close()
@@ -185,11 +216,10 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
     consumer = Consumer(
         {
             "group.id": SLICES_GROUP,  # the client config's, if it names one (a cluster's ACLs)
-            **config,
+            **consumer_settings(config),
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "auto.offset.reset": "error",
-            "fetch.max.bytes": 32 * 1024 * 1024,
             # a shallow prefetch: two `consume` batches. With librdkafka's default (100k
             # messages), a consumer slower than the fetches (a task validating as it reads)
             # costs the embedded broker 20-40 CPU-us per message instead of under 2.
@@ -307,7 +337,7 @@ class BatchProducer:
     def __init__(self, config: dict):
         # the resource's settings (client_config) override the defaults; delivery reports for
         # failed records only: no Python callback per delivered record
-        settings = {**PRODUCER_DEFAULTS, **config, "partitioner": "murmur2_random", "delivery.report.only.error": True}
+        settings = {**producer_settings(config), "partitioner": "murmur2_random", "delivery.report.only.error": True}
         self._key = (os.getpid(), tuple(sorted(settings.items())))
         idle = _IDLE.get(self._key)
         self._client = idle.pop() if idle else _Client(settings)
@@ -441,14 +471,14 @@ def message_limits(config: dict, topics: Iterable[str], timeout: float = 10.0) -
 def producer_limit(config: dict) -> int:
     """The largest record (key and value bytes, uncompressed) the producer sends: librdkafka
     refuses a larger one itself (`message.max.bytes`)."""
-    return int({**PRODUCER_DEFAULTS, **config}["message.max.bytes"]) - BATCH_FRAMING
+    return int(producer_settings(config)["message.max.bytes"]) - BATCH_FRAMING
 
 
 def compressed_size(value: bytes, config: dict) -> int:
     """The bytes of `value` once the producer's codec has compressed it, as the broker measures a
     batch against its topic's limit (a record that large is alone in its batch: `batch.size`)."""
-    settings = {**PRODUCER_DEFAULTS, **config}
-    codec = str(settings.get("compression.type", settings.get("compression.codec", "none")))
+    settings = producer_settings(config)
+    codec = str(settings["compression.type"])
     if codec not in ("zstd", "gzip", "lz4", "snappy") or not pa.Codec.is_available(codec):
         return len(value)
     level = int(settings.get("compression.level", -1))

@@ -83,7 +83,10 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
                                 "resuming from the lake")
             cursor_seq = latest
 
-    marks = kafka.input_watermarks()
+    unanswered: list[str] = []
+    marks = kafka.input_watermarks(unanswered=unanswered)
+    if unanswered:  # their positions stay (`ends` below): they go on at a later tick
+        context.log.warning(f"no offsets from {'; '.join(unanswered)}: this slice leaves those partitions out")
     firsts = {tp: low for tp, (low, _) in marks.items()}
     ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
     positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds

@@ -168,9 +168,10 @@ class KafkaResource(Deployed, ConfigurableResource):
                 return stream
         return ingestion_stream(topic, self.topic_prefix, self.sources())
 
-    def input_watermarks(self, timeout: float = 10.0) -> dict[tuple[str, int], tuple[int, int]]:
+    def input_watermarks(self, timeout: float = 10.0,
+                         unanswered: list[str] | None = None) -> dict[tuple[str, int], tuple[int, int]]:
         """(first offset held, high watermark) of every partition of every input topic on the broker:
-        the seed's and the ingestion topics."""
+        the seed's and the ingestion topics (`unanswered`: see `kafka_io.watermarks`)."""
         from entity_assets.kafka_io import watermarks
 
-        return watermarks(self.config(), lambda topic: self.input_stream(topic) is not None, timeout)
+        return watermarks(self.config(), lambda topic: self.input_stream(topic) is not None, timeout, unanswered)

@@ -313,3 +313,21 @@ def test_a_message_the_producer_would_refuse_is_left_out_even_where_its_topic_ta
     fits = publisher._fitting("entity_updates", STREAMS["entity_updates"], pa.array(["a", "b"]), texts,
                               16 * 1024 * 1024)
     assert fits.to_pylist() == [True, False] and publisher.undeliverable == {"entity_updates": 1}
+
+
+def test_a_message_size_raised_for_the_producers_is_one_the_readers_fetch(broker):
+    """A deployment raises `message.max.bytes` for large messages (docs/streams.md) in the one
+    client config: librdkafka refuses a consumer whose fetch size is below it."""
+    config = {"bootstrap.servers": broker.bootstrap, "message.max.bytes": "60000000"}
+    ensure_topics(config, ["kafka-io-large-limit"], 1)
+    assert produce(config, "kafka-io-large-limit", [(f"k{i}", f"v{i}") for i in range(3)]) == 3
+    assert [m.value() for m in read_range(config, OffsetRange("kafka-io-large-limit", 0, 0, 3))] == [b"v0", b"v1", b"v2"]
+    assert end_offsets(config, ["kafka-io-large-limit"]) == {("kafka-io-large-limit", 0): 3}
+
+
+def test_the_size_check_measures_with_the_codec_the_producer_uses():
+    """`compression.codec` is librdkafka's other name of `compression.type`: set, it is the codec."""
+    text = json.dumps([{"id": i, "name": f"entity {i}", "zone": "A" * (i % 7)} for i in range(20_000)]).encode()
+    assert kafka_io.compressed_size(text, {"compression.codec": "lz4"}) == kafka_io.compressed_size(
+        text, {"compression.type": "lz4"}) != kafka_io.compressed_size(text, {})
+    assert kafka_io.producer_settings({"compression.codec": "none"})["compression.type"] == "none"

@@ -507,8 +507,8 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     once per table; the tasks then spool their messages as they write (see `publish_outbox`),
     all but those too large for their topic (`undeliverable_check`).
     """
-    from entity_assets.kafka_io import (PRODUCER_DEFAULTS, KafkaUnreachable, ensure_topics, message_limits,
-                                        partition_counts, producer_limit)
+    from entity_assets.kafka_io import (KafkaUnreachable, ensure_topics, message_limits,
+                                        partition_counts, producer_limit, producer_settings)
     from entity_assets.publish import STREAMS, Publishing, process
     from entity_assets.storage import filesystem, is_remote
 
@@ -527,7 +527,7 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     if not is_remote(outbox):  # an object store has no folders to make: it would be three requests for nothing
         fs, path = filesystem(outbox, engine.storage_options)
         fs.create_dir(path, recursive=True)
-    batch = int({**PRODUCER_DEFAULTS, **config}.get("batch.size", BATCH_BYTES))
+    batch = int(producer_settings(config).get("batch.size", BATCH_BYTES))
     if limits and (smallest := max(1, min(limits.values()))) < batch:  # the broker holds a batch to its topic's limit
         config = {**config, "batch.size": smallest}
     return Publishing(config, {table: (topic, partitions[topic]) for table, topic in topics.items()}, outbox,
