@@ -596,7 +596,7 @@ class RowGroups:
             metadata = fragment.metadata
             groups = [g for g in range(metadata.num_row_groups)
                       if (st := metadata.row_group(g).column(index).statistics) is None
-                      or (st.has_min_max and st.min <= value <= st.max)]
+                      or not st.has_min_max or st.min <= value <= st.max]  # no bounds (a long value): read it
             if groups:
                 subsets.append(fragment.subset(row_group_ids=groups))
         pieces = list(prefetched(lambda subset: subset.to_table(use_threads=False), subsets, self._ahead))
