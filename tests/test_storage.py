@@ -53,6 +53,15 @@ def test_patches_get_one_row_group_per_bucket_and_a_bucket_reads_back_alone(tmp_
     assert read_row_groups(uris, "bucket", 9).num_rows == 0
 
 
+def test_a_row_group_whose_statistics_have_no_bounds_is_read(tmp_path):
+    """A value past the writer's statistics size leaves a row group without min and max: it may
+    hold the value asked for (a file of an older layout mixed collections in a group)."""
+    path = str(tmp_path / "mixed.parquet")
+    pq.write_table(pa.table({"collection": ["$zoneSubscription", "x" * 5000]}), path)
+    assert not pq.ParquetFile(path).metadata.row_group(0).column(0).statistics.has_min_max
+    assert read_row_groups([path], "collection", "$zoneSubscription").to_pylist() == [{"collection": "$zoneSubscription"}]
+
+
 def test_arrow_rows_are_buffered_into_bounded_files_like_dict_rows(tmp_path):
     writer = FileWriter("entity_patches", str(tmp_path), SCHEMAS["entity_patches"], KEY, max_rows=50)
     arrow = pa.Table.from_pylist([patch_row(i) for i in range(30)], SCHEMAS["entity_patches"])
