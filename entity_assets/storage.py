@@ -904,12 +904,17 @@ class DeltaRsEngine:
         return None if entry is None else entry["version"]
 
     def commit_after(self, table: str, slice_key: str, operation: str) -> dict | None:
-        """The commit info of `version_after`'s commit: `version`, and the metadata as `commit`
-        took it (names without their "entity_assets." prefix: `slice`, `operation` and the rest)."""
-        entry = next((e for e in self._history(table) if e.get("entity_assets.slice") == slice_key
-                      and e.get("entity_assets.operation") == operation), None)
-        return None if entry is None else {"version": entry["version"], **{
-            name[len(COMMIT_PREFIX):]: value for name, value in entry.items() if name.startswith(COMMIT_PREFIX)}}
+        """The commit info of `version_after`'s commit (as `commits` gives it)."""
+        return next((c for c in self.commits(table, operation) if c["slice"] == slice_key), None)
+
+    def commits(self, table: str, operation: str) -> Iterator[dict]:
+        """The commit infos of `operation`'s slice commits that the log holds, newest first: `version`,
+        and the metadata as `commit` took it (names without their "entity_assets." prefix: `slice`,
+        `operation` and the rest)."""
+        for entry in self._history(table):
+            if entry.get("entity_assets.operation") == operation and "entity_assets.slice" in entry:
+                yield {"version": entry["version"], **{name[len(COMMIT_PREFIX):]: value for name, value in entry.items()
+                                                       if name.startswith(COMMIT_PREFIX)}}
 
     def reached(self, table: str, slice_key: str, operation: str) -> bool:
         """Whether `operation` was done for `slice_key`: the log holds its commit, or the slices
@@ -931,9 +936,7 @@ class DeltaRsEngine:
 
     def slices_done(self, table: str, operation: str) -> Iterator[str]:
         """The slice keys of the commits of `operation` that the log holds, newest first."""
-        for entry in self._history(table):
-            if entry.get("entity_assets.operation") == operation and "entity_assets.slice" in entry:
-                yield entry["entity_assets.slice"]
+        return (c["slice"] for c in self.commits(table, operation))
 
     def _history(self, table: str) -> Iterator[dict]:
         """Commit infos newest first, read in growing pages: the commits a step asks for are

@@ -704,6 +704,36 @@ def test_a_re_run_that_reads_fewer_records_than_the_first_keeps_the_lake_rows(ma
     assert pipeline.read("entity_batches").num_rows == 30
 
 
+def test_a_re_run_after_re_runs_of_older_slices_still_knows_its_slice_was_ingested(make_pipeline, monkeypatch):
+    """A rebuild or a backfill re-runs older slices after the newest one. Past the commits read back
+    for it (`RECENT_COMMITS`, 2 here, 16 in production) a re-run must still know its slice as
+    ingested before, or a compacted topic's fewer records replace the lake's rows."""
+    from entity_assets import ingest
+    from entity_assets.assets import common
+    from entity_assets.assets import ingest as ingest_asset
+
+    for module in (common, ingest_asset):
+        monkeypatch.setattr(module, "RECENT_COMMITS", 2, raising=False)
+    pipeline = make_pipeline(production_layout=True, max_messages=10)
+    pipeline.produce(traffic(40, seed=12))
+    assets = ingest_only(pipeline)
+    requests = pipeline.tick()
+    assert [r.partition_key for r in requests] == [slice_key(n) for n in (1, 2, 3, 4)]
+    assert all(pipeline.run_request(r, assets=assets).success for r in requests)
+    assert all(pipeline.run(slice_key(n), assets=assets).success for n in (1, 2))  # a backfill's first runs
+    third = rows_of_slice(pipeline.read("entity_batches"), slice_key(3))
+    compacted = (third.column("kafka_partition")[0].as_py(), third.column("kafka_offset")[0].as_py())
+    reading = ingest.read_range
+
+    def read_compacted(config, r, **kwargs):
+        return (m for m in reading(config, r, **kwargs) if (m.partition(), m.offset()) != compacted)
+
+    monkeypatch.setattr(ingest, "read_range", read_compacted)
+    meta = pipeline.materializations(pipeline.run(slice_key(3), assets=assets))
+    assert f"Kafka now holds {third.num_rows - 1} of its {third.num_rows} records" in meta["entity_batches"]["kept"]
+    assert rows_of_slice(pipeline.read("entity_batches"), slice_key(3)).num_rows == third.num_rows
+
+
 # --------------------------------------------------------------------------- bad input
 
 def _batch(**changes) -> dict:

@@ -605,7 +605,8 @@ REPUBLISH_TAG = "entity_assets/republish"
 
 
 RECENT_COMMITS = 16
-"""Commits of an operation that `highest_done` reads, newest first."""
+"""Commits of an operation read, newest first, for the highest slice it did (`highest_done`), where no
+commit records it."""
 
 
 def highest_done(engine: DeltaRsEngine, table: str, operation: str) -> str:

@@ -9,7 +9,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
                      MaterializeResult, MetadataValue, multi_asset)
 
 from entity_assets import qlik
-from entity_assets.assets.common import (OutOfOrder, commit_slice, ensure_tables, file_tasks, highest_done, pop_counts,
+from entity_assets.assets.common import (RECENT_COMMITS, OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
                                          run_tasks, slice_of, table_metadata, task_slots)
 from entity_assets.assets import topics
 from entity_assets.assets.retries import retried_when_transient
@@ -81,14 +81,16 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     )
     files = run_tasks(spark, tasks, fn, manifest.messages)
     counts = pop_counts(files)
-    fewer = _fewer_than_before(engine, manifest.key, counts["read"])
+    highest = _highest_ingested(engine)
+    fewer = _fewer_than_before(engine, manifest.key, counts["read"], highest)
+    highest = max(highest, manifest.key)
     if (counts["expired"] or fewer) and (kept := _committed(engine, manifest.key)):
-        yield from _keep(context, engine, manifest.key, files, kept, fewer)
+        yield from _keep(context, engine, manifest.key, files, kept, fewer, highest)
         return
     resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing, due)
     if resolved:
         context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
-    summary = commit_slice(engine, TABLES, files, manifest.key, metadata={READ: str(counts["read"])})
+    summary = commit_slice(engine, TABLES, files, manifest.key, metadata={READ: str(counts["read"]), HIGHEST: highest})
     context.log.info(f"slice {manifest.key}: {manifest.messages} records in {len(tasks)} tasks -> "
                      + ", ".join(f"{t}={s['rows']}" for t, s in summary.items()))
     offsets: dict[str, dict[str, str]] = {}
@@ -211,12 +213,29 @@ READ = "records"
 """Commit info of an ingest commit: the slice's records that Kafka held, which a re-run compares."""
 
 
-def _fewer_than_before(engine, slice_key: str, read: int) -> str | None:
+HIGHEST = "highest_ingested"
+"""Commit info of an ingest commit: the highest slice ingested so far, this one included. Slices are
+first ingested in order, so a slice above it is on its first run, however many re-runs of older
+slices came since (a rebuild, a backfill)."""
+
+
+def _highest_ingested(engine) -> str:
+    """The highest slice ingested: the newest ingest commit says (`HIGHEST`); a lake of an older
+    release, which recorded none, the highest of its newest commits."""
+    highest = ""
+    for n, commit in enumerate(engine.commits("entity_batches", "replace_slice")):
+        highest = max(highest, commit["slice"], commit.get(HIGHEST, ""))
+        if HIGHEST in commit or n + 1 >= RECENT_COMMITS:
+            break
+    return highest
+
+
+def _fewer_than_before(engine, slice_key: str, read: int, highest: str) -> str | None:
     """Why a re-run read fewer of the slice's records than the run that committed it (a compacted
     topic dropped some since, or records were deleted); None if it did not, or on its first run,
-    which the newest ingest commits tell (slices are ingested in order), so that a first run lists
-    no table's files for it. Only a slice with rows has a commit to look for."""
-    if highest_done(engine, "entity_batches", "replace_slice") < slice_key:
+    which `highest` (`_highest_ingested`) tells, so that a first run lists no table's files for it.
+    Only a slice with rows has a commit to look for."""
+    if highest < slice_key:
         return None
     for table in TABLES:
         if engine.slice_files(table, [slice_key]):
@@ -232,7 +251,8 @@ def _committed(engine, slice_key: str) -> list[str]:
     return [table for table in TABLES if engine.reached(table, slice_key, "replace_slice")]
 
 
-def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, kept: list[str], fewer: str | None):
+def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, kept: list[str], fewer: str | None,
+          highest: str):
     """A re-run of an ingested slice whose records Kafka no longer all holds (retention, or
     compaction: `fewer`): the rows of `kept`, the tables a run committed before, are their only
     copy, so they stay as they are and the steps after this one run on them. The other tables (a
@@ -244,7 +264,7 @@ def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, k
     said = letters[:3] + (["..."] if len(letters) > 3 else []) + ([fewer] if fewer else [])
     files.setdefault("schema_waits", []).extend(files.pop(HELD, []))  # they wait, as in a slice with no new schema
     _discard(engine, {table: files.pop(table, []) for table in kept})
-    summary = commit_slice(engine, [t for t in TABLES if t not in kept], files, slice_key)
+    summary = commit_slice(engine, [t for t in TABLES if t not in kept], files, slice_key, metadata={HIGHEST: highest})
     context.log.warning(f"slice {slice_key} was ingested before, and Kafka no longer holds all of its records "
                         f"({'; '.join(said)}): its rows in "
                         f"{', '.join(kept)}, their only copy, are kept as they are"
