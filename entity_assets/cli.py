@@ -274,8 +274,8 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
 
     from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
-    from entity_assets.sensors import (done, dump_cursor, kafka_offsets_sensor, lake_holds, not_the_lake, slice_runs,
-                                       successful_slice_runs)
+    from entity_assets.sensors import (adopted, done, dump_cursor, kafka_offsets_sensor, lake_holds, not_the_lake,
+                                       slice_runs, successful_slice_runs)
     from entity_assets.slices import run_key, slice_key
     from entity_assets.tables import APPLIED_IN_ORDER
 
@@ -301,8 +301,12 @@ def run_pending(*, max_messages: int | None = None, log=print, steps: list[str] 
     runs = slice_runs(instance, closed)
     tables = [t for t in APPLIED_IN_ORDER if selection is None or AssetKey(t) in selection]
     holds = lake_holds(store.engine, tables) if tables else max(closed, default=0)  # no state step: nothing to hold
-    newest_done = max((seq for seq in closed if done(runs, seq, holds)), default=0)
-    undone = [seq for seq in sorted(closed) if not done(runs, seq, holds)]
+    taken = adopted(runs, store.engine)
+    if taken:
+        log(f"this Dagster instance has run no slice, and the lake's every state holds slices up to "
+            f"{slice_key(taken)}: taken as done")
+    newest_done = max((seq for seq in closed if seq <= taken or done(runs, seq, holds)), default=0)
+    undone = [seq for seq in sorted(closed) if seq > taken and not done(runs, seq, holds)]
     if passed := [seq for seq in undone if seq < newest_done]:
         # as the sensor: slices after them applied, so the state holds them; a replay now could not
         # read the state before them once the vacuum has gone past, and would hold back every new slice

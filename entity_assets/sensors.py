@@ -255,7 +255,11 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
         return {}
     runs = slice_runs(context.instance, {seq: closed[seq] for seq in range(first, last + 1)})
     holds = lake_holds(lake.open())  # again, after the runs: a run that succeeded since has committed its state
-    undone = {seq: closed[seq] for seq in range(min(cursor_seq, holds) + 1, last + 1)
+    taken = adopted(runs, lake.open()) if cursor_seq == 0 else 0  # no cursor: `runs` are all of the slices'
+    if taken:
+        context.log.warning(f"this instance has run no slice, and the lake's every state holds slices up to "
+                            f"{slice_key(taken)}: taken as done (a new Dagster instance over this lake)")
+    undone = {seq: closed[seq] for seq in range(max(min(cursor_seq, holds), taken) + 1, last + 1)
               if seq not in closing and not done(runs, seq, holds)}
     whole = newest_whole(context.instance, undone)
     if DagsterRunStatus.SUCCESS in whole.values():
@@ -389,6 +393,14 @@ def done(runs: dict[int, str], seq: int, holds: int) -> bool:
     """Whether a slice is done: a run of it succeeded since it closed (`slice_runs`), and the
     lake's state holds it (`lake_holds`)."""
     return seq in runs and seq <= holds
+
+
+def adopted(runs: dict[int, str], engine) -> int:
+    """The slices an instance that has run none (`runs`: `slice_runs` over every slice closed)
+    takes as done: those every state table of the lake holds. A new instance over a lake (from
+    SQLite to Postgres, a new DAGSTER_HOME) would otherwise run them all again: hours of runs
+    ahead of the new slices, whose replays fail once the vacuum has passed them."""
+    return 0 if runs else lake_holds(engine, newest=min)
 
 
 def lake_holds(engine, tables: Iterable[str] = APPLIED_IN_ORDER, newest=max) -> int:

@@ -319,11 +319,9 @@ def test_produce_file_says_a_file_it_cannot_read_on_a_line(content, said, tmp_pa
         list(cli._file_records(str(path)))
 
 
-def test_run_leaves_a_slice_without_a_successful_run_that_slices_after_it_passed(monkeypatch, tmp_path):
-    """A run that failed after its last commit (killed, cancelled at its end) leaves a slice the
-    state holds and the slices after it applied: the sensor leaves it be, and so does `run`,
-    which would otherwise replay it first at every call, or fail for good once the vacuum took
-    the state before it, and run no new slice."""
+def _slices_of_a_lake(monkeypatch, tmp_path, runs: dict[int, str], holds: int) -> tuple[list, list]:
+    """`run` over a lake of five closed slices, whose state holds `holds`, and an instance whose
+    successful runs are `runs`: the slices it runs, and what it says."""
     from dagster import SensorResult, SkipReason
 
     from entity_assets import definitions, manifests, sensors
@@ -348,12 +346,29 @@ def test_run_leaves_a_slice_without_a_successful_run_that_slices_after_it_passed
     sensor.name = definitions.kafka_offsets_sensor.name
     monkeypatch.setattr(sensors, "kafka_offsets_sensor", sensor)
     monkeypatch.setattr(manifests, "ManifestStore", Store)
-    monkeypatch.setattr(sensors, "slice_runs", lambda instance, closed: {2: "r2", 3: "r3"})  # 1 failed at its end
-    monkeypatch.setattr(sensors, "lake_holds", lambda engine, tables: 3)  # 4 failed midway; 5 waits
+    monkeypatch.setattr(sensors, "slice_runs", lambda instance, closed: runs)
+    monkeypatch.setattr(sensors, "lake_holds", lambda engine, tables=(), newest=max: holds)
     asked, said = [], []
     monkeypatch.setattr(cli, "_materialize", lambda instance, store, runs, selection, log: asked.extend(runs) or [])
     assert cli.run_pending(log=said.append) == []
-    assert [key for key, _ in asked] == [slice_key(4), slice_key(5)]
+    return [key for key, _ in asked], said
+
+
+def test_run_on_a_new_instance_takes_the_slices_the_lake_holds_as_done(monkeypatch, tmp_path):
+    """From SQLite to Postgres, or a new DAGSTER_HOME: not every slice the lake holds again."""
+    asked, said = _slices_of_a_lake(monkeypatch, tmp_path, runs={}, holds=3)
+    assert asked == [slice_key(4), slice_key(5)]
+    assert any("holds slices up to 0000000003: taken as done" in line for line in said), said
+
+
+def test_run_leaves_a_slice_without_a_successful_run_that_slices_after_it_passed(monkeypatch, tmp_path):
+    """A run that failed after its last commit (killed, cancelled at its end) leaves a slice the
+    state holds and the slices after it applied: the sensor leaves it be, and so does `run`,
+    which would otherwise replay it first at every call, or fail for good once the vacuum took
+    the state before it, and run no new slice."""
+    # 1 failed at its end; 4 failed midway; 5 waits
+    asked, said = _slices_of_a_lake(monkeypatch, tmp_path, runs={2: "r2", 3: "r3"}, holds=3)
+    assert asked == [slice_key(4), slice_key(5)]
     assert any(line.startswith("warning: 1 slice(s) without a successful run before slice 0000000003")
                and slice_key(1) in line for line in said)
 
@@ -366,7 +381,7 @@ def test_run_s_lag_report_gives_librdkafka_the_sasl_credentials_not_the_names_of
     monkeypatch.setenv("KAFKA_SASL_PASSWORD", "s3cret")
     asked, said = [], []
 
-    def watermarks(config, topics, timeout):
+    def watermarks(config, topics, timeout, unanswered=None):
         asked.append(config)
         raise kafka_io.KafkaUnreachable("no answer")
 

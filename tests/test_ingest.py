@@ -977,6 +977,22 @@ def test_a_tick_that_loses_a_race_for_its_slice_commits_nothing(pipeline, monkey
     assert "entity_patches" in trail.rows and trail.notes == ["partial_responses: its slice's step has not run yet"]
 
 
+def test_a_new_instance_over_a_lake_runs_on_from_the_slices_the_lake_holds(make_pipeline):
+    """From SQLite to Postgres, or a new DAGSTER_HOME: a new instance has run none of the slices
+    the lake holds. It takes those as done and runs the new ones, not every slice again."""
+    first = make_pipeline(production_layout=True, max_messages=20)
+    first.produce(traffic(50, seed=13))
+    assert [r.success for r in first.tick_and_run()] == [True, True, True]
+    first.produce(traffic(10, seed=14))
+    moved = make_pipeline(production_layout=True, prefix=first.prefix, lake_root=first.lake.root, max_messages=20)
+    assert moved.instance is not first.instance
+    requests = moved.tick()
+    assert [r.partition_key for r in requests] == [slice_key(4)]
+    assert moved.run_request(requests[0]).success
+    assert rows_of_slice(moved.read("entity_batches"), slice_key(4)).num_rows == 10
+    assert moved.tick() == []
+
+
 def test_a_run_without_a_manifest_fails_clearly(pipeline):
     pipeline.instance.add_dynamic_partitions("slices", [slice_key(9)])
     result = pipeline.run(slice_key(9), assets=ingest_only(pipeline), raise_on_error=False)
