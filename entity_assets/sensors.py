@@ -224,14 +224,22 @@ def _is_slice(partition: str | None) -> bool:
 def pool_warning(instance: DagsterInstance) -> str | None:
     """What the instance lacks for the slices' runs to apply in order, or None. Pools count per
     step unless the instance says `granularity: run`: two slices' runs could then interleave
-    their steps, and the later one's state step refuses (OutOfOrder), failing its run."""
+    their steps, and the later one's state step refuses (OutOfOrder), failing its run. A pool
+    without a limit (a shared instance, none set and no `default_limit`) or above 1 lets them
+    start together."""
     granularity = instance.get_concurrency_config().pool_config.pool_granularity
     per = getattr(granularity, "value", granularity) or "op"  # Dagster's PoolGranularity; unset: per op
-    if per == "run":
+    if per != "run":
+        return (f"this instance's concurrency pools count per {per}, not per run: two slices' runs may "
+                f"interleave their steps and fail with OutOfOrder. Set `concurrency: pools: granularity: run` in its "
+                f"dagster.yaml and limit the pool {LAKE_POOL} to 1 (docs/operations.md)")
+    storage = instance.event_log_storage
+    limit = storage.get_concurrency_info(LAKE_POOL).limit if storage.supports_global_concurrency_limits else None
+    if limit == 1:
         return None
-    return (f"this instance's concurrency pools count per {per}, not per run: two slices' runs may "
-            f"interleave their steps and fail with OutOfOrder. Set `concurrency: pools: granularity: run` in its "
-            f"dagster.yaml and limit the pool {LAKE_POOL} to 1 (docs/operations.md)")
+    return (f"this instance's pool {LAKE_POOL} " + (f"is limited to {limit} runs" if limit else "has no limit")
+            + f": slices' runs may start together and fail with OutOfOrder. Limit it to 1: "
+              f"`dagster instance concurrency set {LAKE_POOL} 1` (docs/operations.md)")
 
 
 STOPPED = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)

@@ -292,15 +292,19 @@ def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
 
 
 def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(project_instance):
-    """The project's dagster.yaml counts the lake pool per run; an instance left at Dagster's
-    default (per op) would let two slices' steps interleave."""
+    """The project's dagster.yaml counts the lake pool per run, one run at a time; an instance left
+    at Dagster's default (per op) would let two slices' steps interleave, and a limit above 1 (or
+    none) would start their runs together."""
     from dagster import DagsterInstance
 
+    from entity_assets.partitions import LAKE_POOL
     from entity_assets.sensors import pool_warning
 
     assert pool_warning(project_instance) is None
     with DagsterInstance.ephemeral() as instance:
         assert "count per op, not per run" in pool_warning(instance)
+    project_instance.event_log_storage.set_concurrency_slots(LAKE_POOL, 2)  # a shared instance's own limit
+    assert f"pool {LAKE_POOL} is limited to 2 runs" in pool_warning(project_instance)
 
 
 class _Kafka:
