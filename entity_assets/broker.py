@@ -29,7 +29,7 @@ def _binary() -> Path:
 @dataclass(frozen=True)
 class LocalBroker(LocalService):
     port: int = DEFAULT_PORT
-    name = "broker"
+    name, program = "broker", "noida-db"
 
     @property
     def bootstrap(self) -> str:

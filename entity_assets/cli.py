@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -31,8 +32,8 @@ from pydantic import ValidationError
 from entity_assets.broker import DEFAULT_PORT, LocalBroker
 from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
-from entity_assets.kafka_io import KafkaUnreachable
-from entity_assets.local_service import NotInstalled, PortInUse
+from entity_assets.kafka_io import DeliveryFailed, KafkaUnreachable
+from entity_assets.local_service import NotInstalled, NotReady, PortInUse
 from resources import SettingError, with_settings
 from resources.lake import default_home
 
@@ -73,9 +74,19 @@ def kafka_resource():
     return build_resources()["kafka"].process_config_and_initialize()
 
 
+def _on_the_embedded_broker(broker: LocalBroker) -> None:
+    """`broker start` and `demo` create topics and produce sample traffic on the broker they
+    start: a cluster's bootstrap servers left in the shell would take them."""
+    named = os.environ["ENTITY_ASSETS_KAFKA_BOOTSTRAP"]  # prepare_environment's default: the embedded broker
+    if named != broker.bootstrap:
+        raise UsageError(f"ENTITY_ASSETS_KAFKA_BOOTSTRAP names {named}, not the embedded broker at {broker.bootstrap}: "
+                         "unset it for the embedded broker (a cluster's topics: `entity-assets topics`)")
+
+
 def cmd_broker(args) -> int:
     broker = _broker(args)
     if args.action == "start":
+        _on_the_embedded_broker(broker)
         pid = broker.start()
         from entity_assets.kafka_io import ensure_topics
 
@@ -599,6 +610,10 @@ def _an_entity_of_many_versions() -> str | None:
 
 
 def cmd_demo(args) -> int:
+    lake = os.environ.get("ENTITY_ASSETS_LAKE")
+    if lake and Path(lake).resolve() != (_home() / "lake").resolve():
+        raise UsageError(f"ENTITY_ASSETS_LAKE names {lake}: the demo's sample traffic goes to the home's own lake "
+                         f"({_home() / 'lake'}); unset it, or give the demo another ENTITY_ASSETS_HOME")
     args.action = "start"
     cmd_broker(args)
     from entity_assets import samples
@@ -720,14 +735,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--partitions", type=_at_least(1), default=4)
     demo.add_argument("--cdc-rows", type=_at_least(1), default=100, help="rows of each sample CDC projection")
     args = parser.parse_args(argv)
-    prepare_environment(args.port)
     handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
                "trace": cmd_trace, "changes": cmd_changes, "history": cmd_history,
                "demo": cmd_demo}
     try:
+        prepare_environment(args.port)
         return handler[args.command](args)
-    except (KafkaUnreachable, PortInUse, NotInstalled) as exc:  # a setting or a broker to fix, not a bug: no traceback
+    except (KafkaUnreachable, PortInUse, NotInstalled, NotReady) as exc:  # a setting or a server to fix: no traceback
         print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except DeliveryFailed as exc:  # records the cluster refused (too large, a right the client lacks, no topic)
+        print(f"entity-assets {args.command}: Kafka refused: {exc}", file=sys.stderr)
         return 1
     except UsageError as exc:
         print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
@@ -747,6 +765,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"entity-assets {args.command}: Kafka refused: {exc.args[0].name()}: {exc.args[0].str()}",
               file=sys.stderr)
         return 1
+    except OSError as exc:  # a lake on a store it cannot reach, or a home it cannot write
+        print(f"entity-assets {args.command}: {_cause(exc)} (the lake: ENTITY_ASSETS_LAKE and its store's settings, "
+              "docs/storage.md; the home: ENTITY_ASSETS_HOME)", file=sys.stderr)
+        return 1
+
+
+def _cause(exc: Exception) -> str:
+    """An error on a line: delta-rs's object-store errors are a tree of lines, coloured, whose
+    first says what failed and last why (`Connection refused`)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m|↳", "", line).strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line] or [type(exc).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0]}: {lines[-1]}"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,18 @@ class NotInstalled(RuntimeError):
     """The service's program is not installed: an extra of the package brings it."""
 
 
+class NotReady(RuntimeError):
+    """The server exited at its start, or did not answer in time: its log says why."""
+
+
+def _arguments(pid: int) -> list[str] | None:
+    """A process's command line; None where /proc does not tell (not Linux)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class LocalService:
     data_dir: Path
@@ -33,6 +45,9 @@ class LocalService:
     host: str = "127.0.0.1"
 
     name: ClassVar[str]
+    program: ClassVar[str]
+    """A part of the server process's command line that names its program: a pid file whose
+    process lacks it is stale (a reboot, a crash), its pid another process's now."""
 
     @property
     def address(self) -> str:
@@ -65,12 +80,21 @@ class LocalService:
             return False
 
     def pid(self) -> int | None:
+        """The server's pid, if it runs. One on another port than this one's raises PortInUse."""
         try:
             pid = int(self.pid_file.read_text())
             os.kill(pid, 0)
-            return pid
         except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
             return None
+        arguments = _arguments(pid)
+        if arguments is None:
+            return pid
+        if not any(self.program in a for a in arguments):
+            return None  # stale: never signal it
+        if not any(a == str(self.port) or a.endswith(f"={self.port}") for a in arguments):
+            raise PortInUse(f"the {self.name} of {self.data_dir} runs with pid {pid} on another port than "
+                            f"{self.port}: stop it first (same settings as its start), or use its port")
+        return pid
 
     def start(self, timeout: float = 60.0) -> int:
         """Starts the server detached from this process (a no-op if it runs); returns its pid."""
@@ -97,11 +121,18 @@ class LocalService:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {proc.returncode}; see {self.log_file}")
+                raise NotReady(f"{self.name} exited with {proc.returncode}{self._last_lines()}")
             if self.ready():
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"{self.name} on {self.address} not ready after {timeout}s; see {self.log_file}")
+        raise NotReady(f"{self.name} on {self.address} not ready after {timeout:g} s{self._last_lines()}")
+
+    def _last_lines(self, lines: int = 5) -> str:
+        try:
+            said = self.log_file.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            said = []
+        return f"; the end of {self.log_file}:\n  " + "\n  ".join(said) if said else f"; see {self.log_file}"
 
     def stop(self, timeout: float = 30.0) -> bool:
         """SIGTERM and wait; returns whether one was running."""

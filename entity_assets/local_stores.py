@@ -35,7 +35,7 @@ class LocalStore(LocalService):
 
 
 class LocalS3(LocalStore):
-    name = "s3"
+    name, program = "s3", "moto.server"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
@@ -46,7 +46,7 @@ class LocalAzurite(LocalStore):
     without its telemetry: it would send usage to Azure Monitor, and keep what it failed to send
     in the temporary folder at every start."""
 
-    name, account = "azurite", "/devstoreaccount1"
+    name, account, program = "azurite", "/devstoreaccount1", "azurite"
 
     def command(self) -> list[str]:
         return [str(AZURITE), "--blobHost", self.host, "--blobPort", str(self.port), "--inMemoryPersistence",
@@ -66,7 +66,7 @@ class LatencyProxy(LocalStore):
     rtt_ms: float = 0.0
     log: str = ""
     """A file to which each request's time, connection and first line are appended (to see which wait in a row)."""
-    name = "latency-proxy"
+    name, program = "latency-proxy", "entity_assets.local_stores"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "entity_assets.local_stores", "--port", str(self.port), "--target",

@@ -46,7 +46,7 @@ class LocalSparkConnect(LocalService):
     conf: tuple[tuple[str, str], ...] = ()
     """Settings over the project's (ENTITY_ASSETS_SPARK_CONF): a Spark Connect session may set
     SQL settings only, so the server takes the others (memory, JVM options) at its start."""
-    name = "spark-connect"
+    name, program = "spark-connect", SERVER_CLASS
 
     @property
     def url(self) -> str:

@@ -37,7 +37,9 @@ if command -v flock >/dev/null 2>&1; then
     flock 9
 fi
 
-if ! { [ -x "$VENV/bin/python" ] && supported "$VENV/bin/python"; }; then
+# A venv without pip is half made (ensurepip failed: Debian's python3-venv was missing): made again.
+if ! { [ -x "$VENV/bin/python" ] && supported "$VENV/bin/python" \
+        && "$VENV/bin/python" -m pip --version >/dev/null 2>&1; }; then
     python=$(find_python)
     echo "setup: creating $VENV with $python ($("$python" --version 2>&1))"
     "$python" -m venv --clear "$VENV"

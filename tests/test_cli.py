@@ -16,6 +16,7 @@ import pytest
 from dagster import DagsterInstance
 
 from entity_assets import cli, history, samples
+from entity_assets.kafka_io import ensure_topics
 from entity_assets.manifests import ManifestStore
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
@@ -416,6 +417,52 @@ def test_what_the_cluster_refuses_is_a_line_and_status_1(monkeypatch, tmp_path, 
     assert cli.main(["summary"]) == 1
     assert capsys.readouterr().err == ("entity-assets summary: Kafka refused: TOPIC_AUTHORIZATION_FAILED: "
                                        "Topic authorization failed\n")
+
+
+def test_records_the_cluster_refuses_are_a_line_and_status_1(broker, monkeypatch, tmp_path, capsys):
+    """A record over the producer's limit (4,000,000 bytes), which librdkafka refuses itself."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
+    monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", "cli-refused.")
+    ensure_topics({"bootstrap.servers": broker.bootstrap}, ["cli-refused.entity-batches"], 1)
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"topic": "entity-batches", "key": "k", "value": "x" * 5_000_000}) + "\n")
+    assert cli.main(["produce", "file", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("entity-assets produce: Kafka refused: ") and "MSG_SIZE_TOO_LARGE" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_lake_on_a_store_it_cannot_reach_is_a_line_and_status_1(monkeypatch, tmp_path, capsys):
+    """delta-rs's error is a coloured tree of lines: the first says what failed, the last why."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+
+    def unreachable(args):
+        raise OSError("Kernel error -> Generic S3 error\n  \x1b[31m↳\x1b[0m Error performing GET http://x/\n"
+                      "   \x1b[31m↳\x1b[0m Connection refused (os error 111)\n")
+
+    monkeypatch.setattr(cli, "cmd_summary", unreachable)
+    assert cli.main(["summary"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("entity-assets summary: Kernel error -> Generic S3 error: Connection refused (os error 111) "
+                          "(the lake: ENTITY_ASSETS_LAKE") and err.count("\n") == 1
+
+
+def test_the_demo_and_broker_start_stay_on_the_embedded_broker_and_the_home_s_lake(monkeypatch, tmp_path, capsys):
+    """A cluster's settings left in the shell would take the demo's sample traffic."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "prod-kafka-1:9093")
+    for argv in (["broker", "start"], ["demo"]):
+        assert cli.main(argv) == 2
+        assert "ENTITY_ASSETS_KAFKA_BOOTSTRAP names prod-kafka-1:9093, not the embedded broker" in capsys.readouterr().err
+    monkeypatch.delenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP")
+    monkeypatch.setenv("ENTITY_ASSETS_LAKE", "s3://prod/lake")
+    assert cli.main(["demo"]) == 2
+    assert "ENTITY_ASSETS_LAKE names s3://prod/lake" in capsys.readouterr().err
+    assert not (tmp_path / "broker" / "broker.pid").exists()  # nothing started
 
 
 def test_run_with_a_dagster_home_that_is_no_folder_is_a_line_and_status_2(monkeypatch, tmp_path, capsys):

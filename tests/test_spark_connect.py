@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from entity_assets import samples
+from entity_assets.broker import LocalBroker
+from entity_assets.local_service import NotReady, PortInUse
 from entity_assets.spark_connect import SESSION_ID, SESSION_TIMEOUT, LocalSparkConnect
 from resources import LakeResource
 
@@ -73,6 +75,40 @@ def test_a_server_does_not_start_on_a_port_another_process_holds(tmp_path):
         with pytest.raises(RuntimeError, match="in use"):
             server.start()
     assert server.pid() is None
+
+
+def test_a_stale_pid_file_names_no_server_and_its_process_is_never_signalled(tmp_path):
+    """After a reboot or a crash, the pid a file names may be another process's: `stop` must not end it."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        server = LocalBroker(tmp_path, port=29555)
+        server.pid_file.write_text(str(other.pid))
+        assert server.pid() is None and server.stop() is False
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_server_of_the_same_folder_on_another_port_is_named(tmp_path):
+    """`--port 29093 broker start` beside the demo's broker on 29092: one data folder, two brokers."""
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "noida-db", "--kafka-port", "29092"])
+    try:
+        LocalBroker(tmp_path, port=29092).pid_file.write_text(str(running.pid))
+        assert LocalBroker(tmp_path, port=29092).pid() == running.pid
+        with pytest.raises(PortInUse, match="on another port than 29093"):
+            LocalBroker(tmp_path, port=29093).pid()
+    finally:
+        running.kill()
+        running.wait()
+
+
+def test_a_server_that_exits_at_its_start_says_why_from_its_log(tmp_path, monkeypatch):
+    """No Java, or another Java: the end of the log, not a traceback naming the log file."""
+    monkeypatch.setattr(LocalBroker, "command",
+                        lambda self: [sys.executable, "-c", "import sys; print('Error: JAVA_HOME is not valid'); sys.exit(3)"])
+    with pytest.raises(NotReady, match=r"exited with 3; the end of .*\n  Error: JAVA_HOME is not valid"):
+        LocalBroker(tmp_path, port=29556).start(timeout=30)
 
 
 @pytest.mark.slow
