@@ -218,19 +218,27 @@ def _text_size(value, memo: dict) -> int:
 
 
 class _Growth:
-    """What a patch's copies have grown its document to: an upper bound on its text, up to the
-    other ops' values, which the message's own size bounds. A bound past the limit is measured
-    again, which takes off what removes and overwrites took away, at most `MEASURES` times a
-    patch: each measure walks the containers its ops made since the last."""
+    """A patch's own state as its ops apply. What its copies have grown its document to: an upper
+    bound on its text, up to the other ops' values, which the message's own size bounds. A bound
+    past the limit is measured again, which takes off what removes and overwrites took away, at
+    most `MEASURES` times a patch: each measure walks the containers its ops made since the last.
+    And the containers the patch made (`owned`), which its later ops change in place (`_own`)."""
 
     MEASURES = 8
-    __slots__ = ("memo", "size", "measures", "depths")
+    __slots__ = ("memo", "size", "measures", "depths", "owned")
 
     def __init__(self) -> None:
         self.memo: dict = {}
         self.size: int | None = None
         self.measures = 0
         self.depths: dict[int, tuple] = {}  # id -> (container, its nesting): kept alive, so ids stay its
+        self.owned: dict[int, dict | list] = {}  # id -> container: in the document once, the input's nowhere
+
+    def changed(self, node) -> None:
+        """An owned container changes in place: what was measured of it no longer holds. Its
+        ancestors are the edit's spine, each changed too."""
+        self.memo.pop(id(node), None)
+        self.depths.pop(id(node), None)
 
     def moved_within_depth(self, tokens: tuple[str, ...], src: tuple[str, ...], value) -> None:
         """`_within_depth` of a value the document holds at `src`: a target no deeper cannot nest
@@ -279,11 +287,23 @@ def _get(doc, tokens: tuple[str, ...]):
     return node
 
 
-def _edit(node, tokens: tuple[str, ...], depth: int, leaf, arg, create: bool):
-    """Copy of node with leaf(parent, key, arg) applied at tokens; copies only the spine."""
+def _own(node, growth: _Growth):
+    """`node` to change: itself if this patch made it (no one else holds it), else a copy that the
+    patch owns from now on. A patch of N ops on a container of W members then costs N + W, not
+    N x W: 24,900 appends to an array of 490,000 in one message took 49 s."""
+    if id(node) in growth.owned:
+        growth.changed(node)
+        return node
+    new = dict(node) if isinstance(node, dict) else list(node)
+    growth.owned[id(new)] = new
+    return new
+
+
+def _edit(node, tokens: tuple[str, ...], depth: int, leaf, arg, create: bool, growth: _Growth):
+    """node with leaf(parent, key, arg, growth) applied at tokens; copies only the spine, once a patch."""
     token = tokens[depth]
     if depth == len(tokens) - 1:
-        return leaf(node, token, arg)
+        return leaf(node, token, arg, growth)
     if isinstance(node, dict):
         if token in node:
             child = node[token]
@@ -291,63 +311,70 @@ def _edit(node, tokens: tuple[str, ...], depth: int, leaf, arg, create: bool):
             child = {}
         else:
             raise _Fail(f"path not found: {_named(token)}")
-        new = dict(node)
-        new[token] = _edit(child, tokens, depth + 1, leaf, arg, create)
+        child = _edit(child, tokens, depth + 1, leaf, arg, create, growth)
+        new = _own(node, growth)
+        new[token] = child
         return new
     if isinstance(node, list):
         i = _index(token, len(node), end_ok=False)
-        new = list(node)
-        new[i] = _edit(node[i], tokens, depth + 1, leaf, arg, create)
+        child = _edit(node[i], tokens, depth + 1, leaf, arg, create, growth)
+        new = _own(node, growth)
+        new[i] = child
         return new
     raise _Fail(f"cannot resolve {_named(token)} inside a {_kind(node)}")
 
 
-def _leaf_add(parent, key, value):
+def _leaf_add(parent, key, value, growth: _Growth):
     if isinstance(parent, dict):
-        new = dict(parent)
+        new = _own(parent, growth)
         new[key] = value
         return new
     if isinstance(parent, list):
         i = _index(key, len(parent), end_ok=True)
-        return parent[:i] + [value] + parent[i:]
+        new = _own(parent, growth)
+        new.insert(i, value)
+        return new
     raise _Fail(f"cannot add {_named(key)} to a {_kind(parent)}")
 
 
-def _leaf_remove(parent, key, _):
+def _leaf_remove(parent, key, _, growth: _Growth):
     if isinstance(parent, dict):
         if key not in parent:
             raise _Fail(f"path not found: {_named(key)}")
-        new = dict(parent)
+        new = _own(parent, growth)
         del new[key]
         return new
     if isinstance(parent, list):
         i = _index(key, len(parent), end_ok=False)
-        return parent[:i] + parent[i + 1 :]
+        new = _own(parent, growth)
+        del new[i]
+        return new
     raise _Fail(f"cannot resolve {_named(key)} inside a {_kind(parent)}")
 
 
-def _leaf_replace(parent, key, value):
+def _leaf_replace(parent, key, value, growth: _Growth):
     if isinstance(parent, dict):
         if key not in parent:
             raise _Fail(f"path not found: {_named(key)}")
-        new = dict(parent)
+        new = _own(parent, growth)
         new[key] = value
         return new
     if isinstance(parent, list):
-        new = list(parent)
-        new[_index(key, len(parent), end_ok=False)] = value
+        i = _index(key, len(parent), end_ok=False)
+        new = _own(parent, growth)
+        new[i] = value
         return new
     raise _Fail(f"cannot resolve {_named(key)} inside a {_kind(parent)}")
 
 
-def _add(doc, tokens, value):
-    return value if not tokens else _edit(doc, tokens, 0, _leaf_add, value, True)
+def _add(doc, tokens, value, growth: _Growth):
+    return value if not tokens else _edit(doc, tokens, 0, _leaf_add, value, True, growth)
 
 
-def _remove(doc, tokens):
+def _remove(doc, tokens, growth: _Growth):
     if not tokens:
         raise _Fail("removing the whole document is only allowed as an entity deletion")
-    return _edit(doc, tokens, 0, _leaf_remove, None, False)
+    return _edit(doc, tokens, 0, _leaf_remove, None, False, growth)
 
 
 def json_equal(a, b) -> bool:
@@ -404,13 +431,13 @@ def _apply_one(doc, op, growth: _Growth):
     if name == "add":
         value = _value(op)
         _within_depth(path, value)
-        return _add(doc, path, value)
+        return _add(doc, path, value, growth)
     if name == "remove":
-        return _remove(doc, path)
+        return _remove(doc, path, growth)
     if name == "replace":
         value = _value(op)
         _within_depth(path, value)
-        return value if not path else _edit(doc, path, 0, _leaf_replace, value, False)
+        return value if not path else _edit(doc, path, 0, _leaf_replace, value, False, growth)
     if name == "test":
         value = _value(op)
         if not json_equal(_get(doc, path), value):
@@ -420,7 +447,10 @@ def _apply_one(doc, op, growth: _Growth):
     value = _get(doc, src)
     growth.moved_within_depth(path, src, value)
     if name == "copy":
-        doc = _add(doc, path, value)
+        # the document is to hold `value` twice, and `value` may hold the target's spine (a copy of
+        # "" into the document): nothing is changed in place from here (the next ops copy once more)
+        growth.owned.clear()
+        doc = _add(doc, path, value, growth)
         growth.copied(doc, path, value)
         return doc
     # move
@@ -428,7 +458,7 @@ def _apply_one(doc, op, growth: _Growth):
         return doc
     if path[: len(src)] == src:
         raise _Fail("cannot move a location into one of its children")
-    return _add(_remove(doc, src), path, value)
+    return _add(_remove(doc, src, growth), path, value, growth)
 
 
 _OPS = frozenset({"add", "remove", "replace", "move", "copy", "test"})
