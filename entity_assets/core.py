@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from entity_assets.patch import MAX_DOCUMENT_BYTES, STATUS_FAILED, STATUS_OK, apply_patch
+from entity_assets.patch import MAX_DOCUMENT_BYTES, STATUS_FAILED, STATUS_OK, PatchError, apply_patch
 
 STATE_BUCKETS = 32
 """Hash buckets of the entity state. Fixed for the life of a lake: changing it needs a rebuild."""
@@ -101,10 +101,12 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
     a patch that takes the document past `MAX_DOCUMENT_BYTES` fails; a replay of updates applied
     already (`history`) leaves that out, as a lake written before the limit may hold such ones.
     """
-    before = state.doc
-    outcome = apply_patch({} if implicit_empty and before is None else before, loads(ops))
+    before, items = state.doc, loads(ops)
+    outcome = apply_patch({} if implicit_empty and before is None else before, items)
     if outcome.status != STATUS_OK:
         return outcome.status, outcome.error, None, None, None
+    if implicit_empty and outcome.deleted:  # a schema is never absent: a tombstone would read as none
+        return STATUS_FAILED, str(PatchError(len(items) - 1, items[-1], SCHEMA_KEPT)), None, None, None
     if check is not None and outcome.doc is not None and (error := check(before, outcome.doc)):
         return STATUS_FAILED, error, None, None, None
     size = _bounded_size(state.size, ops, outcome.doc) if sized else 0
@@ -115,6 +117,9 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
     return (STATUS_OK, None, dumps(before) if include_before and before is not None else None,
             dumps(outcome.doc) if include_after and outcome.doc is not None else None,
             action_of(created=before is None, deleted=outcome.deleted))
+
+
+SCHEMA_KEPT = "a database's schema is not deleted: replace it with {} to empty it"
 
 
 def action_of(created: bool, deleted: bool) -> str:

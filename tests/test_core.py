@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from entity_assets import core
 from entity_assets.messages import CompleteResponse, EntityPatch, EntityUpdate, PartialResponse, parse_message
 from entity_assets.publish import STREAMS, murmur2, partition_for, partitions_for
@@ -80,6 +82,25 @@ def test_failed_patch_leaves_state_and_reports_status_3():
     assert state.doc == {"a": 1} and state.version == 4 and not state.changed
     message = json.loads(core.result_json(result))
     assert "before" not in message and "after" not in message and message["error"]
+
+
+@pytest.mark.parametrize("held", [None, {"Contacts": {"fields": {}}}])
+def test_a_schema_patch_that_deletes_the_schema_fails_and_one_that_empties_it_applies(held):
+    """Every database has a schema: a tombstone would read as none, and the next patch's `before` as null."""
+    state = core.DocState(None if held is None else {"document": json.dumps(held), "version": 3, "deleted": False,
+                                                     "ended": 1})
+    patch = {**LINEAGE, "clientid": "c", "request": 1, "user": "u", "dbid": "my-db", "parts": 1, "part": 1,
+             "begun": 1, "includeBefore": True, "includeAfter": True}
+
+    def send(ops):
+        return core.apply_one(state, {**patch, "ops": json.dumps(ops)}, implicit_empty=True)
+
+    failed = send([{"op": "add", "path": "Groups", "value": {}}, {"op": "remove", "path": ""}])
+    assert failed["status"] == 3 and failed["error"] == f'op 1 (remove ""): {core.SCHEMA_KEPT}'
+    assert state.doc == held and state.version == (0 if held is None else 3)
+    emptied = send([{"op": "replace", "path": "", "value": {}}])
+    assert emptied["status"] == 1 and emptied["action"] == ("created" if held is None else "updated")
+    assert state.doc == {} and json.loads(emptied["after"]) == {}
 
 
 def test_a_schema_patch_that_leaves_a_declaration_learning_cannot_read_fails_with_status_3():

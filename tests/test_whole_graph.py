@@ -805,18 +805,18 @@ def test_a_slice_without_learning_leaves_learned_schemas_as_they_were(pipeline):
     assert {r["observed"] for r in rows(pipeline, "learned_schemas") if r["collection"] == "Ghost"} == {0}
     observed = {(r["dbid"], r["collection"]): r["observed"] for r in rows(pipeline, "learned_schemas")}
     assert sum(observed.values()) > sum(json.loads(s)["observed"] for _, _, _, s, _ in before)
-    # a slice that deletes the declared schema has no learning rows (no entity type is left), and
+    # a slice that empties the declared schema has no learning rows (no entity type is left), and
     # still changes what is declared
     dbid = graph.batches.dbid
-    deleted = {**samples.SEED_SCHEMA_PATCH, "dbid": dbid, "request": 9, "parts": 1, "part": 1,
-               "ops": [{"op": "remove", "path": ""}]}
-    deleting = run_slice(pipeline, [("schema-patches", dbid, samples.encode(deleted))], K4)
+    emptied = {**samples.SEED_SCHEMA_PATCH, "dbid": dbid, "request": 9, "parts": 1, "part": 1,
+               "ops": [{"op": "replace", "path": "", "value": {}}]}
+    emptying = run_slice(pipeline, [("schema-patches", dbid, samples.encode(emptied))], K4)
     assert [r["status"] for r in rows(pipeline, "schema_updates") if r["slice"] == K4] == [1]
     assert not [r for r in rows(pipeline, "schema_learning") if r["slice"] == K4]
     left = [r for r in rows(pipeline, "learned_schemas") if r["dbid"] == dbid]
     assert {(r["slice"], r["declared"]) for r in left} == {(K4, None)}
     assert all(r["observed"] for r in left)  # a type declared, never learned, is gone with its declaration
-    assert pipeline.materializations(deleting)["learned_schemas"]["observed_this_slice"] == 0
+    assert pipeline.materializations(emptying)["learned_schemas"]["observed_this_slice"] == 0
 
 
 def test_a_small_slice_runs_the_whole_graph_without_a_spark_session_nor_spool_files(make_pipeline, monkeypatch):
