@@ -211,10 +211,12 @@ class DeviceInbox:
             self.last = ended
 
     def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None) -> int:
-        """Remove the named notifications and every one with ``ended <= up_to``; how many went."""
+        """Remove the named notifications and every one with ``ended <= up_to``; how many went.
+        An id is matched in any case: the ids are lowercase UUIDs, which some apps' UUID types
+        give back in capitals (Swift's `uuidString`)."""
         removed = 0
         for notification in notifications or ():
-            if self.pending.pop(notification, None) is not None:
+            if self.pending.pop(notification.lower(), None) is not None:
                 removed += 1
         if up_to is not None:
             covered = [n for n, ended in self.pending.items() if ended <= up_to]

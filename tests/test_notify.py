@@ -230,6 +230,13 @@ def test_inbox_ack_by_id_and_up_to():
     assert inbox.count == 0 and inbox.begun is None
 
 
+def test_an_ack_names_an_id_in_any_case():
+    """Ids are lowercase UUIDs; an app's UUID type may give one back in capitals (Swift's uuidString)."""
+    pending = "0b5f1c9e-6d1a-5c2e-9f3b-7a8d4e2c1b00"
+    inbox = DeviceInbox(DB, "jsmith", "device1", {pending: 100})
+    assert inbox.ack([pending.upper()]) == 1 and inbox.count == 0
+
+
 def test_inbox_ack_from_notification_ack_message():
     inbox = DeviceInbox(DB, "jsmith", "device1")
     for n, t in (("n1", 10), ("n2", 20), ("n3", 30)):
