@@ -76,11 +76,13 @@ def kafka_resource():
 
 def _on_the_embedded_broker(broker: LocalBroker) -> None:
     """`broker start` and `demo` create topics and produce sample traffic on the broker they
-    start: a cluster's bootstrap servers left in the shell would take them."""
-    named = os.environ["ENTITY_ASSETS_KAFKA_BOOTSTRAP"]  # prepare_environment's default: the embedded broker
-    if named != broker.bootstrap:
-        raise UsageError(f"ENTITY_ASSETS_KAFKA_BOOTSTRAP names {named}, not the embedded broker at {broker.bootstrap}: "
-                         "unset it for the embedded broker (a cluster's topics: `entity-assets topics`)")
+    start: a cluster's bootstrap servers left in the shell (ENTITY_ASSETS_KAFKA_BOOTSTRAP, or
+    the client config's `bootstrap.servers`) would take them."""
+    named = kafka_resource().config()["bootstrap.servers"]
+    if named.replace("localhost:", "127.0.0.1:") != broker.bootstrap:
+        raise UsageError(f"the Kafka settings name {named}, not the embedded broker at {broker.bootstrap}: unset "
+                         "ENTITY_ASSETS_KAFKA_BOOTSTRAP (and bootstrap.servers in ENTITY_ASSETS_KAFKA_CLIENT_CONFIG) "
+                         "for the embedded broker (a cluster's topics: `entity-assets topics`)")
 
 
 def cmd_broker(args) -> int:
@@ -765,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"entity-assets {args.command}: Kafka refused: {exc.args[0].name()}: {exc.args[0].str()}",
               file=sys.stderr)
         return 1
+    except BrokenPipeError:  # its output's reader ended (`| head`): nothing more to say, to no one
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:  # a lake on a store it cannot reach, or a home it cannot write
         print(f"entity-assets {args.command}: {_cause(exc)} (the lake: ENTITY_ASSETS_LAKE and its store's settings, "
               "docs/storage.md; the home: ENTITY_ASSETS_HOME)", file=sys.stderr)

@@ -107,20 +107,27 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool], time
 
     A partition that gives none (no leader: an election, a broker down) raises, or with
     `unanswered` is left out and named there, so that one partition of one topic does not hold
-    back every other; no partition answering raises still."""
+    back every other; no partition answering raises still. One the metadata says has no leader
+    is not asked (librdkafka would wait out `timeout` for each), and all the asking shares one
+    `timeout`: a sensor's tick has 60 s."""
     cause, logger = _LastError.logger("entity_assets.kafka_offsets")
     consumer = Consumer({"group.id": "entity-assets-offsets", **consumer_settings(config), "enable.auto.commit": False,
                          "logger": logger})
     try:
         metadata = cluster_metadata(config, timeout, consumer, cause)
+        deadline = time.monotonic() + timeout
         out, failed = {}, []
         for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else topics:
             meta = metadata.topics.get(topic)
             if meta is None or meta.error is not None:
                 continue
-            for p in meta.partitions:
+            for p, partition in meta.partitions.items():
+                left = deadline - time.monotonic()
+                if partition.leader < 0 or left <= 0:  # (a partition error alone, REPLICA_NOT_AVAILABLE, reads)
+                    failed.append(f"{topic} partition {p} ({'no leader' if partition.leader < 0 else 'out of time'})")
+                    continue
                 try:
-                    out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout,
+                    out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=left,
                                                                      cached=False)
                 except KafkaException as exc:
                     failed.append(f"{topic} partition {p} ({exc.args[0].str()})")

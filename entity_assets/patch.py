@@ -234,6 +234,16 @@ class _Growth:
         self.depths: dict[int, tuple] = {}  # id -> (container, its nesting): kept alive, so ids stay its
         self.owned: dict[int, dict | list] = {}  # id -> container: in the document once, the input's nowhere
 
+    def disown(self, value) -> None:
+        """`value` is to be held twice (a copy): neither it nor an owned container in it is changed
+        in place from now on. Owned containers are only in owned ones (`_own` owns a whole spine),
+        so the walk stops at the first that is not: a copy of a scalar or of the input's costs nothing."""
+        stack = [value]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, (dict, list)) and self.owned.pop(id(node), None) is not None:
+                stack.extend(node.values() if isinstance(node, dict) else node)
+
     def changed(self, node) -> None:
         """An owned container changes in place: what was measured of it no longer holds. Its
         ancestors are the edit's spine, each changed too."""
@@ -447,9 +457,7 @@ def _apply_one(doc, op, growth: _Growth):
     value = _get(doc, src)
     growth.moved_within_depth(path, src, value)
     if name == "copy":
-        # the document is to hold `value` twice, and `value` may hold the target's spine (a copy of
-        # "" into the document): nothing is changed in place from here (the next ops copy once more)
-        growth.owned.clear()
+        growth.disown(value)  # it may hold the target's spine too (a copy of "" into the document)
         doc = _add(doc, path, value, growth)
         growth.copied(doc, path, value)
         return doc

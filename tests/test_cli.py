@@ -450,6 +450,19 @@ def test_a_lake_on_a_store_it_cannot_reach_is_a_line_and_status_1(monkeypatch, t
                           "(the lake: ENTITY_ASSETS_LAKE") and err.count("\n") == 1
 
 
+def test_output_to_a_reader_that_ended_is_status_141_and_no_message(monkeypatch, tmp_path, capfd):
+    """`entity-assets changes entities | head`: the pipe's reader is gone, and so is anyone to tell."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+
+    def piped(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_summary", piped)
+    assert cli.main(["summary"]) == 141
+    assert capfd.readouterr().err == ""
+
+
 def test_the_demo_and_broker_start_stay_on_the_embedded_broker_and_the_home_s_lake(monkeypatch, tmp_path, capsys):
     """A cluster's settings left in the shell would take the demo's sample traffic."""
     monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
@@ -457,8 +470,12 @@ def test_the_demo_and_broker_start_stay_on_the_embedded_broker_and_the_home_s_la
     monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "prod-kafka-1:9093")
     for argv in (["broker", "start"], ["demo"]):
         assert cli.main(argv) == 2
-        assert "ENTITY_ASSETS_KAFKA_BOOTSTRAP names prod-kafka-1:9093, not the embedded broker" in capsys.readouterr().err
+        assert "the Kafka settings name prod-kafka-1:9093, not the embedded broker" in capsys.readouterr().err
     monkeypatch.delenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP")
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "bootstrap.servers=prod-kafka-2:9093")
+    assert cli.main(["broker", "start"]) == 2
+    assert "the Kafka settings name prod-kafka-2:9093" in capsys.readouterr().err
+    monkeypatch.delenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG")
     monkeypatch.setenv("ENTITY_ASSETS_LAKE", "s3://prod/lake")
     assert cli.main(["demo"]) == 2
     assert "ENTITY_ASSETS_LAKE names s3://prod/lake" in capsys.readouterr().err
@@ -716,9 +733,9 @@ def test_the_readme_s_demo_command_runs_the_whole_graph_twice_on_one_home(tmp_pa
             with subprocess.Popen(demo, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True) as proc:
                 try:
-                    out, err = proc.communicate(timeout=600)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the script's `entity-assets run` too
+                    out, err = proc.communicate(timeout=240)  # under the test's own limit (pyproject.toml)
+                except BaseException:  # past it, or the test's limit: the script's `entity-assets run` too
+                    os.killpg(proc.pid, signal.SIGKILL)
                     raise
             done = subprocess.CompletedProcess(demo, proc.returncode, out, err)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

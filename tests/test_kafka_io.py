@@ -331,3 +331,27 @@ def test_the_size_check_measures_with_the_codec_the_producer_uses():
     assert kafka_io.compressed_size(text, {"compression.codec": "lz4"}) == kafka_io.compressed_size(
         text, {"compression.type": "lz4"}) != kafka_io.compressed_size(text, {})
     assert kafka_io.producer_settings({"compression.codec": "none"})["compression.type"] == "none"
+
+
+def test_a_partition_the_metadata_gives_no_leader_is_not_asked_for_its_offsets(broker, monkeypatch):
+    """librdkafka would wait out the whole timeout for each: six of them, a sensor's 60 s."""
+    config = {"bootstrap.servers": broker.bootstrap}
+    ensure_topics(config, ["kafka-io-leaderless"], 3)
+    real, asked = kafka_io.cluster_metadata, []
+
+    def leaderless(*args, **kwargs):
+        metadata = real(*args, **kwargs)
+        metadata.topics["kafka-io-leaderless"].partitions[1].leader = -1
+        return metadata
+
+    class Counted(kafka_io.Consumer):
+        def get_watermark_offsets(self, partition, *args, **kwargs):
+            asked.append(partition.partition)
+            return super().get_watermark_offsets(partition, *args, **kwargs)
+
+    monkeypatch.setattr(kafka_io, "cluster_metadata", leaderless)
+    monkeypatch.setattr(kafka_io, "Consumer", Counted)
+    unanswered: list[str] = []
+    marks = kafka_io.watermarks(config, ["kafka-io-leaderless"], unanswered=unanswered)
+    assert sorted(p for _, p in marks) == [0, 2] and sorted(asked) == [0, 2]
+    assert unanswered == ["kafka-io-leaderless partition 1 (no leader)"]
