@@ -28,6 +28,7 @@ Plain module: imported by Spark workers and tested without Kafka, Spark or Dagst
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from dataclasses import dataclass
@@ -55,6 +56,21 @@ _OFFSET_BITS = 40
 _LATE_OFFSET_BITS = 47
 
 
+UNAVAILABLE_VALUE = "__debezium_unavailable_value"
+"""Debezium's default `unavailable.value.placeholder`: the value of a column it did not read."""
+
+
+def read_columns(row: dict, placeholder: str | None) -> dict | None:
+    """`row` without the columns a connector did not read (their value its placeholder: as text,
+    as a binary column's base64, or as an array's one element), or None if it read them all."""
+    if not placeholder:
+        return None
+    unread = (placeholder, base64.b64encode(placeholder.encode()).decode())
+    gone = {name for name, value in row.items()
+            if (value.__class__ is str and value in unread) or (value.__class__ is list and value == [placeholder])}
+    return {name: value for name, value in row.items() if name not in gone} if gone else None
+
+
 @dataclass(frozen=True)
 class Source:
     """How one source system's projections map to entities.
@@ -70,6 +86,9 @@ class Source:
     `schema_projection`: the projection of the topic Qlik Replicate writes its metadata
     messages to (its "schema topic", `<system>.<schema_projection>.ingestion`), which a slice
     reads before its data.
+    `unavailable_value`: Debezium's placeholder of a column it did not read (PostgreSQL's TOASTed
+    values an update did not change, with the default replica identity; Oracle's LOBs): a change
+    holding one sets its other columns one by one, so the entity keeps that column's value.
     """
 
     system: str
@@ -82,6 +101,7 @@ class Source:
     includeBefore: bool = False
     includeAfter: bool = False
     schema_projection: str | None = None
+    unavailable_value: str | None = UNAVAILABLE_VALUE
 
     def __post_init__(self) -> None:
         if self.format != AUTO and self.format not in FORMATS:
@@ -153,6 +173,7 @@ class DebeziumChange(BaseModel):
 
 
 _ROWLESS_DEBEZIUM_OPS = {"t": "truncate", "m": "message"}
+_ROWLESS_GOLDENGATE_OPS = {"T": "truncate"}
 
 
 # --------------------------------------------------------------------------- one record
@@ -204,11 +225,12 @@ def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None, G
         if not isinstance(value, dict):
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "value: a DB2 record is the row (an object) or null")
         return UPSERT, value, None, None
-    if fmt == "debezium" and isinstance(value, dict) and isinstance(value.get("op"), str) and \
-            value["op"] in _ROWLESS_DEBEZIUM_OPS:
-        op = value["op"]
+    field, rowless = ("op_type", _ROWLESS_GOLDENGATE_OPS) if fmt == "goldengate" else ("op", _ROWLESS_DEBEZIUM_OPS)
+    if fmt in ("debezium", "goldengate") and isinstance(value, dict) and isinstance(value.get(field), str) and \
+            value[field] in rowless:
+        op = value[field]
         raise m.InvalidMessage(m.DeadLetterCode.UNSUPPORTED_TYPE,
-                               f"op: '{op}' ({_ROWLESS_DEBEZIUM_OPS[op]}) changes no row of a projection")
+                               f"{field}: '{op}' ({rowless[op]}) changes no row of a projection")
     model = GoldenGateChange if fmt == "goldengate" else DebeziumChange
     parsed = m.parse_value(model, value)
     if fmt == "goldengate":
@@ -340,8 +362,10 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
                                                              "a document's limit")
     collection = table if table and source.collection == "table" else projection
     zone = source.zone or source.system
-    patches = [{"collection": collection, "zone": zone, "entity": entity,
-                "ops": ops(kind, row, merge=source.updates == "merge")}]
+    merge = source.updates == "merge"
+    if kind == UPSERT and (read := read_columns(row, source.unavailable_value)) is not None:
+        row, merge = read, True
+    patches = [{"collection": collection, "zone": zone, "entity": entity, "ops": ops(kind, row, merge=merge)}]
     if left and left != entity:  # the update changed the row's key: its old entity is deleted
         patches.insert(0, {"collection": collection, "zone": zone, "entity": left, "ops": ops(DELETE, None)})
     return (client_id(topic), request_id(partition, offset), source.system, source.dbid or source.system,

@@ -44,6 +44,9 @@ class IngestionSource(Config):
     schema_projection: str | None = Field(
         default=None, description="Qlik Replicate's schema topic, <system>.<schema_projection>.ingestion: a slice reads "
                                   "its metadata messages first, so data that they register decodes at once")
+    unavailable_value: str | None = Field(
+        default=adapters.UNAVAILABLE_VALUE, description="Debezium's placeholder of a column it did not read (a PostgreSQL TOASTed "
+                                               "value an update left, an Oracle LOB): such a column keeps the entity's value")
 
 
 class KafkaResource(Deployed, ConfigurableResource):
