@@ -69,8 +69,8 @@ def type_of(value: Any) -> str:
         return NULL
     if isinstance(value, bool):
         return BOOLEAN
-    if isinstance(value, int):
-        return INTEGER
+    if isinstance(value, int):  # past 64 bits no consumer's long holds it: as a float would be
+        return INTEGER if -_LONG <= value < _LONG else DOUBLE
     if isinstance(value, float):
         return INTEGER if value.is_integer() and -_LONG <= value < _LONG else DOUBLE
     if isinstance(value, str):

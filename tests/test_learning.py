@@ -64,10 +64,11 @@ def test_a_declaration_is_in_the_seeds_style_or_says_where_not(schema, error):
 @pytest.mark.parametrize(
     "value, expected",
     [
-        (True, "BOOLEAN"), (False, "BOOLEAN"), (0, "INTEGER"), (2**70, "INTEGER"), (1.5, "DOUBLE"),
+        (True, "BOOLEAN"), (False, "BOOLEAN"), (0, "INTEGER"), (1.5, "DOUBLE"),
         ("x", "STRING"), ({}, "DOCUMENT"), ([], "ARRAY"), (None, "NULL"),
-        # a whole number sent as a float (JSON has one number type) within a 64-bit integer's range
+        # a whole number, sent as a float or not (JSON has one number type), within a 64-bit integer's range
         (5.0, "INTEGER"), (-0.0, "INTEGER"), (-(2.0**63), "INTEGER"), (2.0**63, "DOUBLE"), (1e300, "DOUBLE"),
+        (2**63 - 1, "INTEGER"), (-(2**63), "INTEGER"), (2**63, "DOUBLE"), (2**70, "DOUBLE"),
     ],
 )
 def test_type_of(value, expected):
