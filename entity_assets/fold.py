@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from itertools import groupby
 from typing import NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -69,6 +70,7 @@ class Outputs:
         self.updates = updates
         self._results: list[dict] = []
         self._batched: dict[str, list[dict]] = {}
+        self._batched_bytes: dict[str, int] = {}
 
     def writer(self, table: str) -> FileWriter:
         w = self.writers.get(table)
@@ -80,17 +82,19 @@ class Outputs:
                                                  whole_keys=self.whole_keys.get(table))
         return w
 
-    def emit(self, table: str, row: dict) -> None:
-        """Rows of a published table are held until `BATCH_ROWS` of them are: one conversion to
-        Arrow then serves the file and the messages, made a batch at a time (`Publisher.send_rows`).
+    def emit(self, table: str, row: dict, size: int = 0) -> None:
+        """Rows of a published table are held until `BATCH_ROWS` of them are, or `RESULT_TEXT_BYTES`
+        of their text (`size`: a row's, where it may be large): one conversion to Arrow then
+        serves the file and the messages, made a batch at a time (`Publisher.send_rows`).
         """
         if self.publisher is not None and self.publisher.publishes(table):
             rows = self._batched.setdefault(table, [])
             rows.append(row)
-            if len(rows) >= BATCH_ROWS:
+            held = self._batched_bytes[table] = self._batched_bytes.get(table, 0) + size
+            if len(rows) >= BATCH_ROWS or held > RESULT_TEXT_BYTES:
                 self._write_batched(table)
             return
-        self.writer(table).append(row)
+        self.writer(table).append(row, size)
 
     def emit_rows(self, table: str, rows: pa.Table, texts: pa.Array | None = None) -> None:
         """`emit` of rows held in Arrow (columns by name); `texts`: their messages, when made already."""
@@ -108,6 +112,7 @@ class Outputs:
             self.publisher.send_rows(table, rows, texts)
 
     def _write_batched(self, table: str) -> None:
+        self._batched_bytes.pop(table, None)
         self.emit_rows(table, pa.Table.from_batches([from_rows(self._batched.pop(table), self.writer(table).struct)]))
 
     def respond(self, result: dict) -> None:
@@ -352,11 +357,16 @@ class BucketStore:
         self.changed = {}  # written: closing again writes nothing
 
     def _write(self, shard: shards.Shard, kept: pa.Table, kept_keys: pa.ChunkedArray, rows: list[tuple[int, dict]]) -> None:
-        if kept.num_rows + len(rows) <= self.file_rows:
+        """The shard's rows as one file, or split into files of at most `file_rows` rows and about
+        `shards.FILE_BYTES` (large documents: fewer rows a file)."""
+        count = kept.num_rows + len(rows)
+        size = kept.nbytes + sum(len(row.get("document") or "") for _, row in rows)
+        limit = min(self.file_rows, max(1, count * shards.FILE_BYTES // max(size, 1)))
+        if count <= limit:
             self.writer.write_table(kept, [row for _, row in rows], tag=shard.tag)
             return
         hashes = [shards.key_hash(k) for k in kept_keys.to_pylist()] + [h for h, _ in rows]
-        for part, positions in shards.split(shard, hashes, self.file_rows):
+        for part, positions in shards.split(shard, hashes, limit):
             old = [i for i in positions if i < kept.num_rows]
             self.writer.write_table(kept.take(pa.array(old, pa.int64())), [rows[i - kept.num_rows][1] for i in positions[len(old):]],
                                     tag=part.tag)
@@ -400,9 +410,35 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[TableFi
         if not parts:
             continue
         # permissive: a state file of an older layout lacks later columns (null, as a Spark read gives)
-        rows = pa.concat_tables(parts, promote_options="permissive").sort_by(sort)
-        for report in body(iter(rows.to_batches(max_chunksize=20_000)), storage_options=storage_options, **kwargs):
+        rows = pa.concat_tables(parts, promote_options="permissive")
+        for report in body(sorted_batches(rows, sort), storage_options=storage_options, **kwargs):
             yield from to_rows(report)
+
+
+SORT_WHOLE_BYTES = 1 << 30
+"""A task's rows up to this many bytes are sorted whole; more, a batch at a time (`sorted_batches`)."""
+
+
+def sorted_batches(rows: pa.Table, sort: list[tuple], size: int = 20_000) -> Iterator[pa.RecordBatch]:
+    """`rows` in `sort` order, `size` rows a batch. Sorted whole, a column of text past the 2 GiB
+    an Arrow array holds (a task's multi-part requests with their documents) would not fit: a
+    large table's batches are each taken from the chunks that hold their rows."""
+    if rows.nbytes < SORT_WHOLE_BYTES:
+        yield from rows.sort_by(sort).to_batches(max_chunksize=size)
+        return
+    order = pc.sort_indices(rows, sort_keys=sort).to_numpy().astype(np.int64)
+    chunks = rows.to_batches()
+    starts = np.cumsum([0] + [c.num_rows for c in chunks])
+    for begin in range(0, len(order), size):
+        wanted = order[begin:begin + size]
+        chunk_of = np.searchsorted(starts, wanted, side="right") - 1
+        pieces, places = [], []
+        for chunk in np.unique(chunk_of):
+            mine = np.flatnonzero(chunk_of == chunk)
+            pieces.append(chunks[chunk].take(pa.array(wanted[mine] - starts[chunk])))
+            places.append(mine)
+        taken = pa.Table.from_batches(pieces).combine_chunks()
+        yield from taken.take(pa.array(np.argsort(np.concatenate(places), kind="stable"))).to_batches()
 
 
 def connection_rows(table: str, file: TableFile, storage_options, buckets: list[int]) -> pa.Table:
@@ -649,7 +685,7 @@ def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: di
     expired = 0
     for kind, row in core.split_complete(core.group_requests(_rows(batches)), slice_key, wait_slices):
         if kind == "complete":
-            out.emit("complete_responses", row)
+            out.emit("complete_responses", row, len(row["responses"]))
             out.count("check:incomplete", int(len(json.loads(row["responses"])) != row["parts"]))
         elif kind == "expired":
             out.count(EXPIRED_REQUEST)
@@ -658,7 +694,7 @@ def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: di
                           f"of {row['parts']}, the first in slice {row['since']}")
             expired += 1
         elif write_state:
-            out.emit("pending_responses", row)
+            out.emit("pending_responses", row, len(row.get("before") or "") + len(row.get("after") or ""))
     yield _arrow(out.report())
 
 
@@ -744,22 +780,33 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     # a row group per device_inboxes bucket: each task of device_notifications reads its own (inbox_events)
     out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"changes_by_device": "bucket"})
     types = SCHEMAS["changes_by_device"]
-    for batch in batches:
-        at, added = [], ([], [], [])
-        changes = zip(*(batch.column(name).to_pylist() for name in notify.RECIPIENT_INPUTS))
-        for i, change in enumerate(changes):
-            for recipient in notify.recipients(index, *change):
-                at.append(i)
-                for values, value in zip(added, recipient):
-                    values.append(value)
-        if not at:
-            continue
-        rows = pa.Table.from_batches([batch]).select(_CHANGE_COLUMNS).take(pa.array(at, pa.int64()))
+
+    def emit(changes: pa.Table, at: list[int], added: tuple[list, list, list]) -> None:
+        rows = changes.take(pa.array(at, pa.int64()))
         for name, values in zip(("device", "user", "notification"), added):
             rows = rows.append_column(name, pa.array(values, types.field(name).type))
         rows = rows.append_column("bucket", pa.array([core.key_bucket(d) for d in added[0]], types.field("bucket").type))
         out.emit_rows("changes_by_device", rows.append_column("slice", pa.repeat(pa.scalar(slice_key), len(at))))
+
+    for batch in batches:
+        changes = pa.Table.from_batches([batch]).select(_CHANGE_COLUMNS)
+        at, added = [], ([], [], [])
+        for i, change in enumerate(zip(*(batch.column(name).to_pylist() for name in notify.RECIPIENT_INPUTS))):
+            for recipient in notify.recipients(index, *change):
+                at.append(i)
+                for values, value in zip(added, recipient):
+                    values.append(value)
+            if len(at) >= FAN_OUT_ROWS:  # a busy zone's many devices: memory bounded whatever the fan-out
+                emit(changes, at, added)
+                at, added = [], ([], [], [])
+        if at:
+            emit(changes, at, added)
     yield _arrow(out.report())
+
+
+FAN_OUT_ROWS = 200_000
+"""Summaries a fan-out task holds before writing them: 20,000 changes in a zone 2,000 devices watch
+are 40 million, about 20 GB as Python lists and Arrow rows."""
 
 
 EXPIRED = "expired_notifications"

@@ -18,6 +18,9 @@ from typing import NamedTuple
 BITS = 32
 FILE_ROWS = 20_000
 """Default row bound of a state file (`LakeResource.state_file_rows`)."""
+FILE_BYTES = 512 << 20
+"""Bytes bound of a state file (its rows' Arrow bytes, and its new documents' text): 20,000
+documents of 110 KB would pass the 2 GiB an Arrow column of text holds."""
 
 
 class Shard(NamedTuple):

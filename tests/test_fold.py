@@ -171,6 +171,30 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
     assert sorted(events.column("device").to_pylist()) == sorted(d for d in devices if core.key_bucket(d) in mine)
 
 
+def test_a_fan_out_writes_its_summaries_as_they_add_up_in_the_order_it_made_them(tmp_path, monkeypatch):
+    """20,000 changes in a zone 2,000 devices watch are 40 million summaries: a task holds at most
+    `FAN_OUT_ROWS` of them (past one change's) before they go to its writer."""
+    devices = [f"device{i}" for i in range(7)]
+    subscriptions = [("db", "subs", f"sub{i}", notify.parse_subscription({"subjectZone": "A", "device": d, "user": "u1"}))
+                     for i, d in enumerate(devices)]
+    changes = [{"slice": "0000000001", "kafka_topic": "entity-updates", "kafka_partition": 0, "kafka_offset": n,
+                "kafka_timestamp": 9, "clientid": "c", "request": n, "part": 1, "dbid": "db", "collection": "Contacts",
+                "zone": "A", "entity": f"e{n}", "status": 1, "action": "updated", "ended": 9, "begun": 8} for n in range(10)]
+    written = []
+    monkeypatch.setattr(fold.Outputs, "emit_rows", lambda self, table, rows, texts=None: written.append(rows))
+
+    def fan_out(rows: int) -> pa.Table:
+        monkeypatch.setattr(fold, "FAN_OUT_ROWS", rows)
+        written.clear()
+        list(fold.fan_out_task(iter([pa.RecordBatch.from_pylist(changes)]), slice_key="0000000001",
+                               uris={"changes_by_device": str(tmp_path)}, storage_options=None, subscriptions=subscriptions))
+        return list(written)
+
+    whole, cut = fan_out(10**6), fan_out(15)
+    assert len(whole) == 1 and [t.num_rows for t in cut] == [21, 21, 21, 7]  # whole changes, 7 devices each
+    assert pa.concat_tables(cut) == whole[0]
+
+
 def test_respond_fills_updates_partial_and_complete_responses(tmp_path, monkeypatch):
     """Status 1 results are updates, every result is a partial response, a single-part
     request's result is its complete response at once (responses: its one text), and a learned
@@ -312,6 +336,53 @@ def test_a_batch_of_results_is_cut_where_its_documents_would_outgrow_a_column_of
     assert pa.concat_arrays([learned for _, learned in cut.results]) == whole.results[0][1]
     assert pa.concat_tables(cut.published) == pa.concat_tables(whole.published)
     assert cut_store.rows == whole_store.rows and len(cut_store.rows) == 2
+
+
+def test_a_large_task_s_rows_are_sorted_a_batch_at_a_time_in_the_order_a_whole_sort_gives(monkeypatch):
+    """Sorted whole, a column of text past 2 GiB (a task's multi-part requests with their documents)
+    would not fit one Arrow array: a large task's batches are taken from the chunks that hold them."""
+    import random
+
+    rng = random.Random(3)
+    schema = pa.schema([("bucket", pa.int32()), ("clientid", pa.string()), ("request", pa.int64()), ("after", pa.string())])
+    parts = [pa.table({"bucket": [rng.randrange(4) for _ in range(n)],
+                       "clientid": [rng.choice(["a", "b", None]) for _ in range(n)],
+                       "request": [rng.randrange(50) for _ in range(n)], "after": [f"doc{i}" for i in range(n)]},
+                      schema=schema)
+             for n in (7, 300, 0, 41, 1000)]
+    rows = pa.concat_tables(parts)
+    sort = [(c, "ascending", "at_start") for c in ("bucket", "clientid", "request")]
+    whole = list(fold.sorted_batches(rows, sort, size=64))
+    monkeypatch.setattr(fold, "SORT_WHOLE_BYTES", 0)
+    cut = list(fold.sorted_batches(rows, sort, size=64))
+    assert max(b.num_rows for b in cut) <= 64 and len(cut) > 5
+    assert pa.Table.from_batches(cut).to_pylist() == pa.Table.from_batches(whole).to_pylist()
+    assert [r["after"] for r in pa.Table.from_batches(cut).to_pylist()] != rows.column("after").to_pylist()
+
+
+def test_complete_responses_are_converted_before_their_text_outgrows_a_column(tmp_path, monkeypatch):
+    """20,000 complete responses of multi-part requests with their documents could pass 2 GiB in
+    one conversion to Arrow: published ones are held up to `RESULT_TEXT_BYTES` of their text."""
+    converted = []
+    real = fold.from_rows
+    monkeypatch.setattr(fold, "from_rows", lambda rows, struct: converted.append(len(rows)) or real(rows, struct))
+    monkeypatch.setattr(fold, "RESULT_TEXT_BYTES", 1000)
+
+    class Publisher:
+        def publishes(self, table):
+            return True
+
+        def send_rows(self, table, rows, texts=None):
+            pass
+
+    out = fold.Outputs("0000000001", {"complete_responses": str(tmp_path)}, None)
+    out.publisher = Publisher()
+    row = {"slice": "0000000001", "clientid": "c", "request": 1, "user": "u", "dbid": "db", "parts": 2,
+           "begun": 1, "ended": 2, "responses": "x" * 300}
+    for request in range(10):
+        out.emit("complete_responses", {**row, "request": request}, len(row["responses"]))
+    out.flush_held()
+    assert converted == [4, 4, 2]
 
 
 def test_the_schema_fold_applies_each_database_s_patches_to_its_own_schema_within_a_bucket(tmp_path):

@@ -322,6 +322,23 @@ def test_a_bucket_outgrowing_its_file_bound_splits_and_a_later_change_rewrites_o
     assert [r["version"] for r in rows if r["entity"] == "e7"] == [2]
 
 
+def test_a_shard_of_large_documents_splits_by_its_bytes_too(tmp_path, monkeypatch):
+    """20,000 documents of 110 KB, under the row bound, would pass the 2 GiB an Arrow column of
+    text holds: a state file also holds about `shards.FILE_BYTES` at most."""
+    key = ("dbid", "collection", "zone", "entity")
+    monkeypatch.setattr(shards, "FILE_BYTES", 50_000)
+    writer = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], KEY, stats_columns=("slice", "bucket"))
+    store = BucketStore(writer, key, {}, enabled=True)
+    rows = [{**entity_row(i), "document": json.dumps({"text": "x" * 1000, "n": i})} for i in range(200)]
+    store.switch(0, pa.array([key_string(("db", "C", "z", r["entity"])) for r in rows]))
+    for r in rows:
+        store.put(("db", "C", "z", r["entity"]), r)
+    store.close()
+    files = writer.close()
+    assert len(files) >= 4 and sum(f.rows for f in files) == 200 and max(f.rows for f in files) < 100
+    assert shards.overlapping(shards.of_file(f.path) for f in files) == 0
+
+
 def test_state_files_keep_a_row_group_per_collection_so_one_collection_reads_alone(tmp_path):
     writer = FileWriter("entities", str(tmp_path), SCHEMAS["entities"], KEY, stats_columns=("slice", "bucket"),
                         row_groups_by="collection")
