@@ -7,6 +7,7 @@ from dagster import AssetSelection, Config, Failure, MetadataValue, Nothing, OpE
     define_asset_job, job, op
 from pydantic import Field
 
+from entity_assets.assets.common import md_cell
 from entity_assets.history import Diverged, as_of, entity_history
 from entity_assets.trace import format_trail, parse_record, trace
 from resources import KafkaResource, LakeResource
@@ -59,10 +60,10 @@ def trace_job():
 
 
 class HistoryConfig(Config):
-    dbid: str
-    collection: str
-    zone: str
-    entity: str
+    dbid: str = Field(description="the entity's database (its dbid)")
+    collection: str = Field(description="the entity's collection")
+    zone: str = Field(description="the entity's zone (a CDC entity's: its source's zone, else its system)")
+    entity: str = Field(description="the entity's id")
     slice: int | None = Field(default=None, description="the version current after this slice (its number); with "
                                                         "neither this nor `at`, the latest")
     at: int | None = Field(default=None, description="the version current at this time (epoch milliseconds, as "
@@ -92,7 +93,7 @@ def entity_versions(context: OpExecutionContext, config: HistoryConfig, lake: La
     if found is None:
         raise Failure(f"{key} did not exist as of {when}: {len(versions)} version(s) in entity_updates")
     lines = [f"| v{v['version']} | {v['slice']} | {v['valid_from']} | {v['valid_to'] or ''} | {v['action']} | "
-             f"{v['clientid']}/{v['request']}/{v['part']} |" for v in versions[-SHOWN_VERSIONS:]]
+             f"{md_cell(str(v['clientid']))}/{v['request']}/{v['part']} |" for v in versions[-SHOWN_VERSIONS:]]
     context.log.info(f"{key}: {len(versions)} version(s); as of {when}, version {found['version']}")
     metadata = {"versions": len(versions), "as_of": when, "version": found["version"], "deleted": found["deleted"],
                 "history": MetadataValue.md("| version | slice | valid from | valid to | action | request |\n"

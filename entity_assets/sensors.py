@@ -87,6 +87,9 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     marks = kafka.input_watermarks(unanswered=unanswered)
     if unanswered:  # their positions stay (`ends` below): they go on at a later tick
         context.log.warning(f"no offsets from {'; '.join(unanswered)}: this slice leaves those partitions out")
+    unread = "" if marks or unanswered else no_input_topic(kafka)
+    if unread:  # a mistyped prefix or another cluster would look idle
+        context.log.warning(unread)
     firsts = {tp: low for tp, (low, _) in marks.items()}
     ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
     positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds
@@ -127,7 +130,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
-                                                    + (f"; {went_back}" if went_back else "")), cursor=cursor,
+                                                    + "".join(f"; {said}" for said in (went_back, unread) if said)),
+                            cursor=cursor,
                             asset_events=observations)
     context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
     if warning := pool_warning(context.instance):
@@ -141,6 +145,16 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         cursor=cursor,
         asset_events=observations,
     )
+
+
+def no_input_topic(kafka: KafkaResource) -> str:
+    """What the sensor says of a cluster without one input topic under the prefix."""
+    from entity_assets.ingest import INPUT_STREAMS
+
+    return (f"Kafka at {kafka.config()['bootstrap.servers']} has no input topic: none of "
+            f"{', '.join(kafka.topic(s) for s in INPUT_STREAMS)}, nor an ingestion topic under the prefix "
+            f"{kafka.topic_prefix!r}. Is the prefix (ENTITY_ASSETS_TOPIC_PREFIX) or the cluster another? "
+            "`entity-assets topics` creates the input topics")
 
 
 LAG_EVERY = 5 * 60 * 1000
@@ -235,11 +249,17 @@ def pool_warning(instance: DagsterInstance) -> str | None:
                 f"dagster.yaml and limit the pool {LAKE_POOL} to 1 (docs/operations.md)")
     storage = instance.event_log_storage
     limit = storage.get_concurrency_info(LAKE_POOL).limit if storage.supports_global_concurrency_limits else None
-    if limit == 1:
-        return None
-    return (f"this instance's pool {LAKE_POOL} " + (f"is limited to {limit} runs" if limit else "has no limit")
-            + f": slices' runs may start together and fail with OutOfOrder. Limit it to 1: "
-              f"`dagster instance concurrency set {LAKE_POOL} 1` (docs/operations.md)")
+    if limit != 1:
+        return (f"this instance's pool {LAKE_POOL} " + (f"is limited to {limit} runs" if limit else "has no limit")
+                + f": slices' runs may start together and fail with OutOfOrder. Limit it to 1: "
+                  f"`dagster instance concurrency set {LAKE_POOL} 1` (docs/operations.md)")
+    # the queue starts runs in the order they were created, which submit workers make concurrent
+    workers = [part for part in ("sensors", "backfills") if instance.get_settings(part).get("num_submit_workers")]
+    if workers:
+        return (f"this instance's {' and '.join(workers)} set num_submit_workers: a tick's or a backfill's slices' "
+                "runs are created, so queued and started, out of slice order, and the later ones fail with "
+                "OutOfOrder until the earlier are done. Leave it unset (docs/operations.md)")
+    return None
 
 
 STOPPED = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
@@ -284,8 +304,11 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
         elif seq > cursor_seq:  # below the cursor, requested already
             out[seq] = run_key(slice_key(seq), closed[seq])
         elif status in STOPPED and seq not in healed:
-            context.log.warning(f"slice {slice_key(seq)}: its last run {status.value.lower()} and the lake lacks its "
-                                "state; the slices after it wait for it: re-run it (the UI, or entity-assets run)")
+            ended = "failed" if status == DagsterRunStatus.FAILURE else "was cancelled"
+            context.log.warning(f"slice {slice_key(seq)}: its last run {ended} and the lake lacks its state; the "
+                                "slices after it wait for it: re-run it from the UI (its failed steps, or the whole "
+                                "run), or turn this sensor off and run `entity-assets run --slices "
+                                f"{seq}` (it refuses beside a running sensor)")
     return out
 
 

@@ -13,7 +13,7 @@ class Deployed:
     broker, or `lake_maintenance` given a state-file size alone vacuum at a 7-day retention."""
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
-        if context.dagster_run is None:  # a sensor's tick: `entity-assets run` ticks with its own slicing
+        if context.run is None:  # a sensor's tick: `entity-assets run` ticks with its own slicing
             return
         from entity_assets.definitions import drifted
         from resources import SettingError

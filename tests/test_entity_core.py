@@ -912,6 +912,6 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
 
 
 def test_the_updates_preview_keeps_client_text_in_its_cell():
-    from entity_assets.assets.entities import _cell
+    from entity_assets.assets.common import md_cell
 
-    assert _cell('{"a": "x|y"}\nz\\') == '{"a": "x\\|y"} z\\\\'
+    assert md_cell('{"a": "x|y"}\nz\\') == '{"a": "x\\|y"} z\\\\'

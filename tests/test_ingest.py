@@ -1001,6 +1001,23 @@ def test_a_run_without_a_manifest_fails_clearly(pipeline):
     assert "slice 0000000009 has no manifest" in pipeline.failure_text(failure)
 
 
+def test_a_tick_on_a_cluster_without_an_input_topic_says_so(broker, tmp_path):
+    """A mistyped prefix (`acme.prod` without its dot) or another cluster: not an idle pipeline."""
+    from dagster import DagsterInstance
+
+    from entity_assets.definitions import defs
+    from resources import KafkaResource, LakeResource, SlicingResource
+
+    sensor = defs.resolve_sensor_def("kafka_offsets_sensor")
+    resources = {"kafka": KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="no-such-prefix."),
+                 "lake": LakeResource(root=str(tmp_path)), "slicing": SlicingResource()}
+    with build_sensor_context(instance=DagsterInstance.ephemeral(), resources=resources) as context:
+        result = sensor(context)
+    said = result.skip_reason.skip_message
+    assert said.startswith("no slice closed (0 messages pending); Kafka at ") and "has no input topic" in said
+    assert "no-such-prefix.entity-batches" in said
+
+
 def test_a_tick_without_an_answer_from_kafka_fails_naming_the_servers_it_asked(tmp_path, capfd):
     """librdkafka's "Failed to get metadata" names no server: the tick's error must, with the
     cause librdkafka logged, which it would otherwise print ten times a second."""

@@ -291,7 +291,7 @@ def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
     assert newest_whole(instance, {1: closed + 3_600_000 * 24}) == {}  # created before the slice closed
 
 
-def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(project_instance):
+def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(project_instance, monkeypatch):
     """The project's dagster.yaml counts the lake pool per run, one run at a time; an instance left
     at Dagster's default (per op) would let two slices' steps interleave, and a limit above 1 (or
     none) would start their runs together."""
@@ -305,6 +305,11 @@ def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(
         assert "count per op, not per run" in pool_warning(instance)
     project_instance.event_log_storage.set_concurrency_slots(LAKE_POOL, 2)  # a shared instance's own limit
     assert f"pool {LAKE_POOL} is limited to 2 runs" in pool_warning(project_instance)
+    project_instance.event_log_storage.set_concurrency_slots(LAKE_POOL, 1)
+    settings = type(project_instance).get_settings
+    monkeypatch.setattr(type(project_instance), "get_settings",
+                        lambda self, key: {"num_submit_workers": 4} if key == "sensors" else settings(self, key))
+    assert "sensors set num_submit_workers" in pool_warning(project_instance)
 
 
 class _Kafka:

@@ -172,6 +172,11 @@ def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]
     return dict(zip(commits, engine.each(lambda table: commits[table](), commits)))
 
 
+def md_cell(text: str) -> str:
+    """A markdown table cell of client text: a `|` or a line break would end the cell or the row."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
     """`rows` as `entity-assets run` prints it; in the UI, the table's rows (from the Delta log),
     and a stream's rows of the slice (Dagster's partition row count)."""

@@ -24,6 +24,7 @@ from entity_assets.assets.common import (
     delivery_check_spec,
     ensure_tables,
     fold_buckets_later,
+    md_cell,
     merge_files,
     observe_topics,
     one_row_per_key,
@@ -276,10 +277,5 @@ def _preview(engine, key: str, n: int = 5) -> str:
     files = sorted(engine.slice_files("entity_updates", [key]), key=lambda f: f.rows)
     rows = next(read_batches(files[0], engine.storage_options, batch_size=n, columns=cols)).to_pylist() if files else []
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join("–" if r[c] is None else _cell(str(r[c])[:60]) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join("–" if r[c] is None else md_cell(str(r[c])[:60]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def _cell(text: str) -> str:
-    """A table cell of client text: a `|` or a line break would end the cell or the row."""
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
