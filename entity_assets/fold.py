@@ -417,6 +417,8 @@ def over_buckets(tasks: Iterator[dict], *, body, sources: dict[str, list[TableFi
 
 SORT_WHOLE_BYTES = 1 << 30
 """A task's rows up to this many bytes are sorted whole; more, a batch at a time (`sorted_batches`)."""
+SORTED_BATCH_BYTES = 256 << 20
+"""A batch's text at most, past `SORT_WHOLE_BYTES`: 20,000 rows of 110 KB would pass 2 GiB."""
 
 
 def sorted_batches(rows: pa.Table, sort: list[tuple], size: int = 20_000) -> Iterator[pa.RecordBatch]:
@@ -429,8 +431,15 @@ def sorted_batches(rows: pa.Table, sort: list[tuple], size: int = 20_000) -> Ite
     order = pc.sort_indices(rows, sort_keys=sort).to_numpy().astype(np.int64)
     chunks = rows.to_batches()
     starts = np.cumsum([0] + [c.num_rows for c in chunks])
-    for begin in range(0, len(order), size):
-        wanted = order[begin:begin + size]
+    texts = [c for c in rows.columns if pa.types.is_string(c.type) or pa.types.is_binary(c.type)]
+    row_bytes = sum((pc.binary_length(c).fill_null(0).to_numpy().astype(np.int64) for c in texts),
+                    np.full(rows.num_rows, 64, np.int64))[order]  # a row's text, and its other columns roughly
+    ends = np.cumsum(row_bytes)
+    begin = 0
+    while begin < len(order):  # batches of `size` rows at most, and of SORTED_BATCH_BYTES but for one row
+        before = ends[begin - 1] if begin else 0
+        end = min(begin + size, max(begin + 1, int(np.searchsorted(ends, before + SORTED_BATCH_BYTES, side="right"))))
+        wanted, begin = order[begin:end], end
         chunk_of = np.searchsorted(starts, wanted, side="right") - 1
         pieces, places = [], []
         for chunk in np.unique(chunk_of):
@@ -694,7 +703,7 @@ def complete_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: di
                           f"of {row['parts']}, the first in slice {row['since']}")
             expired += 1
         elif write_state:
-            out.emit("pending_responses", row, len(row.get("before") or "") + len(row.get("after") or ""))
+            out.emit("pending_responses", row, sum(len(row.get(c) or "") for c in ("ops", "before", "after")))
     yield _arrow(out.report())
 
 

@@ -357,6 +357,11 @@ def test_a_large_task_s_rows_are_sorted_a_batch_at_a_time_in_the_order_a_whole_s
     cut = list(fold.sorted_batches(rows, sort, size=64))
     assert max(b.num_rows for b in cut) <= 64 and len(cut) > 5
     assert pa.Table.from_batches(cut).to_pylist() == pa.Table.from_batches(whole).to_pylist()
+    # and by bytes: 20,000 rows of 110 KB would pass 2 GiB in one batch
+    monkeypatch.setattr(fold, "SORTED_BATCH_BYTES", 700)
+    small = list(fold.sorted_batches(rows, sort, size=64))
+    assert max(b.num_rows for b in small) <= 700 // 64 and len(small) > len(cut)
+    assert pa.Table.from_batches(small).to_pylist() == pa.Table.from_batches(whole).to_pylist()
     assert [r["after"] for r in pa.Table.from_batches(cut).to_pylist()] != rows.column("after").to_pylist()
 
 

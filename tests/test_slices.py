@@ -309,6 +309,9 @@ def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(
     settings = type(project_instance).get_settings
     monkeypatch.setattr(type(project_instance), "get_settings",
                         lambda self, key: {"num_submit_workers": 4} if key == "sensors" else settings(self, key))
+    assert pool_warning(project_instance) is None  # the sensor daemon's workers run only with its threads
+    monkeypatch.setattr(type(project_instance), "get_settings", lambda self, key: (
+        {"num_submit_workers": 4, "use_threads": True} if key == "sensors" else settings(self, key)))
     assert "sensors set num_submit_workers" in pool_warning(project_instance)
 
 
