@@ -818,6 +818,9 @@ FAN_OUT_ROWS = 200_000
 are 40 million, about 20 GB as Python lists and Arrow rows."""
 
 
+UNMATCHED = "unmatched_ack_ids"
+"""inbox_task's counter of the ids acks named that were not pending: acknowledged before (an ack
+delivered again), expired, or never sent to that device (an app's bug)."""
 EXPIRED = "expired_notifications"
 """inbox_task's counter of notifications that inboxes past notify.MAX_PENDING let go."""
 
@@ -850,7 +853,10 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                     dirty = True
                 else:
                     ids = json.loads(row["notifications"]) if row["notifications"] else None
-                    dirty = inbox.ack(ids, row["upTo"]) > 0 or dirty
+                    removed, missed = inbox.ack(ids, row["upTo"])
+                    dirty = removed > 0 or dirty
+                    if missed:
+                        out.count(UNMATCHED, missed)
             expired = inbox.expire(notify.MAX_PENDING)
             if expired:
                 out.count(EXPIRED, expired)

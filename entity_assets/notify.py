@@ -210,20 +210,23 @@ class DeviceInbox:
         if self.last is None or ended > self.last:
             self.last = ended
 
-    def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None) -> int:
-        """Remove the named notifications and every one with ``ended <= up_to``; how many went.
-        An id is matched in any case: the ids are lowercase UUIDs, which some apps' UUID types
-        give back in capitals (Swift's `uuidString`)."""
-        removed = 0
+    def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None) -> tuple[int, int]:
+        """Remove the named notifications and every one with ``ended <= up_to``: how many went, and
+        how many of the named were not pending (acknowledged before, expired, or never sent). An
+        id is matched in any case: the ids are lowercase UUIDs, which some apps' UUID types give
+        back in capitals (Swift's `uuidString`)."""
+        removed = missed = 0
         for notification in notifications or ():
             if self.pending.pop(notification.lower(), None) is not None:
                 removed += 1
+            else:
+                missed += 1
         if up_to is not None:
             covered = [n for n, ended in self.pending.items() if ended <= up_to]
             for notification in covered:
                 del self.pending[notification]
             removed += len(covered)
-        return removed
+        return removed, missed
 
     def expire(self, limit: int) -> int:
         """Keeps the `limit` newest notifications (by ``ended``, then id); how many expired.

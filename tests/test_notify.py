@@ -221,12 +221,12 @@ def test_inbox_add_count_begun_ended():
 
 def test_inbox_ack_by_id_and_up_to():
     inbox = DeviceInbox(DB, "jsmith", "device1", {"n1": 100, "n2": 200, "n3": 300, "n4": 400})
-    assert inbox.ack(["n2", "unknown"]) == 1
+    assert inbox.ack(["n2", "unknown"]) == (1, 1)  # one removed, one named that was not pending
     assert (inbox.count, inbox.begun, inbox.ended) == (3, 100, 400)
-    assert inbox.ack(["n2"]) == 0  # already acknowledged
-    assert inbox.ack(up_to=300) == 2  # n1, n3 (ended <= upTo)
+    assert inbox.ack(["n2"]) == (0, 1)  # already acknowledged
+    assert inbox.ack(up_to=300) == (2, 0)  # n1, n3 (ended <= upTo)
     assert (inbox.count, inbox.begun, inbox.ended) == (1, 400, 400)
-    assert inbox.ack(["n4"], up_to=50) == 1
+    assert inbox.ack(["n4"], up_to=50) == (1, 0)
     assert inbox.count == 0 and inbox.begun is None
 
 
@@ -234,7 +234,7 @@ def test_an_ack_names_an_id_in_any_case():
     """Ids are lowercase UUIDs; an app's UUID type may give one back in capitals (Swift's uuidString)."""
     pending = "0b5f1c9e-6d1a-5c2e-9f3b-7a8d4e2c1b00"
     inbox = DeviceInbox(DB, "jsmith", "device1", {pending: 100})
-    assert inbox.ack([pending.upper()]) == 1 and inbox.count == 0
+    assert inbox.ack([pending.upper()]) == (1, 0) and inbox.count == 0
 
 
 def test_inbox_ack_from_notification_ack_message():
@@ -244,7 +244,7 @@ def test_inbox_ack_from_notification_ack_message():
     ack = NotificationAck.model_validate(
         {"db": DB, "user": "jsmith", "device": "device1", "notifications": ["n3"], "upTo": 10, "begun": 1}
     )
-    assert inbox.ack(ack.notifications, ack.upTo) == 2
+    assert inbox.ack(ack.notifications, ack.upTo)[0] == 2
     assert list(inbox.pending) == ["n2"]
 
 

@@ -472,7 +472,7 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
     # ---- slice 3: ENTITY_B is updated (device3, subscribed in slice 2, hears of it); acks by id and upTo
     r3 = run_slice(pipeline, [
         batch(7, FUTURE + 10, [contact(ENTITY_B, "B", [{"op": "replace", "path": "firstName", "value": "Cy"}])]),
-        ack("device2", notifications=[ids[("device2", "created")]]),
+        ack("device2", notifications=[ids[("device2", "created")], "never-sent"]),  # an app's bug: counted
         ack("device1", upTo=FUTURE + 1),  # covers its created notification only
         ack("device4", upTo=samples.ACK_ALL),  # a device with no notifications: nothing changes
     ], K3)
@@ -489,6 +489,7 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
                                  "device2": ("bob", 2, FUTURE + 2, FUTURE + 3),
                                  "device3": ("carol", 1, FUTURE + 10, FUTURE + 10)}
     assert pipeline.materializations(r3)["device_notifications"]["acks"] == 3
+    assert pipeline.materializations(r3)["device_notifications"]["unmatched_ack_ids"] == 1
     # an ack's trace ends at its device's inbox as it is now (a device with none: no inbox)
     acks = {r["device"]: r for r in rows(pipeline, "notification_acks", K3)}
     trail = trace.trace(pipeline.engine, *(acks["device2"][c] for c in ("kafka_topic", "kafka_partition", "kafka_offset")))
