@@ -255,9 +255,9 @@ def pool_warning(instance: DagsterInstance) -> str | None:
                   f"`dagster instance concurrency set {LAKE_POOL} 1` (docs/operations.md)")
     # the queue starts runs in the order they were created, which submit workers make concurrent
     # (the sensor daemon's workers only with its `use_threads`, which is off unless set; the backfill daemon's is on)
+    settings = {part: instance.get_settings(part) for part in ("sensors", "backfills")}
     workers = [part for part, threads in (("sensors", False), ("backfills", True))
-               if instance.get_settings(part).get("num_submit_workers")
-               and instance.get_settings(part).get("use_threads", threads)]
+               if settings[part].get("num_submit_workers") and settings[part].get("use_threads", threads)]
     if workers:
         return (f"this instance's {' and '.join(workers)} set num_submit_workers: a tick's or a backfill's slices' "
                 "runs are created, so queued and started, out of slice order, and the later ones fail with "
