@@ -4,7 +4,8 @@ A source database's CDC connector writes one topic per projection (a table), nam
 `<tenant>.<environment>.<source-system>.<projection>.ingestion`. A record's key is the row's
 primary key and its value the change, in one of four formats: IBM InfoSphere Data Replication
 for DB2 (the whole row, or null for a delete), Oracle GoldenGate (`op_type` I/U/D with `before`
-and `after`), Debezium (`op` c/r/u/d with `before`, `after` and `source`), or Qlik Replicate's
+and `after`), Debezium (`op` c/r/u/d with `before`, `after` and `source`; its MongoDB connector's
+documents are MongoDB Extended JSON text), or Qlik Replicate's
 Avro envelope (`qlik`: data messages decoded with the schemas its metadata messages register;
 the primary key comes from the metadata).
 
@@ -32,8 +33,9 @@ import base64
 import re
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import from_json
@@ -166,10 +168,17 @@ class DebeziumChange(BaseModel):
 
     model_config = _STRICT
     op: Literal["c", "r", "u", "d"]
-    before: m.Document | None = None
-    after: m.Document | None = None
+    before: m.Document | str | None = None
+    after: m.Document | str | None = None
+    """The row; the MongoDB connector's is the document as Extended JSON text."""
     source: m.Document | None = None
-    """Where the change comes from; its `table` is the collection with `collection="table"`."""
+    """Where the change comes from; its `table` (MongoDB's `collection`) is the collection with
+    `collection="table"`, its `connector` tells MongoDB's records."""
+
+    @property
+    def mongodb(self) -> bool:
+        return isinstance(self.after, str) or isinstance(self.before, str) or (
+            self.source is not None and self.source.get("connector") == "mongodb")
 
 
 _ROWLESS_DEBEZIUM_OPS = {"t": "truncate", "m": "message"}
@@ -211,39 +220,165 @@ def detect(value: Any) -> str:
     return "db2"
 
 
-def change(fmt: str, raw: bytes | None) -> tuple[str, dict | None, str | None, GoldenGateChange | None]:
-    """(UPSERT, the row after, its table) or (DELETE, None, its table) of one record value, the
-    table None where the format or the record does not name it, and a GoldenGate update (whose
-    `before` may hold another key); InvalidMessage if it is bad."""
+class Change(NamedTuple):
+    kind: str
+    """UPSERT or DELETE."""
+    row: dict | None
+    """The row after an upsert."""
+    table: str | None
+    """The table the record names, None where the format or the record does not name it."""
+    update: GoldenGateChange | None = None
+    """A GoldenGate update with a before image, which may hold another key."""
+    mongodb: bool = False
+    """A record of Debezium's MongoDB connector, whose key holds the `_id` as Extended JSON."""
+
+
+def change(fmt: str, raw: bytes | None) -> Change:
+    """The change one record value makes; InvalidMessage if it is bad."""
     if not raw:
-        return DELETE, None, None, None  # a tombstone: its key is gone
+        return Change(DELETE, None, None)  # a tombstone: its key is gone
     value = _json(raw, "value")
     if value is None:
-        return DELETE, None, None, None
+        return Change(DELETE, None, None)
     fmt = detect(value) if fmt == AUTO else fmt
     if fmt == "db2":
         if not isinstance(value, dict):
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "value: a DB2 record is the row (an object) or null")
-        return UPSERT, value, None, None
+        return Change(UPSERT, value, None)
     field, rowless = ("op_type", _ROWLESS_GOLDENGATE_OPS) if fmt == "goldengate" else ("op", _ROWLESS_DEBEZIUM_OPS)
     if fmt in ("debezium", "goldengate") and isinstance(value, dict) and isinstance(value.get(field), str) and \
             value[field] in rowless:
         op = value[field]
         raise m.InvalidMessage(m.DeadLetterCode.UNSUPPORTED_TYPE,
                                f"{field}: '{op}' ({rowless[op]}) changes no row of a projection")
-    model = GoldenGateChange if fmt == "goldengate" else DebeziumChange
-    parsed = m.parse_value(model, value)
     if fmt == "goldengate":
-        op, table = parsed.op_type, parsed.table and parsed.table.rsplit(".", 1)[-1]
-    else:
-        op, table = parsed.op, parsed.source and parsed.source.get("table")
+        gg = m.parse_value(GoldenGateChange, value)
+        table = gg.table and gg.table.rsplit(".", 1)[-1]
+        return _change(gg.op_type, gg.after, table, "op_type", update=gg if gg.op_type == "U" and gg.before else None)
+    dbz = m.parse_value(DebeziumChange, value)
+    table = dbz.source and (dbz.source.get("table") or dbz.source.get("collection"))
+    if not dbz.mongodb:
+        return _change(dbz.op, dbz.after, table, "op")
+    if dbz.op == "u" and dbz.after is None:
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "after: a MongoDB update without its document (the "
+                               "connector's capture.mode is not change_streams_update_full, or the document was "
+                               "deleted before the connector read it)")
+    return _change(dbz.op, mongo_document(dbz.after), table, "op", mongodb=True)
+
+
+def _change(op: str, after: dict | None, table, field: str, **more) -> Change:
     table = table if isinstance(table, str) and table else None
     if op in ("D", "d"):
-        return DELETE, None, table, None
-    if parsed.after is None:
-        field = "op_type" if fmt == "goldengate" else "op"
+        return Change(DELETE, None, table, **more)
+    if after is None:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"after: field required for {field} '{op}'")
-    return UPSERT, parsed.after, table, parsed if op == "U" and parsed.before else None
+    return Change(UPSERT, after, table, **more)
+
+
+# --------------------------------------------------------------------------- MongoDB
+
+def mongo_document(text: str | dict | None) -> dict | None:
+    """A MongoDB connector's document (Extended JSON text, relaxed or canonical) as the plain JSON
+    an entity holds (`plain`)."""
+    if text is None:
+        return None
+    try:
+        doc = plain(from_json(text, allow_inf_nan=False) if isinstance(text, str) else text)
+    except ValueError as exc:
+        raise m.malformed_json(f"after: {exc}") from None
+    if not isinstance(doc, dict):
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "after: a MongoDB document is an object")
+    return doc
+
+
+def mongo_id(raw: bytes) -> str:
+    """The entity id of a MongoDB connector's key, `{"id": <the _id as Extended JSON text>}`: the
+    `_id`'s plain value as `entity_id` takes a key's (an ObjectId its hex, a number its JSON in
+    either form, a string its text, a document its JSON), so that an id reads as the database shows it."""
+    key = _json(raw, "key")
+    text = key.get("id") if isinstance(key, dict) and len(key) == 1 else None
+    if not isinstance(text, str):
+        return entity_id(raw)[0]
+    try:
+        value = plain(from_json(text, allow_inf_nan=False))
+    except ValueError:
+        return _plain_key(text.encode())  # an _id written bare (older connectors' strings)
+    if isinstance(value, dict | list):
+        return m.value_json(value)
+    if not m.names_a_key(value):
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"key.id: {text[:80]!r} names no _id")
+    return key_text(value)
+
+
+def plain(value: Any) -> Any:
+    """MongoDB Extended JSON's typed values as plain JSON: an ObjectId, a decimal, a symbol its
+    text; a number (`$numberInt`, `$numberLong`, `$numberDouble`) the number (NaN and infinities,
+    which JSON has not, their text); a date ISO 8601 text in UTC to the millisecond (its
+    milliseconds past the years 1-9999); binary data its base64 (a UUID, subtype 4, its text);
+    `undefined` null. Other types (timestamps, regular expressions, keys) stay as written."""
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) in (1, 2):
+        typed = _typed(value)
+        if typed is not _UNTYPED:
+            return typed
+    return {k: plain(v) for k, v in value.items()}
+
+
+_UNTYPED = object()
+_NUMBERS = {"$numberInt": int, "$numberLong": int, "$numberDouble": float}
+
+
+def _typed(value: dict) -> Any:
+    [(name, inner), *rest] = value.items()
+    if not rest:
+        if name in ("$oid", "$numberDecimal", "$symbol", "$uuid") and isinstance(inner, str):
+            return inner
+        if name in _NUMBERS and isinstance(inner, str):
+            try:
+                number = _NUMBERS[name](inner)
+            except ValueError:
+                return _UNTYPED
+            return number if number == number and number not in (float("inf"), float("-inf")) else inner
+        if name == "$date":
+            return _date(inner)
+        if name == "$undefined" and inner is True:
+            return None
+        if name == "$binary" and isinstance(inner, dict) and set(inner) == {"base64", "subType"}:
+            return _binary(inner["base64"], inner["subType"])
+    elif name == "$binary" and rest[0][0] == "$type":  # the legacy form
+        return _binary(inner, rest[0][1])
+    return _UNTYPED
+
+
+def _date(inner) -> Any:
+    if isinstance(inner, dict):
+        inner = _typed(inner) if len(inner) == 1 else _UNTYPED
+    if isinstance(inner, str):  # relaxed: ISO 8601 text
+        try:
+            at = datetime.fromisoformat(inner)
+        except ValueError:
+            return inner
+        inner = round((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
+    if not isinstance(inner, int) or isinstance(inner, bool):
+        return _UNTYPED
+    try:
+        return datetime.fromtimestamp(inner / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):
+        return inner
+
+
+def _binary(data, subtype) -> Any:
+    if not isinstance(data, str) or not isinstance(subtype, str):
+        return _UNTYPED
+    if subtype in ("04", "4"):
+        try:
+            return str(uuid.UUID(bytes=base64.b64decode(data, validate=True)))
+        except ValueError:
+            return data
+    return data
 
 
 def key_before(update: GoldenGateChange, key_columns: list[str] | None) -> str | None:
@@ -355,7 +490,8 @@ def batch_values(source: Source, projection: str, topic: str, partition: int, of
         left = moved and joined_key([key_text(v) for v in moved])
     else:
         entity, key_columns = entity_id(key)
-        kind, row, table, update = change(source.format, value)
+        kind, row, table, update, mongodb = change(source.format, value)
+        entity = mongo_id(key) if mongodb else entity
         left = update and key_before(update, key_columns)
     if nesting(row, MAX_DEPTH) > MAX_DEPTH:  # every patch of it would fail; past ~196, explode could not read it
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"the row nests deeper than {MAX_DEPTH} levels, "

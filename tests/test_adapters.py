@@ -93,6 +93,88 @@ def test_debezium_seed_examples(fmt):
     assert patch_of(batch(source, enc(DB2_KEY), None))["ops"] == [{"op": "remove", "path": ""}]  # tombstone
 
 
+OID = "65bc9fb6c485f419a7a877fe"
+MONGO_KEY = enc({"schema": {"type": "struct"}, "payload": {"id": enc({"$oid": OID}).decode()}})  # Debezium's key: the _id as text
+
+
+def mongo(op: str, after: dict | None = None, **more) -> bytes:
+    """A Debezium MongoDB connector's value: the document is Extended JSON text."""
+    return enc({"op": op, "before": None, "after": after if after is None else enc(after).decode(),
+                "source": {"connector": "mongodb", "db": "shop", "collection": "products"}, **more})
+
+
+@pytest.mark.parametrize("fmt", ["debezium", "auto"])
+def test_debezium_mongodb_records_hold_the_document_as_extended_json(fmt):
+    """Debezium's MongoDB connector writes `after` and the key's `_id` as Extended JSON text: the
+    entity is the plain document, its id the `_id` as the database shows it (an ObjectId's hex)."""
+    source = adapters.Source("catalog", fmt, collection="table")
+    canonical = {"_id": {"$oid": OID}, "qty": {"$numberLong": "12"}, "price": {"$numberDouble": "9.5"},
+                 "nan": {"$numberDouble": "NaN"}, "total": {"$numberDecimal": "10.10"}, "ok": True,
+                 "at": {"$date": {"$numberLong": "631152000000"}}, "seen": {"$date": "2020-01-01T00:00:00Z"},
+                 "ref": {"$binary": {"base64": "AAECAwQFBgcICQoLDA0ODw==", "subType": "04"}},
+                 "raw": {"$binary": "aGk=", "$type": "00"}, "tags": [{"$numberInt": "3"}, {"nested": {"$oid": OID}}],
+                 "ts": {"$timestamp": {"t": 1, "i": 2}}, "gone": {"$undefined": True}}
+    created = patch_of(batch(source, MONGO_KEY, mongo("c", canonical)))
+    assert (created["entity"], created["collection"]) == (OID, "products")
+    assert created["ops"] == [{"op": "add", "path": "", "value": {
+        "_id": OID, "qty": 12, "price": 9.5, "nan": "NaN", "total": "10.10", "ok": True,
+        "at": "1990-01-01T00:00:00.000Z", "seen": "2020-01-01T00:00:00.000Z",
+        "ref": "00010203-0405-0607-0809-0a0b0c0d0e0f", "raw": "aGk=", "tags": [3, {"nested": OID}],
+        "ts": {"$timestamp": {"t": 1, "i": 2}}, "gone": None}}]
+    relaxed = {"_id": {"$oid": OID}, "qty": 13}  # change_streams_update_full: the whole document
+    assert patch_of(batch(source, MONGO_KEY, mongo("u", relaxed)))["ops"][0]["value"] == {"_id": OID, "qty": 13}
+    deleted = patch_of(batch(source, MONGO_KEY, mongo("d")))
+    assert (deleted["entity"], deleted["ops"]) == (OID, [{"op": "remove", "path": ""}])
+    # the other _id types: the same id whether the connector writes them relaxed or canonical
+    for written, entity in [("1004", "1004"), ('{"$numberLong": "1004"}', "1004"), ('"sku-1"', "sku-1"),
+                            ('{"$numberDouble": "1.5"}', "1.5"), ('{"a": 1, "b": "x"}', '{"a":1,"b":"x"}')]:
+        assert patch_of(batch(source, enc({"id": written}), mongo("d")))["entity"] == entity
+    # a relational table's `id` key of JSON-looking text is not decoded
+    row = enc({"op": "c", "after": {"id": '"x"'}, "source": {"connector": "postgresql", "table": "t"}})
+    assert patch_of(batch(source, enc({"id": '"x"'}), row))["entity"] == '"x"'
+
+
+@pytest.mark.parametrize("key, value, code, reason", [
+    (MONGO_KEY, mongo("u", None, updateDescription={"updatedFields": "{}"}), DeadLetterCode.BAD_FORMAT,
+     "a MongoDB update without its document"),
+    (MONGO_KEY, mongo("c", None), DeadLetterCode.BAD_FORMAT, "after: field required for op 'c'"),
+    (MONGO_KEY, enc({"op": "c", "after": "[1]", "source": {"connector": "mongodb"}}), DeadLetterCode.BAD_FORMAT,
+     "after: a MongoDB document is an object"),
+    (MONGO_KEY, enc({"op": "c", "after": '{"_id": 1', "source": {"connector": "mongodb"}}),
+     DeadLetterCode.MALFORMED_JSON, "after:"),
+    (enc({"id": "null"}), mongo("d"), DeadLetterCode.BAD_FORMAT, "names no _id"),
+    (enc({"id": ""}), mongo("d"), DeadLetterCode.BAD_FORMAT, "key.id: a key value must be"),
+])
+def test_bad_debezium_mongodb_records(key, value, code, reason):
+    with pytest.raises(InvalidMessage) as caught:
+        batch(adapters.Source("catalog", "debezium"), key, value)
+    assert caught.value.code is code and reason in caught.value.reason, caught.value.reason
+
+
+def test_mutated_mongodb_documents_are_values_or_invalid_messages():
+    """The Extended JSON inside the envelope is parsed apart from it: mutations of that text and of
+    the key's `_id` text make an entity batch or a dead letter, never an error no check foresaw."""
+    import random
+
+    rng = random.Random(5)
+    doc = enc({"_id": {"$oid": OID}, "at": {"$date": {"$numberLong": "-62135596800001"}}, "n": {"$numberInt": "7"},
+               "u": {"$binary": {"base64": "AAECAwQFBgcICQoLDA0ODw==", "subType": "04"}}, "s": "\u00e9"}).decode()
+    made = invalid = 0
+    for _ in range(3000):
+        after, oid = list(doc), list(enc({"$oid": OID}).decode())
+        for text in (after, oid):
+            for _ in range(rng.randint(0, 3)):
+                if text:
+                    text[rng.randrange(len(text))] = rng.choice('{}[]":,$\\ 0-9eE.aZ\ud800')
+        value = enc({"op": rng.choice("cru"), "after": "".join(after), "source": {"connector": "mongodb"}})
+        try:
+            batch(adapters.Source("catalog"), enc({"id": "".join(oid)}), value)
+            made += 1
+        except InvalidMessage:
+            invalid += 1
+    assert made and invalid
+
+
 def test_collection_table_takes_the_table_each_record_names():
     """Connectors that route several tables to one topic name each record's table."""
     source = adapters.Source("shop", "auto", collection="table")

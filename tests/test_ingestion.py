@@ -333,3 +333,35 @@ def test_the_sample_cdc_traffic_of_every_format(make_pipeline):
         assert {r["version"] for r in rows if not r["deleted"]} == {3}
     updates = pipeline.read("entity_updates").num_rows
     assert updates == 4 * (20 * 3 + 2)
+
+
+def test_debezium_mongodb_documents_become_plain_entities(make_pipeline):
+    """Debezium's MongoDB connector (format `auto`): the documents and the key's `_id` are Extended
+    JSON text. An update without its document (a capture mode other than the full document's)
+    is a dead letter, so a lost change is seen."""
+    pipeline = make_pipeline()
+    topic = pipeline.topic("catalog.products.ingestion")
+    ensure_topics(pipeline.kafka.config(), [topic], 1)
+    oid = "65bc9fb6c485f419a7a877fe"
+    key = enc({"id": enc({"$oid": oid}).decode()})
+
+    def value(op, after=None):
+        return enc({"op": op, "after": after and enc(after).decode(),
+                    "source": {"connector": "mongodb", "db": "shop", "collection": "products"}})
+
+    produce(pipeline.kafka.config(), topic, [
+        (key, value("c", {"_id": {"$oid": oid}, "qty": {"$numberLong": "1"}, "at": {"$date": 0}})),
+        (key, value("u", {"_id": {"$oid": oid}, "qty": 2, "at": {"$date": "1970-01-01T00:00:00Z"}})),
+        (key, value("u")),  # capture.mode=change_streams: the changed fields only
+        (enc({"id": "7"}), value("r", {"_id": 7, "name": "snapshot"})),
+        (enc({"id": "7"}), value("d")),
+        (enc({"id": "7"}), None)])  # the tombstone: gone already, status 2
+    [run] = pipeline.tick_and_run()
+    assert run.success
+    [dead] = pipeline.read("dead_letters").to_pylist()
+    assert dead["code"] == "GENERR001" and "a MongoDB update without its document" in dead["reason"]
+    now = states(pipeline)
+    product = now[("catalog", "products", "catalog", oid)]
+    assert json.loads(product["document"]) == {"_id": oid, "qty": 2, "at": "1970-01-01T00:00:00.000Z"}
+    assert product["version"] == 2 and now[("catalog", "products", "catalog", "7")]["deleted"]
+    assert sorted(r["status"] for r in pipeline.read("partial_responses").to_pylist()) == [1, 1, 1, 1, 2]
