@@ -220,6 +220,20 @@ def detect(value: Any) -> str:
     return "db2"
 
 
+GOLDENGATE_METADATA = ("table", "op_type", "op_ts", "current_ts", "pos", "primary_keys", "tokens")
+"""The JSON formatter's fields of an operation; its row-modeled messages (`format=json_row`) hold
+the columns beside them."""
+
+
+def _row_modeled(value: Any) -> Any:
+    """A GoldenGate `json_row` message in the operation-modeled form (`json`): its columns, the row
+    after an insert or update (the row before a delete, which needs none), as `after`."""
+    if not isinstance(value, dict) or "before" in value or "after" in value:
+        return value
+    columns = {name: v for name, v in value.items() if name not in GOLDENGATE_METADATA}
+    return {**value, "after": columns} if columns else value
+
+
 class Change(NamedTuple):
     kind: str
     """UPSERT or DELETE."""
@@ -252,7 +266,7 @@ def change(fmt: str, raw: bytes | None) -> Change:
         raise m.InvalidMessage(m.DeadLetterCode.UNSUPPORTED_TYPE,
                                f"{field}: '{op}' ({rowless[op]}) changes no row of a projection")
     if fmt == "goldengate":
-        gg = m.parse_value(GoldenGateChange, value)
+        gg = m.parse_value(GoldenGateChange, _row_modeled(value))
         table = gg.table and gg.table.rsplit(".", 1)[-1]
         return _change(gg.op_type, gg.after, table, "op_type", update=gg if gg.op_type == "U" and gg.before else None)
     dbz = m.parse_value(DebeziumChange, value)

@@ -67,6 +67,25 @@ def test_a_goldengate_update_of_the_key_deletes_the_entity_of_the_old_key(key, v
     assert [p["entity"] for p in loads(partial["patches"])] == ["124"]
 
 
+@pytest.mark.parametrize("fmt", ["goldengate", "auto"])
+def test_goldengate_row_modeled_messages_hold_the_columns_beside_the_operation(fmt):
+    """The JSON formatter's `format=json_row` writes the row's columns at the top level, beside
+    `table`, `op_type`, `op_ts`, `current_ts`, `pos` (and `primary_keys`, `tokens`)."""
+    meta = {"table": "QASOURCE.TCUSTORD", "op_ts": "2015-11-05 18:45:36.000000",
+            "current_ts": "2016-10-05T11:15:51.267000", "pos": "00000000000000002928", "tokens": {"R": "AADPkv"}}
+    columns = {"CUST_CODE": "WILL", "ORDER_ID": 1, "PRODUCT": None}
+    source = adapters.Source("erp", fmt, collection="table")
+    insert = patch_of(batch(source, b"WILL_1", enc({**meta, "op_type": "I", **columns})))
+    assert (insert["collection"], insert["ops"]) == ("TCUSTORD", [{"op": "add", "path": "", "value": columns}])
+    merged = patch_of(batch(adapters.Source("erp", fmt, updates="merge"), b"WILL_1",
+                            enc({**meta, "op_type": "U", "PRODUCT": "CAR"})))  # compressed: the changed columns
+    assert merged["ops"] == [{"op": "add", "path": "/PRODUCT", "value": "CAR"}]
+    assert patch_of(batch(source, b"WILL_1", enc({**meta, "op_type": "D", **columns})))["ops"] == [
+        {"op": "remove", "path": ""}]
+    with pytest.raises(InvalidMessage, match="after: field required for op_type 'I'"):
+        batch(source, b"WILL_1", enc({**meta, "op_type": "I"}))  # neither a row nor an operation's after
+
+
 @pytest.mark.parametrize("key, before, value", [
     (enc({"B": 2, "A": 1}), {"A": 1, "B": 2}, {"primary_keys": ["A", "B"]}),  # the key's order is not the columns'
     (b"x_y_z", {"K": "x_y", "L": "z"}, {"primary_keys": ["K", "L"]}),  # GoldenGate's text, unescaped
