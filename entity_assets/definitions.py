@@ -21,6 +21,7 @@ from entity_assets.assets.retries import retries
 from entity_assets.assets.notifications import changes_by_device, device_notifications, zone_changes
 from entity_assets.assets.schemas import learn_schemas
 from entity_assets.jobs import history_job, slice_job, trace_job
+from entity_assets.kafka_io import refused_setting
 from entity_assets.maintenance import lake_maintenance, lake_maintenance_schedule
 from entity_assets.sensors import kafka_offsets_sensor
 from resources import KafkaResource, LakeResource, SettingError, SlicingResource, SparkResource
@@ -68,14 +69,33 @@ an error in a value names the variable, not the field."""
 
 
 def _env(field: str, default: str = "") -> str:
-    """The variable of `field`, its default when unset or set empty (a deployment's template
-    often sets every variable, some to nothing)."""
-    return os.environ.get(VARIABLES[field]) or default
+    """The variable of `field`, its default when unset or set empty or blank (a deployment's
+    template often sets every variable, some to nothing)."""
+    return os.environ.get(VARIABLES[field], "").strip() or default
 
 
 def _given(fields: tuple[str, ...]) -> dict[str, str]:
-    """Those of `fields` whose variable is set (and not empty): the others keep the resource's default."""
-    return {field: os.environ[VARIABLES[field]] for field in fields if os.environ.get(VARIABLES[field])}
+    """Those of `fields` whose variable is set (and not blank): the others keep the resource's default."""
+    return {field: _env(field) for field in fields if _env(field)}
+
+
+OTHER_VARIABLES = ("ENTITY_ASSETS_HOME", "ENTITY_ASSETS_OWNERS", "ENTITY_ASSETS_STEP_RETRIES",
+                   "ENTITY_ASSETS_BROKER_PORT", "ENTITY_ASSETS_SPARK_CONNECT_PORT")
+"""The project's variables that are no resource's setting."""
+
+
+def _no_unknown_variables() -> None:
+    """A misspelt variable (`ENTITY_ASSETS_LAKE_URI`) would leave its setting at the default:
+    a lake in a folder of the code server's container, which goes with it."""
+    known = {*VARIABLES.values(), *OTHER_VARIABLES}
+    unknown = sorted(name for name in os.environ if name.startswith("ENTITY_ASSETS_") and name not in known)
+    if unknown:
+        import difflib
+
+        meant = {name: difflib.get_close_matches(name, known, 1) for name in unknown}
+        raise SettingError("no setting is named " + ", ".join(
+            f"{name}{f' (is it {close[0]}?)' if close else ''}" for name, close in meant.items())
+            + " (docs/operations.md lists them)")
 
 
 def _number(field: str, default: str, kind: type = int):
@@ -104,13 +124,18 @@ their own variables)."""
 
 
 def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
-    """The variable of `field`, `key=value,key=value` (the form of Kafka's own CLI tools), as
-    a dict. An item without `=` continues the value before it (`cleanup.policy=compact,delete`);
-    with none before, it is refused here, where librdkafka or Spark would name no variable."""
+    """The variable of `field`, `key=value,key=value` (the form of Kafka's own CLI tools), or a
+    JSON object of strings, as a dict. An item without `=` continues the value before it
+    (`cleanup.policy=compact,delete`); with none before, it is refused here, where librdkafka or
+    Spark would name no variable."""
     name = VARIABLES[field]
     settings: dict[str, str] = {}
     key = None
-    for item in filter(str.strip, _env(field).split(",")):
+    text = _env(field)
+    if text.startswith("{"):  # a value that holds `k=v,k=v` itself (sasl.oauthbearer.extensions)
+        settings = {key: value if isinstance(value, str) else json.dumps(value)
+                    for key, value in _json_object(name, text, flat=True).items()}
+    for item in filter(str.strip, [] if settings else text.split(",")):
         name_part, equals, value = item.partition("=")
         if equals and name_part.strip():
             key = name_part.strip()
@@ -148,15 +173,18 @@ LOCAL_MASTER = re.compile(r"local(-cluster)?(\[.*\])?$|sc://(localhost|127\.0\.0
 """Spark masters whose executors run on this host, and so share its default lake."""
 
 
-def _json_object(name: str, text: str) -> dict:
-    """The JSON object of environment variable `name`; an error names the variable, which the
-    code location's load error otherwise would not."""
+def _json_object(name: str, text: str, *, flat: bool = False) -> dict:
+    """The JSON object of environment variable `name`, of objects (or with `flat` of strings,
+    numbers and booleans); an error names the variable, which the code location's load error
+    otherwise would not."""
     try:
         value = json.loads(text.strip() or "{}")
     except json.JSONDecodeError as exc:
         raise SettingError(f"{name} is not JSON: {exc}") from exc
-    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise SettingError(f"{name} must be a JSON object of objects, not {text.strip()[:80]!r}")
+    kinds = (str, int, float, bool) if flat else dict
+    if not isinstance(value, dict) or not all(isinstance(v, kinds) for v in value.values()):
+        raise SettingError(f"{name} must be a JSON object of {'strings' if flat else 'objects'}, "
+                           f"not {text.strip()[:80]!r}")
     return value
 
 
@@ -192,12 +220,16 @@ def _publish() -> dict:
     switch = text.strip().lower()
     if switch in ("true", "false"):
         return {"publish": switch == "true"}
-    return {"publish": True, "published_streams": [s.strip() for s in text.split(",") if s.strip()]}
+    streams = [s.strip() for s in text.split(",") if s.strip()]
+    if not streams:
+        raise SettingError(f"{VARIABLES['published_streams']}={text!r} names no stream: set it to false to publish none")
+    return {"publish": True, "published_streams": streams}
 
 
 def build_resources() -> dict:
     """Embedded defaults (local broker, local lake, local Spark); the settings a deployment sets
     are overridable by env (`VARIABLES`, docs/operations.md), secrets through EnvVar."""
+    _no_unknown_variables()
     kafka = {
         "bootstrap_servers": _env("bootstrap_servers", DEFAULT_BOOTSTRAP),
         "topic_prefix": _env("topic_prefix"),
@@ -228,6 +260,9 @@ def build_resources() -> dict:
         "offsets_went_back": _env("offsets_went_back", "report"),
     }
     retries()  # read when a step fails; a value that is no count is refused here, at the load
+    secrets = [*kafka["client_secret_env"], *(["ssl.key.password"] if "ssl_key_password" in kafka else [])]
+    if said := refused_setting({**kafka["client_config"], **dict.fromkeys(secrets, "-")}):  # else each run's, retried
+        raise SettingError(f"{VARIABLES['client_config']}: librdkafka refuses it: {said}")
     return {name: _resource(cls, settings) for name, cls, settings in (
         ("spark", SparkResource, spark), ("kafka", KafkaResource, kafka), ("lake", LakeResource, lake),
         ("slicing", SlicingResource, slicing))}

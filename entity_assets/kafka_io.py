@@ -49,6 +49,31 @@ def consumer_settings(config: dict) -> dict:
             "receive.message.max.bytes": max(int(config.get("receive.message.max.bytes", 0)), fetch + 512)}
 
 
+CONNECTING = ("bootstrap.servers", "security.protocol", "sasl.mechanism", "sasl.mechanisms")
+"""Settings that make a client connect or load credentials (files, Kerberos, OIDC) when made."""
+
+
+def refused_setting(config: Mapping[str, str]) -> str | None:
+    """What librdkafka says of `config` (a deployment's extra settings) in a producer made as this
+    project makes them, or in a consumer, or None if both take it: a property's name or value,
+    or a clash with the producer's idempotence (`acks=1`). The clients made here connect nowhere
+    (`CONNECTING` left out), so the code location's load says it, not each run after its retries."""
+    inert = {key: value for key, value in config.items() if key not in CONNECTING}
+    try:
+        Producer({**producer_settings(inert), "logger": _SILENT})
+        Consumer({**consumer_settings(inert), "group.id": "entity-assets-settings", "logger": _SILENT}).close()
+    except KafkaException as exc:
+        return exc.args[0].str()
+    except ValueError as exc:  # message.max.bytes that is no number
+        return str(exc)
+    return None
+
+
+_SILENT = logging.getLogger(f"{__name__}.settings")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
+
+
 FETCH_BYTES = 32 * 1024 * 1024
 """A fetch's bytes at most: several `consume` batches of the largest messages."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
 from dagster import Config, ConfigurableResource
@@ -22,6 +23,8 @@ SEED_DURABILITY = {"cleanup.policy": "compact", "min.compaction.lag.ms": str(7 *
 default retention, before compaction may drop it; then each key's newest is kept for good."""
 
 DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
+_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """The embedded broker (entity_assets.broker) of the demo and the scripts."""
 
 
@@ -47,6 +50,13 @@ class IngestionSource(Config):
     unavailable_value: str | None = Field(
         default=adapters.UNAVAILABLE_VALUE, description="Debezium's placeholder of a column it did not read (a PostgreSQL TOASTed "
                                                "value an update left, an Oracle LOB): such a column keeps the entity's value")
+
+    @field_validator("schema_projection")
+    @classmethod
+    def _one_name(cls, projection: str | None) -> str | None:
+        if projection is not None and (not projection or "." in projection):
+            raise ValueError(f"schema_projection {projection!r}: a topic's projection is one name, without a dot")
+        return projection
 
 
 class KafkaResource(Deployed, ConfigurableResource):
@@ -122,12 +132,40 @@ class KafkaResource(Deployed, ConfigurableResource):
                              f"(they are {', '.join(DERIVED_STREAMS)})")
         return streams
 
-    @field_validator("new_topic_replication_factor")
+    @field_validator("ingestion")
     @classmethod
-    def _replicas(cls, replicas: int) -> int:
-        if replicas == 0 or replicas < -1:
-            raise ValueError(f"new_topic_replication_factor: {replicas}; give 1 or more, or -1 for the cluster's default")
-        return replicas
+    def _systems(cls, ingestion: dict[str, IngestionSource]) -> dict[str, IngestionSource]:
+        """A system is one name of `<prefix><system>.<projection>.ingestion`: `acme.prod.crm` would
+        never match a topic, and its CDC data would go unread."""
+        if bad := sorted(system for system in ingestion if not system.strip() or "." in system):
+            raise ValueError(f"ingestion: source system {bad[0]!r} is not one name of a topic "
+                             "<prefix><system>.<projection>.ingestion (the prefix is topic_prefix, "
+                             "ENTITY_ASSETS_TOPIC_PREFIX)")
+        return ingestion
+
+    @field_validator("client_secret_env")
+    @classmethod
+    def _variable_names(cls, secrets: dict[str, str]) -> dict[str, str]:
+        """A value is a variable's name: a secret written here by mistake would be a plain
+        setting, shown in the UI; it is not repeated in the error."""
+        if bad := sorted(key for key, variable in secrets.items() if not _VARIABLE.fullmatch(variable)):
+            raise ValueError(f"client_secret_env: the value of {', '.join(bad)} is not an environment variable's name "
+                             "(the variable holds the secret)")
+        return secrets
+
+    @field_validator("security_protocol")
+    @classmethod
+    def _protocol(cls, protocol: str | None) -> str | None:
+        if protocol is not None and protocol.upper() not in _PROTOCOLS:
+            raise ValueError(f"security_protocol {protocol!r}: one of {', '.join(_PROTOCOLS)}")
+        return protocol
+
+    @field_validator("new_topic_partitions", "new_topic_replication_factor")
+    @classmethod
+    def _count_or_default(cls, count: int, info: ValidationInfo) -> int:
+        if count == 0 or count < -1:
+            raise ValueError(f"{info.field_name}: {count}; give 1 or more, or -1 for the cluster's default")
+        return count
 
     def publishes(self, stream: str) -> bool:
         """Whether the derived stream `stream` (its seed name) is written to its topic."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 
 from dagster import ConfigurableResource
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from entity_assets import shards
 from entity_assets.storage import DeltaRsEngine
@@ -39,6 +40,14 @@ class LakeResource(Deployed, ConfigurableResource):
         description="row bound of a state file: a slice rewrites the files holding the keys it changed, "
                     "so smaller files rewrite less per small slice and make more files per table",
     )
+
+    @field_validator("root")
+    @classmethod
+    def _uri_or_path(cls, root: str) -> str:
+        """`s3:/bucket/lake` (one slash) would be a local folder of that name, beside the code server."""
+        if not root.strip() or root != root.strip() or (re.match(r"[A-Za-z][\w+.-]+:", root) and "://" not in root):
+            raise ValueError(f"root {root!r} is neither a folder nor a URI (scheme://…)")
+        return root
 
     def open(self, *, snapshot: bool = False) -> DeltaRsEngine:
         """`snapshot`: for one step of a run, which reads each table as of its first look (see `DeltaRsEngine`)."""

@@ -395,10 +395,11 @@ def test_run_s_lag_report_gives_librdkafka_the_sasl_credentials_not_the_names_of
 def test_a_kafka_client_setting_librdkafka_refuses_is_a_line_and_status_2(monkeypatch, tmp_path, capfd):
     monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.certificate.locaton=/x")
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")  # PLAIN without its credentials
+    monkeypatch.setenv("KAFKA_SASL_MECHANISM", "PLAIN")
     assert cli.main(["topics", "--dry-run"]) == 2
     err = capfd.readouterr().err
-    assert err.startswith("entity-assets topics: a Kafka client setting is not valid: ") and "locaton" in err
+    assert err.startswith("entity-assets topics: a Kafka client setting is not valid: ") and "sasl.username" in err
     assert err.count("\n") == 1
 
 
@@ -576,6 +577,22 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_PUBLISH", "no", "ENTITY_ASSETS_PUBLISH='no': Value error, published_streams: no derived stream"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "ssl.keystore.password=EA_UNSET_VARIABLE",
      "client_secret_env: EA_UNSET_VARIABLE not set"),
+    # a secret written where its variable's name goes: refused, and not repeated
+    ("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "sasl.password=S3cr3t!pa55", "the value of sasl.password is not an "
+                                                                          "environment variable's name"),
+    # refused by librdkafka at the load, not by each run's producer after its retries
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "acks=1", "librdkafka refuses it: Failed to create producer: `acks` must"),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.certificate.locaton=/x", 'No such configuration property: '
+                                                                        '"ssl.certificate.locaton"'),
+    ("KAFKA_SECURITY_PROTOCOL", "SASL-SSL", "security_protocol 'SASL-SSL': one of PLAINTEXT"),
+    ("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "0", "new_topic_partitions: 0; give 1 or more"),
+    # settings that would be read as something else, and do nothing
+    ("ENTITY_ASSETS_LAKE_URI", "s3://bucket/lake", "no setting is named ENTITY_ASSETS_LAKE_URI (is it "
+                                                    "ENTITY_ASSETS_LAKE?)"),
+    ("ENTITY_ASSETS_LAKE", "s3:/bucket/lake", "root 's3:/bucket/lake' is neither a folder nor a URI"),
+    ("ENTITY_ASSETS_INGESTION", "acme.prod.crm=debezium", "source system 'acme.prod.crm' is not one name"),
+    ("ENTITY_ASSETS_INGESTION", '{"hr": {"schema_projection": "hr.schemas"}}', "a topic's projection is one name"),
+    ("ENTITY_ASSETS_PUBLISH", " , ", "names no stream: set it to false to publish none"),
 ])
 def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceback(name, value, said, monkeypatch,
                                                                                     tmp_path, capsys):
@@ -594,7 +611,7 @@ def test_a_variable_set_empty_counts_as_unset(monkeypatch):
     from resources.lake import default_home
 
     for name in {*VARIABLES.values(), "ENTITY_ASSETS_HOME"} - {"ENTITY_ASSETS_INGESTION"}:
-        monkeypatch.setenv(name, "")
+        monkeypatch.setenv(name, " " if name in ("ENTITY_ASSETS_LAKE", "ENTITY_ASSETS_PUBLISH") else "")  # blank too
     resources = build_resources()
     assert resources["kafka"].publishes("device-notifications") and resources["kafka"].sasl_password is None
     assert resources["spark"].master == "local[*]" and resources["slicing"].offsets_went_back == "report"

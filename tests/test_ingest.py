@@ -256,6 +256,11 @@ def test_kafka_and_lake_settings_come_from_the_environment(monkeypatch):
     assert build_resources()["kafka"].new_topic_partitions == 4
     monkeypatch.setenv("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "cleanup.policy=compact,delete, retention.ms=86400000")
     assert build_resources()["kafka"].new_topic_config == {"cleanup.policy": "compact,delete", "retention.ms": "86400000"}
+    # a value that is itself a list of `k=v` (Confluent Cloud's identity pools): the JSON form
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG",
+                       '{"sasl.oauthbearer.extensions": "logicalCluster=lkc-1,identityPoolId=pool-2", "linger.ms": 5}')
+    assert build_resources()["kafka"].client_config == {
+        "sasl.oauthbearer.extensions": "logicalCluster=lkc-1,identityPoolId=pool-2", "linger.ms": "5"}
 
 
 def test_with_settings_copies_a_resource_as_dagster_builds_it():

@@ -12,7 +12,7 @@ import inspect
 import os
 import re
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from dagster import RetryRequested
 
 from entity_assets.kafka_io import DeliveryFailed, KafkaUnreachable
@@ -31,7 +31,7 @@ _TRANSIENT_NAMES = re.compile(
 reaches the driver as text)."""
 _DENIED = re.compile(r"AUTHORIZATION_FAILED|AUTHENTICATION|ACCESS_DENIED|AccessDenied|Forbidden|InvalidAccessKeyId|"
                      r"SignatureDoesNotMatch|NO_SUCH_BUCKET|NoSuchBucket|AuthorizationFailure|AuthenticationFailed|"
-                     r"INVALID_REPLICATION_FACTOR|POLICY_VIOLATION|INVALID_CONFIG|"
+                     r"INVALID_REPLICATION_FACTOR|INVALID_PARTITIONS|POLICY_VIOLATION|INVALID_CONFIG|_INVALID_ARG|"
                      r"MSG_SIZE_TOO_LARGE|RECORD_LIST_TOO_LARGE|INVALID_RECORD|INVALID_MSG")
 """What Kafka and the object stores say of a setting or a right that is missing, or of a record
 they will never take: no wait brings it, and each retry would publish the slice's messages again."""
@@ -59,6 +59,8 @@ def transient(exc: BaseException) -> bool:
             return False
         if isinstance(exc, (PythonException, Py4JJavaError)):  # a Spark task's
             return bool(_TRANSIENT_NAMES.fullmatch(last_error(str(exc)) or ""))
+        if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].fatal():
+            return False  # the client is unusable: a producer fenced, or a setting refused
         if isinstance(exc, (KafkaException, KafkaUnreachable, DeliveryFailed, CommitFailedError)):
             return True
         if isinstance(exc, OSError) and not isinstance(exc, _NOT_TRANSIENT):
