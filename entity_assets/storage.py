@@ -1017,12 +1017,22 @@ class DeltaRsEngine:
         Delta's 7 days would lose files that versions it reaches still name.
         """
         self._set_properties(table, {DELETED_FILE_RETENTION_SETTING: f"interval {retention_hours} hours"})
-        self._written.add(table)  # delta-rs's vacuum commits record it
         dt = self._open(table)
         # the files a replay of the last slice reads stay, however long the lake was idle
         kept = _replay_base([e for e in dt.history() if "entity_assets.slice" in e])
-        return dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False, full=full,
-                         keep_versions=[kept["version"]] if kept else None, post_commithook_properties=_post_commit())
+        # listed, then deleted here: delta-rs's vacuum commits, and that commit's hook expires the
+        # log at the table's retention whatever `_post_commit` says, past `expire_log`'s guard of
+        # the commits a replay of the last slice needs
+        listed = dt.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False, full=full,
+                           keep_versions=[kept["version"]] if kept else None)
+        fs, root = filesystem(self.uri(table), self.storage_options)
+        # the log's records of removed files name those an earlier vacuum deleted too (an object
+        # store's delete of a missing key succeeds)
+        infos = fs.get_file_info([f"{root}/{path}" for path in listed])
+        gone = [path for path, info in zip(listed, infos) if info.type != pafs.FileType.NotFound]
+        for path in gone:
+            fs.delete_file(f"{root}/{path}")
+        return gone
 
     def expire_log(self, table: str, retention_hours: int, record_done: bool = True) -> int:
         """Deletes the Delta log files older than `retention_hours` that precede a checkpoint, as

@@ -137,9 +137,25 @@ def test_a_raised_retention_keeps_what_a_replay_reads_after_a_checkpoint_dropped
     assert base and engine.missing("dead_letters", engine.files("dead_letters", base[-1])) == []
 
 
+def test_a_vacuum_that_deletes_files_leaves_the_log_a_replay_of_the_last_slice_needs(tmp_path):
+    """An idle lake whose log retention has passed, with a checkpoint after the replay base
+    (slice 2's commit): `expire_log` keeps the log. A vacuum that deleted a file used to commit,
+    and that commit's hook expired the log anyway, slice 2's commit with it: a re-run of slice 3
+    could not be replayed, and slice 3's own publish mark could go."""
+    engine = DeltaRsEngine(str(tmp_path))
+    for seq in (1, 2, 3):
+        _commit_slice(engine, seq)
+    DeltaTable(engine.uri("dead_letters")).create_checkpoint()  # as an idle lake's maintenance commits make one
+    assert engine.expire_log("dead_letters", 0) == 0
+    orphan = _write(engine, "dead_letters", "0000000004", 1)[0].path  # a failed retry's
+    assert engine.vacuum("dead_letters", 0) == [orphan]
+    assert engine.version_after("dead_letters", "0000000002", "replace_slice") == 2
+    assert engine.vacuum("dead_letters", 0) == []  # what an earlier vacuum deleted is not counted again
+
+
 def test_a_busy_lake_is_vacuumed_by_one_listing_of_its_files(tmp_path, monkeypatch):
-    """No commit after the replay base is past the retention, so nothing it reads can be doomed:
-    the vacuum runs once, without a dry run, and still deletes a failed run's old file."""
+    """The vacuum lists once (a dry run, whose files the engine deletes) and deletes a failed
+    run's old file."""
     engine, now = DeltaRsEngine(str(tmp_path)), time.time()
     for seq in (1, 2):
         _commit_slice(engine, seq)
@@ -149,7 +165,7 @@ def test_a_busy_lake_is_vacuumed_by_one_listing_of_its_files(tmp_path, monkeypat
     vacuum = DeltaTable.vacuum
     monkeypatch.setattr(DeltaTable, "vacuum", lambda self, **kw: runs.append(kw["dry_run"]) or vacuum(self, **kw))
     assert engine.vacuum("dead_letters", 2) == [orphan]
-    assert runs == [False] and _parquet(engine, "dead_letters") == live
+    assert runs == [True] and _parquet(engine, "dead_letters") == live
 
 
 def test_observed_tables_are_the_graphs_assets():
@@ -271,6 +287,21 @@ def test_a_step_that_reads_a_state_as_of_its_slice_says_why_it_cannot(tmp_path):
         applied_version(engine, "schemas", "0000000001", "learn_schemas")
     with pytest.raises(OutOfOrder, match="slice 0000000005: schemas has no state of it yet"):
         applied_version(engine, "schemas", "0000000005", "learn_schemas")
+
+
+def test_a_state_version_whose_files_were_vacuumed_is_refused_not_read(tmp_path):
+    """The log keeps old commits its checkpoint needs after the vacuum deleted their files: a
+    step reading the state as of such a slice once failed on a missing file."""
+    from entity_assets.assets.common import OutOfOrder, applied_version, commit_state
+
+    engine = DeltaRsEngine(str(tmp_path))
+    for seq in (1, 2, 3, 4):
+        key = f"{seq:010d}"
+        commit_state(engine, "dead_letters", key, _write(engine, "dead_letters", key, 1), engine.files("dead_letters"))
+    engine.vacuum("dead_letters", 0)  # keeps slice 3's files (the replay base) and slice 4's
+    assert applied_version(engine, "dead_letters", "0000000003", "changes_by_device") == 3
+    with pytest.raises(OutOfOrder, match="slice 0000000002 cannot be run again: changes_by_device reads dead_letters"):
+        applied_version(engine, "dead_letters", "0000000002", "changes_by_device")
 
 
 def test_a_log_an_older_release_trimmed_takes_what_it_lost_as_done(tmp_path):

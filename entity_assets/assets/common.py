@@ -354,9 +354,12 @@ def applied_version(engine: DeltaRsEngine, table: str, slice_key: str, step: str
     """The version of state `table` as of the slice, which `step` reads; refused, saying why,
     when the slice is not applied yet or its version has left the log."""
     version = engine.version_after(table, slice_key, "apply")
-    if version is not None:
+    # an old version's commit may outlive its files: the log keeps what its checkpoint needs
+    vacuumed = version is not None and version != engine.version(table) and engine.missing(
+        table, engine.files(table, version))
+    if version is not None and not vacuumed:
         return version
-    if engine.reached(table, slice_key, "apply"):
+    if vacuumed or engine.reached(table, slice_key, "apply"):
         raise OutOfOrder(f"slice {slice_key} cannot be run again: {step} reads {table} as of the slice, a version "
                          f"that lake_maintenance has expired (it keeps LakeResource.vacuum_retention_hours): rebuild "
                          f"{table} and what it feeds from slice 1 (docs/operations.md, Upgrading)")
