@@ -39,6 +39,9 @@ READ_BATCH_ROWS = 20_000
 SLICE = "slice"
 """Every table carries the slice key column; file statistics on it find a slice's files."""
 
+NOTES_FOLDER = "_notes"
+"""The lake's notes (`DeltaRsEngine.read_note`): what outlives a table deleted to be rebuilt."""
+
 REQUESTS_IN_FLIGHT = 8
 """A task's concurrent requests to an object store (uploads of its files, reads ahead of its
 folds): each costs a round trip, which a task would otherwise wait out one after the other."""
@@ -1081,6 +1084,29 @@ class DeltaRsEngine:
             return 0
         dt.cleanup_metadata()
         return len({info.path for info in before} - {info.path for info in fs.get_file_info(pafs.FileSelector(path))})
+
+    def read_note(self, name: str) -> str | None:
+        """The text of the lake's note `name` (a file of `_notes/`, outside every table: it outlives
+        a table deleted to be rebuilt), None if none."""
+        fs, path = filesystem(self.uri(f"{NOTES_FOLDER}/{name}"), self.storage_options)
+        try:
+            with fs.open_input_stream(path) as source:
+                return source.read().decode()
+        except FileNotFoundError:
+            return None
+
+    def write_note(self, name: str, text: str) -> None:
+        """Replaces note `name` whole: an object store's put does; a local file is renamed into place."""
+        fs, path = filesystem(self.uri(f"{NOTES_FOLDER}/{name}"), self.storage_options)
+        if not isinstance(fs, pafs.LocalFileSystem):
+            with fs.open_output_stream(path) as sink:
+                sink.write(text.encode())
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{uuid.uuid4().hex}"
+        with open(partial, "w") as sink:
+            sink.write(text)
+        os.replace(partial, path)
 
     def delete_older(self, folder: str, hours: float) -> list[str]:
         """Deletes the files of a lake folder (not a table: e.g. the steps' outbox) last written

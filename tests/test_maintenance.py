@@ -379,6 +379,38 @@ def test_a_stream_publishes_a_slice_after_the_slice_before_unless_the_table_star
     require_published(engine, table, key(8))
 
 
+def test_a_stream_table_deleted_and_rebuilt_from_slice_1_publishes_only_the_slices_after(tmp_path):
+    """The highest slice published is a note of the lake as well as a commit of the stream's
+    table: a table deleted to be rebuilt (the remedy of a layout error) once sent every change,
+    response and notification of its history again."""
+    import logging
+    import shutil
+    from types import SimpleNamespace
+
+    from entity_assets.assets.common import publishes_slice, record_published, require_published
+
+    engine, table = DeltaRsEngine(str(tmp_path)), "dead_letters"
+    context = SimpleNamespace(run=SimpleNamespace(tags={}), log=logging.getLogger("test"))
+    keys = [f"{seq:010d}" for seq in range(1, 5)]
+    engine.ensure(table, SCHEMAS[table])
+    for key in keys[:3]:
+        assert publishes_slice(context, engine, table, key)
+        engine.replace_slice(table, SCHEMAS[table], [], key)
+        record_published(engine, table, key)
+    shutil.rmtree(engine.uri(table))
+    engine = DeltaRsEngine(str(tmp_path))
+    engine.ensure(table, SCHEMAS[table])
+    for key in keys[:3]:  # the rebuild; the newest published publishes again, as its re-run does
+        require_published(engine, table, key)
+        assert publishes_slice(context, engine, table, key) == (key == keys[2])
+        engine.replace_slice(table, SCHEMAS[table], [], key)
+        record_published(engine, table, key)
+    require_published(engine, table, keys[3])
+    assert publishes_slice(context, engine, table, keys[3])  # the first slice after the history
+    context.run.tags["entity_assets/republish"] = "true"
+    assert publishes_slice(context, engine, table, keys[0])  # told to
+
+
 def test_maintenance_leaves_the_manifests_properties_as_they_are_once_set(tmp_path):
     """The sensor commits manifests outside the lake pool: a daily property commit (the slices
     done, which no step asks of the manifests) could meet one and fail the tick or the maintenance."""

@@ -626,9 +626,14 @@ def highest_done(engine: DeltaRsEngine, table: str, operation: str) -> str:
 
 def _published_after(engine: DeltaRsEngine, table: str, slice_key: str) -> str | None:
     """The highest slice `table`'s stream published, if later than `slice_key` (a re-run of an
-    older slice records no publish)."""
-    highest = highest_done(engine, table, PUBLISH)
+    older slice records no publish). The lake's note of it outlives the table: a table deleted
+    and rebuilt from slice 1 would otherwise publish its whole history again."""
+    highest = max(highest_done(engine, table, PUBLISH), engine.read_note(_published_note(table)) or "")
     return highest if highest > slice_key else None
+
+
+def _published_note(table: str) -> str:
+    return f"published-{table}"
 
 
 def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) -> bool:
@@ -654,6 +659,7 @@ def record_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None:
     published, whose own is there from its first run."""
     if _published_after(engine, table, slice_key) is None:
         engine.commit(table, SCHEMAS[table], add=[], operation=PUBLISH, slice_key=slice_key)
+        engine.write_note(_published_note(table), slice_key)
 
 
 def observe_topics(context, slice_key: str, publish_to, published: Counter) -> None:
