@@ -13,6 +13,7 @@ entity for updates; `notification` for changes by device). See docs/streams.md.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import socket
@@ -184,6 +185,40 @@ class Publishing:
         return {**self.__dict__, "held": {}}
 
 
+HELD_BYTES = 64 * 1024 * 1024
+"""Spool bytes a step's driver holds at most: past them, its tasks spool to files as a large
+slice's do (a small slice's documents may be large: 1,000 patches of 100 KB documents spool
+400 MB)."""
+
+
+class _Held:
+    """A spool's sink kept in memory until it passes `budget` bytes, then the file `spill` opens."""
+
+    def __init__(self, budget: int, spill):
+        self._memory: io.BytesIO | None = io.BytesIO()
+        self._file, self._budget, self._spill = None, budget, spill
+        self.closed = False
+
+    def write(self, data) -> int:
+        if self._memory is not None and self._memory.tell() + len(data) > self._budget:
+            self._file = self._spill()
+            self._file.write(self._memory.getbuffer())
+            self._memory = None
+        return (self._file or self._memory).write(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self.closed = True
+
+    def held(self) -> pa.Buffer | None:
+        """The spool, None where it went to its file."""
+        return None if self._memory is None else pa.py_buffer(self._memory.getvalue())
+
+
 class Publisher:
     """Publishes rows from inside a task: their messages are made as their rows are written, a
     batch at a time, and spooled to a file of the outbox, which the step replays once the rows
@@ -194,7 +229,7 @@ class Publisher:
         self._targets = {table: (topic, partitions, STREAMS[table]) for table, (topic, partitions) in self.topics.items()}
         self.spool: Spool | None = None  # on first use: a task with nothing to send writes no file
         self.uri = ""
-        self._memory: pa.BufferOutputStream | None = None
+        self._memory: _Held | None = None
         self.undeliverable: dict[str, int] = {}
         self.examples: list[dict] = []
 
@@ -202,12 +237,16 @@ class Publisher:
         if self.spool is None:
             self.uri = f"{self.publishing.outbox}/{uuid.uuid4().hex}.spool"
             if self.publishing.held_by == process():
-                sink = self._memory = pa.BufferOutputStream()
+                budget = HELD_BYTES - sum(len(spool) for spool in self.publishing.held.values())
+                sink = self._memory = _Held(budget, self._file)
             else:
-                fs, path = filesystem(self.uri, self.publishing.storage_options)
-                sink = fs.open_output_stream(path)
+                sink = self._file()
             self.spool = Spool(sink, [topic for topic, _ in self.topics.values()])
         return self.spool
+
+    def _file(self):
+        fs, path = filesystem(self.uri, self.publishing.storage_options)
+        return fs.open_output_stream(path)
 
     def publishes(self, table: str) -> bool:
         return table in self._targets
@@ -266,8 +305,8 @@ class Publisher:
         if self.spool is None:
             return None
         self.spool.close()
-        if self._memory is not None:
-            self.publishing.held[self.uri] = self._memory.getvalue()
+        if self._memory is not None and (held := self._memory.held()) is not None:
+            self.publishing.held[self.uri] = held
         return {"table": OUTBOX, "path": self.uri, "size": 0, "rows": self.spool.count,
                 "stats": json.dumps({"tables": list(self.topics), "topics": [t for t, _ in self.topics.values()]})}
 

@@ -355,3 +355,27 @@ def test_a_partition_the_metadata_gives_no_leader_is_not_asked_for_its_offsets(b
     marks = kafka_io.watermarks(config, ["kafka-io-leaderless"], unanswered=unanswered)
     assert sorted(p for _, p in marks) == [0, 2] and sorted(asked) == [0, 2]
     assert unanswered == ["kafka-io-leaderless partition 1 (no leader)"]
+
+
+def test_a_small_slice_s_spools_are_held_in_memory_up_to_a_budget_then_written_to_files(tmp_path, monkeypatch):
+    """The driver holds its tasks' spools (a small slice's) to save an object store's requests,
+    but only up to `HELD_BYTES`: 1,000 patches of 100 KB documents once held 400 MB there."""
+    from entity_assets import publish
+    from entity_assets.kafka_io import spooled
+
+    monkeypatch.setattr(publish, "HELD_BYTES", 3_000)  # one small spool (1.8 KB) fits
+    publishing = publish.Publishing({}, {"entity_updates": ("entity-updates", 1)}, str(tmp_path),
+                                    held_by=publish.process())
+
+    def spool(values: int):
+        publisher = publish.Publisher(publishing)
+        publisher._spool().send_batch("entity-updates", pa.array([b"k"] * values), pa.array([b"v" * 100] * values))
+        return publisher.close()["path"]
+
+    small, large, after = spool(10), spool(50), spool(10)
+    assert small in publishing.held and large not in publishing.held  # past the budget: to its file
+    assert after not in publishing.held  # the budget is the driver's, its first spool spent part of it
+    for path in (large, after):
+        with pa.OSFile(path, "rb") as source:
+            assert sum(batch.num_rows for batch in spooled(source)) == {large: 50, after: 10}[path]
+    assert sum(batch.num_rows for batch in spooled(pa.BufferReader(publishing.held[small]))) == 10
