@@ -60,10 +60,31 @@ def prepare_environment(port: int = DEFAULT_PORT) -> None:
             os.environ[name] = value
     if not os.environ.get("DAGSTER_HOME"):  # set and empty is unset to Dagster
         dagster_home = home / "dagster"
-        dagster_home.mkdir(parents=True, exist_ok=True)
-        if (REPO / "dagster.yaml").exists():
-            shutil.copyfile(REPO / "dagster.yaml", dagster_home / "dagster.yaml")
+        instance_config(dagster_home)
         os.environ["DAGSTER_HOME"] = str(dagster_home)
+
+
+COPIED = "# entity-assets copies dagster.yaml here, over this copy: edit that file, or delete this line to keep yours."
+"""The first line of the project's copy of its `dagster.yaml` in the project home's instance."""
+
+
+def instance_config(dagster_home: Path) -> None:
+    """The repository's `dagster.yaml` as the project home's instance's, so an upgrade's settings
+    reach it; a copy whose first line is no longer `COPIED` is the user's (a Postgres storage,
+    say) and stays: if it differs from the repository's, each command says so."""
+    target, source = dagster_home / "dagster.yaml", REPO / "dagster.yaml"
+    dagster_home.mkdir(parents=True, exist_ok=True)
+    if not source.exists():
+        return
+    config = source.read_text()
+    if target.exists() and not (held := target.read_text()).startswith(COPIED):
+        if held != config:  # edited, or an older release's copy, which had no first line
+            print(f"entity-assets: {target} is not the copy of {source}, and is kept: delete it to take that "
+                  "file's settings", file=sys.stderr)
+            return
+    partial = target.with_name(f".dagster.yaml.{os.getpid()}")
+    partial.write_text(f"{COPIED}\n{config}")
+    os.replace(partial, target)
 
 
 def kafka_resource():

@@ -12,10 +12,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 
 export ENTITY_ASSETS_HOME=${ENTITY_ASSETS_HOME:-$PWD/.entity-assets}
-# The same Dagster instance as scripts/ui.sh, so the demo's runs show in the UI.
-export DAGSTER_HOME=$ENTITY_ASSETS_HOME/dagster
-mkdir -p "$DAGSTER_HOME"
-cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+# Without DAGSTER_HOME, the command takes the same Dagster instance as scripts/ui.sh, so the
+# demo's runs show in the UI: $ENTITY_ASSETS_HOME/dagster, with this repository's dagster.yaml.
+unset DAGSTER_HOME
 
 status=0
 .venv/bin/entity-assets demo "$@" || status=$?

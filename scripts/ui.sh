@@ -22,7 +22,9 @@ if [ -z "${ENTITY_ASSETS_SPARK_MASTER:-}" ]; then
     ENTITY_ASSETS_SPARK_MASTER=$(.venv/bin/entity-assets spark start)
     export ENTITY_ASSETS_SPARK_MASTER
 fi
-cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+# this repository's dagster.yaml, unless the copy there was made the user's (entity_assets/cli.py)
+.venv/bin/python -c 'import sys, pathlib; from entity_assets.cli import instance_config
+instance_config(pathlib.Path(sys.argv[1]))' "$DAGSTER_HOME"
 # The lake pool's limit (dagster.yaml, entity_assets/partitions.py) set before the daemon starts:
 # a limit that only dagster.yaml's default gives is created by the first dequeue that sees the pool,
 # which does not apply it yet, so the runs queued before it would all start at once.

@@ -260,6 +260,30 @@ def test_an_empty_dagster_home_gets_the_project_homes(monkeypatch, tmp_path):
     assert (tmp_path / "dagster" / "dagster.yaml").exists()
 
 
+def test_the_project_home_s_instance_config_is_the_repository_s_unless_the_user_made_it_theirs(
+        monkeypatch, tmp_path, capsys):
+    """Each command copies the repository's dagster.yaml into the project home's instance, so an
+    upgrade's settings reach it; a Postgres storage written there once went at the next command."""
+    config = tmp_path / "dagster" / "dagster.yaml"
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+
+    def prepare() -> str:
+        monkeypatch.setenv("DAGSTER_HOME", "")
+        cli.prepare_environment()
+        return config.read_text()
+
+    repository = (cli.REPO / "dagster.yaml").read_text()
+    assert prepare() == f"{cli.COPIED}\n{repository}"
+    config.write_text(f"{cli.COPIED}\nstorage: {{}}\n")  # edited below the line that says it is replaced
+    assert prepare() == f"{cli.COPIED}\n{repository}"
+    config.write_text("storage:\n  postgres: {}\n")  # the user's own
+    assert prepare() == "storage:\n  postgres: {}\n"
+    assert "is not the copy of" in capsys.readouterr().err
+    config.write_text(repository)  # an older release's copy of the same file: the project's still
+    assert prepare() == f"{cli.COPIED}\n{repository}" and not capsys.readouterr().err
+
+
 def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(broker, monkeypatch, tmp_path, capsys):
     """A bad line, a missing file or a topic the cluster lacks is said on one line, status 2, and
     nothing is produced: a broker that creates topics on first use would make a misspelt one."""
