@@ -31,6 +31,11 @@ from entity_assets.partitions import LAKE_POOL
 WORKER_TAG = "entity-assets/worker"
 """`host:pid` of the process running a run, for runs not launched through a code server."""
 
+LAUNCHED_ON_TAG = "entity-assets/launched-on"
+"""The host whose launcher started a run through a code server: the code server's `localhost`
+(or Unix socket) is that host's, not the one of a process reading the run (`entity-assets run`
+elsewhere, on a shared instance)."""
+
 _STARTED = "Started process for run (pid: "
 UNFINISHED = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
               DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -64,6 +69,8 @@ def run_worker(instance: DagsterInstance, run: DagsterRun) -> tuple[int, float] 
     info = json.loads(grpc)
     if "socket" not in info and not _local(info.get("host", "")):
         return None
+    if run.tags.get(LAUNCHED_ON_TAG, socket.gethostname()) != socket.gethostname():
+        return None  # `localhost` of another host (a run launched before the tag was: as this host's)
     for record in instance.get_records_for_run(
         run.run_id, of_type=DagsterEventType.ENGINE_EVENT, limit=50
     ).records:
@@ -115,6 +122,10 @@ class LocalRunLauncher(DefaultRunLauncher):
     def check_run_worker_health(self, run: DagsterRun) -> CheckRunHealthResult:
         return check_worker(self._instance, run)
 
+    def launch_run(self, context) -> None:
+        self._instance.add_run_tags(context.dagster_run.run_id, {LAUNCHED_ON_TAG: socket.gethostname()})
+        super().launch_run(context)
+
     def terminate(self, run_id: str) -> bool:
         """A run of `entity-assets run` is interrupted in its process, as Ctrl-C would: the
         default launcher finds no code server to ask, so run monitoring would mark the run
@@ -141,6 +152,12 @@ def settle_runs(instance: DagsterInstance, sensor_name: str) -> list[str]:
     a history, another location's job) would not.
     """
     reasons = []
+    heartbeat = instance.get_daemon_heartbeats().get("SENSOR")
+    on = [s for s in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
+          if s.name == sensor_name and s.status == InstigatorStatus.RUNNING]
+    if on and heartbeat and time.time() - heartbeat.timestamp < DAEMON_HEARTBEAT_SECONDS:
+        # its run monitoring fails its dead runs: failed from here, a live one of another host would free the pool
+        return [f"sensor {sensor_name} is on and a daemon is running it"]
     for record in instance.get_run_records(RunsFilter(statuses=UNFINISHED)):
         run = record.dagster_run
         pools = run.run_op_concurrency.all_pools if run.run_op_concurrency else None  # None: no step in a pool
@@ -153,9 +170,4 @@ def settle_runs(instance: DagsterInstance, sensor_name: str) -> list[str]:
                 continue
         reasons.append(f"run {run.run_id} ({run.job_name}, slice {run.tags.get('dagster/partition', '-')}) "
                        f"is {run.status.value}")
-    heartbeat = instance.get_daemon_heartbeats().get("SENSOR")
-    on = [s for s in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
-          if s.name == sensor_name and s.status == InstigatorStatus.RUNNING]
-    if on and heartbeat and time.time() - heartbeat.timestamp < DAEMON_HEARTBEAT_SECONDS:
-        reasons.append(f"sensor {sensor_name} is on and a daemon is running it")
     return reasons

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -21,6 +22,7 @@ from entity_assets import samples
 from entity_assets.cli import produce_records
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import ensure_topics
+from entity_assets.launcher import LAUNCHED_ON_TAG
 from entity_assets.publish import STREAMS
 from entity_assets.spark_connect import SESSION_ID, LocalSparkConnect
 from resources import KafkaResource, LakeResource
@@ -63,6 +65,8 @@ def _one_at_a_time_in_order(records) -> list[str]:
         assert before.end_time <= after.start_time, "two runs of the lake pool overlapped"
     keys = [r.dagster_run.tags["dagster/partition"] for r in records]
     assert keys == sorted(keys), f"slices ran in the order {keys}"
+    # the launcher names its host: a code server's localhost is that host's (launcher.check_worker)
+    assert {r.dagster_run.tags.get(LAUNCHED_ON_TAG) for r in records} == {socket.gethostname()}
     return keys
 
 

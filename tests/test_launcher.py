@@ -14,7 +14,8 @@ from dagster._core.launcher import WorkerStatus
 from dagster._core.storage.tags import GRPC_INFO_TAG
 from dagster._core.test_utils import create_run_for_test
 
-from entity_assets.launcher import WORKER_TAG, LocalRunLauncher, check_worker, process_alive, settle_runs
+from entity_assets.launcher import (LAUNCHED_ON_TAG, WORKER_TAG, LocalRunLauncher, check_worker, process_alive,
+                                    settle_runs)
 
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -65,6 +66,31 @@ def test_the_cli_fails_dead_runs_and_waits_for_live_or_starting_ones(project_ins
     reasons = settle_runs(instance, "kafka_offsets_sensor")
     assert {r.split()[1] for r in reasons} == {live.run_id, starting.run_id}
     assert instance.get_run_by_id(live.run_id).status == DagsterRunStatus.STARTED
+
+
+def test_the_cli_fails_no_run_of_another_host_nor_any_while_a_daemon_runs_the_sensor(project_instance, monkeypatch):
+    """On an instance shared by hosts, a code server's `localhost` is the launching host's: from
+    another host, `entity-assets run` took a live run for dead, failed it and freed the pool."""
+    from types import SimpleNamespace
+
+    from dagster._core.scheduler.instigation import InstigatorStatus
+
+    from entity_assets.definitions import defs
+
+    instance = project_instance
+    elsewhere = create_run_for_test(instance, status=DagsterRunStatus.STARTED, tags={
+        GRPC_INFO_TAG: json.dumps({"host": "localhost", "port": 4266}), LAUNCHED_ON_TAG: "daemon-host"})
+    instance.report_engine_event(f"Started process for run (pid: {_dead_pid()}).", elsewhere,
+                                 EngineEventData.in_process(1))
+    assert check_worker(instance, elsewhere).status == WorkerStatus.RUNNING  # not checkable from here
+    dead = instance.create_run_for_job(job_def=defs.resolve_job_def("slice_job"), status=DagsterRunStatus.STARTED,
+                                       tags={WORKER_TAG: f"{socket.gethostname()}:{_dead_pid()}"})
+    monkeypatch.setattr(instance, "get_daemon_heartbeats", lambda: {"SENSOR": SimpleNamespace(timestamp=time.time())})
+    monkeypatch.setattr(instance, "all_instigator_state", lambda **_: [
+        SimpleNamespace(name="kafka_offsets_sensor", status=InstigatorStatus.RUNNING)])
+    assert settle_runs(instance, "kafka_offsets_sensor") == ["sensor kafka_offsets_sensor is on and a daemon is "
+                                                             "running it"]
+    assert instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.STARTED  # the daemon's monitoring's to fail
 
 
 SLOW_CLI_RUN = """
