@@ -498,6 +498,34 @@ def cmd_run(args) -> int:
     return _run_all(lambda: run_slices(int(first), int(last or first), assets=assets, republish=args.republish))
 
 
+def cmd_maintenance(args) -> int:
+    """`lake_maintenance` in this process, for a deployment that runs slices without the daemon
+    (cron and `run`), whose schedule then never fires; in the lake pool, and only when no slice
+    is being applied elsewhere, as `run` (a vacuum deletes files a running slice has not committed)."""
+    from entity_assets.definitions import build_resources
+    from entity_assets.launcher import worker_tag
+    from entity_assets.maintenance import lake_maintenance
+
+    def maintain() -> list[dict]:
+        result = lake_maintenance.execute_in_process(instance=_instance_for_runs(), tags=worker_tag(),
+                                                     resources={"lake": build_resources()["lake"]},
+                                                     raise_on_error=False)
+        vacuumed = sum(o.metadata["vacuumed_files"].value + o.metadata["expired_log_files"].value
+                       for o in _observations(result))
+        print(f"lake_maintenance: {'done' if result.success else 'failed'} (run {result.run_id}): {vacuumed} file(s) "
+              "of the asset tables deleted")
+        return [{"success": result.success}]
+
+    return _run_all(maintain)
+
+
+def _observations(result) -> list:
+    from dagster import DagsterEventType
+
+    return [e.event_specific_data.asset_observation for e in result.all_events
+            if e.event_type == DagsterEventType.ASSET_OBSERVATION]
+
+
 def lake_summary() -> dict[str, dict]:
     from entity_assets.definitions import build_resources
 
@@ -734,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--republish", action="store_true",
                      help="with --slices: publish slices older than the newest published too (their messages "
                           "overtake newer ones of the same keys), e.g. messages left out as too large")
+    sub.add_parser("maintenance", help="vacuum the lake and expire its old log files (lake_maintenance), as the "
+                                       "daemon's daily schedule does, for deployments without the daemon")
     sub.add_parser("summary", help="rows per table and dead letters per code")
     trace_ = sub.add_parser("trace", help="one input record's rows in every table, down to the notified devices' inboxes")
     trace_.add_argument("record", metavar="TOPIC:PARTITION:OFFSET",
@@ -758,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--partitions", type=_at_least(1), default=4)
     demo.add_argument("--cdc-rows", type=_at_least(1), default=100, help="rows of each sample CDC projection")
     args = parser.parse_args(argv)
-    handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "summary": cmd_summary,
+    handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "maintenance": cmd_maintenance, "summary": cmd_summary,
                "trace": cmd_trace, "changes": cmd_changes, "history": cmd_history,
                "demo": cmd_demo}
     try:

@@ -792,3 +792,27 @@ def test_the_readme_s_demo_command_runs_the_whole_graph_twice_on_one_home(tmp_pa
     finally:
         subprocess.run([str(repo / ".venv" / "bin" / "entity-assets"), "broker", "stop"], cwd=repo, env=env,
                        capture_output=True, timeout=120)
+
+
+def test_maintenance_vacuums_the_lake_without_the_daemon(monkeypatch, tmp_path, capsys):
+    """A deployment of cron and `run` has no daemon to fire the daily schedule: `maintenance`
+    runs lake_maintenance in the lake pool, as the schedule would."""
+    from dagster import DagsterInstance
+
+    from entity_assets.storage import DeltaRsEngine, FileWriter
+    from entity_assets.tables import SCHEMAS
+
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", "")
+    monkeypatch.setenv("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "0")
+    engine = DeltaRsEngine(str(tmp_path / "lake"))
+    engine.ensure("dead_letters", SCHEMAS["dead_letters"])
+    orphan = FileWriter("dead_letters", engine.uri("dead_letters"), SCHEMAS["dead_letters"], "0000000001")
+    orphan.append({"slice": "0000000001", "stream": "entity-batches", "code": "GENERR001", "reason": "r",
+                   "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": 0, "kafka_timestamp": 1})
+    [written] = orphan.close()  # a failed run's file, never committed
+    assert cli.main(["maintenance"]) == 0
+    assert "lake_maintenance: done" in capsys.readouterr().out
+    assert not (tmp_path / "lake" / "dead_letters" / written.path).exists()
+    [run] = DagsterInstance.get().get_runs()
+    assert run.job_name == "lake_maintenance" and "entity-assets/worker" in run.tags
