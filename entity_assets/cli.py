@@ -181,15 +181,15 @@ def produce_records(records, kafka=None, streams: set[str] | None = None) -> Cou
 
     Kafka is asked for its metadata first: a producer would wait minutes for a broker that is
     not there before it failed. `streams`, when given, must all have their topic already: a
-    misspelt one would be created by a broker that creates topics on first use, and never read."""
+    misspelt one, or one under a new prefix, would be created by a broker that creates topics on
+    first use, with its defaults, or never read."""
     from entity_assets.kafka_io import cluster_metadata, produce
 
     kafka = kafka or kafka_resource()
     held = cluster_metadata(kafka.config()).topics
     if missing := sorted(kafka.topic_named(s) for s in streams or () if kafka.topic_named(s) not in held):
-        raise UsageError(f"no topic {', '.join(missing)} on the cluster: give an input stream "
-                         f"({', '.join(INPUT_STREAMS)}) or an ingestion topic that exists "
-                         "(`entity-assets topics` creates the input topics)")
+        raise UsageError(f"no topic {', '.join(missing)} on the cluster: `entity-assets topics` creates the input "
+                         f"topics ({', '.join(INPUT_STREAMS)}); a connector creates its ingestion topics")
     counts: Counter = Counter()
     # streamed, one producer per run of records of one stream: memory stays flat in N
     for stream, run in groupby(records, key=lambda r: r[0]):
@@ -246,7 +246,7 @@ def cmd_produce(args) -> int:
         counts = produce_records(_file_records(args.path),
                                  streams={stream for stream, _, _ in _file_records(args.path)})
     elif args.source == "seed":
-        counts = produce_records(samples.seed_records())
+        counts = produce_records(samples.seed_records(), streams=set(INPUT_STREAMS))
     else:
         zones = tuple(f"zone-{i}" for i in range(args.zones)) if args.zones else samples.BatchTraffic.zones
         traffic = samples.BatchTraffic(patches=args.patches, entities=args.entities, ops=args.ops, seed=args.seed,
@@ -256,9 +256,9 @@ def cmd_produce(args) -> int:
         if args.source == "acks":
             if not args.devices:
                 raise UsageError("produce acks needs --devices: the sample's devices, every third of which acknowledges")
-            counts = produce_records(traffic.acks())
+            counts = produce_records(traffic.acks(), streams=set(INPUT_STREAMS))
         else:
-            counts = produce_records(traffic.changes() if args.devices else traffic.records())
+            counts = produce_records(traffic.changes() if args.devices else traffic.records(), streams=set(INPUT_STREAMS))
         if args.bad:
             counts += produce_records(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))
     _say_produced(counts)

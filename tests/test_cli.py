@@ -309,6 +309,12 @@ def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(br
     assert cli.main(["produce", "file", str(tmp_path / "missing.jsonl")]) == 2
     assert "No such file or directory" in capsys.readouterr().err
     assert cli.main(["produce", "file"]) == 2
+    # the samples need the input topics too: under a new prefix a broker would create them with its defaults
+    monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", f"new-{prefix}")
+    assert cli.main(["produce", "sample", "--patches", "5"]) == 2
+    assert f"no topic new-{prefix}connections, new-{prefix}entity-batches" in capsys.readouterr().err
+    assert partition_counts(config, [f"new-{prefix}entity-batches"]) == {}
+    monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", prefix)
     path.write_text(good + "\n")
     assert cli.main(["produce", "file", str(path)]) == 0
     assert capsys.readouterr().out == "produced 1 to connections\n"
