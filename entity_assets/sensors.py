@@ -28,6 +28,9 @@ class Cursor(NamedTuple):
     """When the last slice closed (ms)."""
     lag: dict | None = None
     """What the last lag report said (`report_lag`)."""
+    adopted: int = 0
+    """The last slice this instance took as done without running it (`adopted`): a lake restored
+    behind it lacks slices whose runs another instance made."""
 
 
 def load_cursor(raw: str | None) -> Cursor:
@@ -35,7 +38,7 @@ def load_cursor(raw: str | None) -> Cursor:
         return Cursor(0, {}, None)
     data = json.loads(raw)
     positions = {(tp.rsplit("|", 1)[0], int(tp.rsplit("|", 1)[1])): off for tp, off in data["next"].items()}
-    return Cursor(data["seq"], positions, data.get("closed_at"), data.get("lag"))
+    return Cursor(data["seq"], positions, data.get("closed_at"), data.get("lag"), data.get("adopted", 0))
 
 
 def not_the_lake(root: str, ran: str) -> str:
@@ -46,9 +49,9 @@ def not_the_lake(root: str, ran: str) -> str:
             "this lake from the first offsets Kafka holds, use a new Dagster instance (DAGSTER_HOME)")
 
 
-def dump_cursor(seq: int, positions: dict, closed_at: int | None, lag: dict | None = None) -> str:
+def dump_cursor(seq: int, positions: dict, closed_at: int | None, lag: dict | None = None, adopted: int = 0) -> str:
     return json.dumps({"seq": seq, "next": {f"{t}|{p}": off for (t, p), off in sorted(positions.items())},
-                       "closed_at": closed_at, **({"lag": lag} if lag else {})})
+                       "closed_at": closed_at, **({"lag": lag} if lag else {}), **({"adopted": adopted} if adopted else {})})
 
 
 @sensor(job=slice_job, minimum_interval_seconds=30, description="Closes a slice of new Kafka offsets and requests its run.")
@@ -67,7 +70,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     """
     engine = lake.open(snapshot=True)
     store = ManifestStore(engine)
-    cursor_seq, positions, closed_at, reported = load_cursor(context.cursor)
+    cursor_seq, positions, closed_at, reported, taken = load_cursor(context.cursor)
     latest = store.latest_seq()
     if not latest and cursor_seq:
         said = not_the_lake(engine.root, f"this sensor closed {cursor_seq}") + (
@@ -121,12 +124,12 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         now = int(time.time() * 1000)
         requested.update({seq: f"{run_key(slice_key(seq), closed)}~{now}" for seq, closed in healed.items()})
     if new or latest > cursor_seq:
-        requested.update({seq: key for seq, key in _to_run_again(
-            context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new}, set(healed)).items()
-            if seq not in requested})
+        again, taken = _to_run_again(context, store, lake, cursor_seq, last, {m.seq: m.closed_at for m in new},
+                                     set(healed), taken)
+        requested.update({seq: key for seq, key in again.items() if seq not in requested})
     keys = [slice_key(seq) for seq in sorted(requested)]
     observations, reported = report_lag(context.log.warning, context.instance, kafka, store, marks, last, reported)
-    cursor = dump_cursor(last, positions, closed_at, reported)
+    cursor = dump_cursor(last, positions, closed_at, reported, taken)
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
@@ -270,10 +273,11 @@ STOPPED = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
 
 
 def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq: int, last: int,
-                  closing: dict[int, int], healed: set[int]) -> dict[int, str]:
+                  closing: dict[int, int], healed: set[int], taken: int) -> tuple[dict[int, str], int]:
     """Run keys of the slices up to `last` that this tick did not close (`closing`: their
     closing times) and that are not done: past the cursor (a lost cursor, slices closed by
-    `entity-assets run`), or past what the lake's state holds (a lake restored from a backup).
+    `entity-assets run`), or past what the lake's state holds (a lake restored from a backup);
+    and the last slice this instance took as done (`taken`, from the cursor, or set now).
 
     Skipped: a slice done, and one below the cursor not done (requested already). A slice whose
     newest whole run (`newest_whole`) succeeded but that the lake lacks gets a run key of this
@@ -283,16 +287,19 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
     closed = {**store.closed_at(), **closing}
     first = min(cursor_seq, lake_holds(lake.open())) + 1
     if first > last:
-        return {}
+        return {}, taken
     runs = slice_runs(context.instance, {seq: closed[seq] for seq in range(first, last + 1)})
     holds = lake_holds(lake.open())  # again, after the runs: a run that succeeded since has committed its state
-    taken = adopted(runs, lake.open()) if cursor_seq == 0 else 0  # no cursor: `runs` are all of the slices'
-    if taken:
+    now_taken = adopted(runs, lake.open()) if cursor_seq == 0 else 0  # no cursor: `runs` are all of the slices'
+    if now_taken:
         context.log.warning(f"this instance has run no slice, and the lake's every state holds slices up to "
-                            f"{slice_key(taken)}: taken as done (a new Dagster instance over this lake)")
-    undone = {seq: closed[seq] for seq in range(max(min(cursor_seq, holds), taken) + 1, last + 1)
+                            f"{slice_key(now_taken)}: taken as done (a new Dagster instance over this lake)")
+        taken = now_taken
+    undone = {seq: closed[seq] for seq in range(max(min(cursor_seq, holds), now_taken) + 1, last + 1)
               if seq not in closing and not done(runs, seq, holds)}
     whole = newest_whole(context.instance, undone)
+    # a slice taken as done ran on another instance: one the lake lacks (restored behind it) runs again
+    whole.update({seq: DagsterRunStatus.SUCCESS for seq in undone if seq <= taken and seq not in whole})
     if DagsterRunStatus.SUCCESS in whole.values():
         # a run that succeeded since the runs were read committed its state before: look again
         holds = lake_holds(lake.open())
@@ -312,7 +319,7 @@ def _to_run_again(context, store: ManifestStore, lake: LakeResource, cursor_seq:
                                 "slices after it wait for it: re-run it from the UI (its failed steps, or the whole "
                                 "run), or turn this sensor off and run `entity-assets run --slices "
                                 f"{seq}` (it refuses beside a running sensor)")
-    return out
+    return out, taken
 
 
 MESSAGES_TAG = "entity-assets/messages"

@@ -982,12 +982,18 @@ def test_a_tick_that_loses_a_race_for_its_slice_commits_nothing(pipeline, monkey
     assert "entity_patches" in trail.rows and trail.notes == ["partial_responses: its slice's step has not run yet"]
 
 
-def test_a_new_instance_over_a_lake_runs_on_from_the_slices_the_lake_holds(make_pipeline):
+def test_a_new_instance_over_a_lake_runs_on_from_the_slices_the_lake_holds(make_pipeline, tmp_path):
     """From SQLite to Postgres, or a new DAGSTER_HOME: a new instance has run none of the slices
-    the lake holds. It takes those as done and runs the new ones, not every slice again."""
+    the lake holds. It takes those as done and runs the new ones, not every slice again; and a
+    lake restored behind them later runs them again, as slices the instance ran."""
+    import shutil
+
     first = make_pipeline(production_layout=True, max_messages=20)
     first.produce(traffic(50, seed=13))
-    assert [r.success for r in first.tick_and_run()] == [True, True, True]
+    runs = first.tick()
+    assert [first.run_request(r).success for r in runs[:2]] == [True, True]
+    shutil.copytree(first.lake.root, tmp_path / "backup")  # the lake as of slice 2
+    assert first.run_request(runs[2]).success
     first.produce(traffic(10, seed=14))
     moved = make_pipeline(production_layout=True, prefix=first.prefix, lake_root=first.lake.root, max_messages=20)
     assert moved.instance is not first.instance
@@ -995,6 +1001,12 @@ def test_a_new_instance_over_a_lake_runs_on_from_the_slices_the_lake_holds(make_
     assert [r.partition_key for r in requests] == [slice_key(4)]
     assert moved.run_request(requests[0]).success
     assert rows_of_slice(moved.read("entity_batches"), slice_key(4)).num_rows == 10
+    assert moved.tick() == []
+    shutil.rmtree(first.lake.root)
+    shutil.copytree(tmp_path / "backup", first.lake.root)  # restored behind the slices taken as done
+    again = moved.tick()
+    assert [r.partition_key for r in again] == [slice_key(3), slice_key(4)]  # slice 3 once lacked a request
+    assert all(moved.run_request(r).success for r in again)
     assert moved.tick() == []
 
 

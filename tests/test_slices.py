@@ -155,16 +155,17 @@ def test_manifest_arrow_round_trip():
 @pytest.mark.parametrize("closed_at", [None, NOW])
 @pytest.mark.parametrize("lag", [None, {"at": NOW, "holds": 3, "last": 7, "runs": 1.5, "committed": 3,
                                          "streams": ["entity-batches"]}])
-def test_cursor_round_trip(positions, closed_at, lag):
-    raw = dump_cursor(7, positions, closed_at, lag)
+@pytest.mark.parametrize("adopted", [0, 5])
+def test_cursor_round_trip(positions, closed_at, lag, adopted):
+    raw = dump_cursor(7, positions, closed_at, lag, adopted)
     assert isinstance(raw, str)
-    assert load_cursor(raw) == (7, positions, closed_at, lag)
+    assert load_cursor(raw) == (7, positions, closed_at, lag, adopted)
     assert dump_cursor(*load_cursor(raw)) == raw
 
 
 def test_cursor_of_a_new_sensor_is_empty():
-    assert load_cursor(None) == (0, {}, None, None)
-    assert load_cursor("") == (0, {}, None, None)
+    assert load_cursor(None) == (0, {}, None, None, 0)
+    assert load_cursor("") == (0, {}, None, None, 0)
 
 
 def test_the_lake_has_read_each_partition_to_the_last_slice_done_or_from_its_first_offset():
@@ -178,7 +179,7 @@ def test_the_lake_has_read_each_partition_to_the_last_slice_done_or_from_its_fir
 
 def test_cursor_and_manifest_agree_on_the_next_start():
     [s] = plan({A0: 2}, {A0: 9, A1: 4})
-    seq, positions, closed_at, _ = load_cursor(dump_cursor(s.seq, s.positions(), s.closed_at))
+    seq, positions, closed_at, _, _ = load_cursor(dump_cursor(s.seq, s.positions(), s.closed_at))
     [nxt] = plan(positions, {A0: 12, A1: 4}, next_seq=seq + 1, last_closed_at=closed_at, interval=0)
     assert nxt.seq == 2
     assert {(r.topic, r.partition): r.start for r in nxt.ranges} == s.positions()
