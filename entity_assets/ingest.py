@@ -14,6 +14,7 @@ from functools import cached_property, partial
 from operator import attrgetter
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel
 
 from entity_assets import adapters, qlik
@@ -256,12 +257,15 @@ def registry_before(engine, slice_key: str) -> dict[str, qlik.Registered]:
     first registration of an id wins: an id names one schema)."""
     if not engine.exists("avro_schemas"):
         return {}
-    rows = engine.read("avro_schemas", columns=["slice", *qlik.REGISTRY_FIELDS]).to_pylist()
+    # Replicate sends a table's metadata again at each of its restarts: the ids first, then the
+    # rows of each id's first registration only, not every repeat's schema text
+    ids = engine.read("avro_schemas", columns=["slice", "schemaId"])
+    ids = ids.filter(pc.less(ids.column("slice"), slice_key)).group_by("schemaId").aggregate([("slice", "min")])
     registry: dict[str, qlik.Registered] = {}
-    for row in sorted(rows, key=lambda r: r["slice"]):
-        if row["slice"] < slice_key:
+    for first in sorted(set(ids.column("slice_min").to_pylist())):
+        for row in engine.read("avro_schemas", columns=["slice", *qlik.REGISTRY_FIELDS], where={"slice": first}).to_pylist():
             registry.setdefault(row["schemaId"], qlik.Registered.from_row(row))
-    return registry
+    return {schema_id: registry[schema_id] for schema_id in ids.column("schemaId").to_pylist()}
 
 
 def ingestion_stream(topic: str, prefix: str, sources: Mapping[str, adapters.Source]) -> IngestionStream | None:

@@ -230,3 +230,26 @@ def test_a_recursive_schema_is_a_dead_letter_not_a_crashed_worker(schema):
         fields = [{"name": f"g{i}", "type": f"T{depth}" if i else {"type": "record", "name": f"T{depth}",
                                                                    "fields": fields}} for i in range(3)]
     assert qlik._schema(json.dumps({"type": "record", "name": "R", "fields": fields}), "dataSchema")
+
+
+def test_the_registry_before_a_slice_holds_each_id_s_first_registration(tmp_path):
+    """Replicate sends a table's metadata again at each restart: the registry reads the ids, then
+    the rows of each id's first registration, not every repeat's schema text."""
+    from entity_assets.ingest import registry_before
+    from entity_assets.storage import DeltaRsEngine, FileWriter
+    from entity_assets.tables import SCHEMAS
+
+    engine, table = DeltaRsEngine(str(tmp_path)), "avro_schemas"
+    engine.ensure(table, SCHEMAS[table])
+    registrations = {1: [("a", "A1"), ("b", "B1")], 2: [("a", "A2"), ("c", "C2")], 3: [("d", "D3")]}
+    for seq, rows in registrations.items():
+        key = f"{seq:010d}"
+        writer = FileWriter(table, engine.uri(table), SCHEMAS[table], key)
+        for schema_id, text in rows:
+            writer.append({"slice": key, "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": seq,
+                           "kafka_timestamp": 1, **dict(zip(qlik.REGISTRY_FIELDS, qlik.Registered(
+                               schema_id, text, "T", ("ID",)).values("hr")))})
+        engine.replace_slice(table, SCHEMAS[table], writer.close(), key)
+    registry = registry_before(engine, "0000000003")
+    assert {schema_id: r.data_schema for schema_id, r in registry.items()} == {"a": "A1", "b": "B1", "c": "C2"}
+    assert registry["a"].primary_key == ("ID",) and registry_before(engine, "0000000001") == {}

@@ -258,9 +258,9 @@ def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, k
     copy, so they stay as they are and the steps after this one run on them. The other tables (a
     run that failed between its commits) take what Kafka still holds, and a dead letter for each
     span gone."""
-    letters = [r["reason"] for f in files.get("dead_letters", [])
-               for r in read_table(f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options).to_pylist()
-               if r["code"] == DeadLetterCode.EXPIRED.value]
+    letters = [reason for f in files.get("dead_letters", []) for reason in read_table(
+        f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options, columns=["code", "reason"],
+        filters=[("code", "=", DeadLetterCode.EXPIRED.value)]).column("reason").to_pylist()]
     said = letters[:3] + (["..."] if len(letters) > 3 else []) + ([fewer] if fewer else [])
     files.setdefault("schema_waits", []).extend(files.pop(HELD, []))  # they wait, as in a slice with no new schema
     _discard(engine, {table: files.pop(table, []) for table in kept})
@@ -287,7 +287,9 @@ def _letters(engine, slice_key: str, dead: int) -> Counter:
     if not dead:
         return Counter()
     rows = engine.read("dead_letters", columns=["slice", "stream", "code"], where={"slice": slice_key})
-    return Counter((r["stream"], r["code"]) for r in rows.to_pylist())  # `where` kept the slice's rows only
+    counts = rows.group_by(["stream", "code"]).aggregate([([], "count_all")])  # in Arrow: a backlog's may be millions
+    return Counter({(stream, code): n for stream, code, n in zip(*(counts.column(c).to_pylist() for c in (
+        "stream", "code", "count_all")))})
 
 
 NOT_THE_PRODUCERS = (DeadLetterCode.EXPIRED.value, DeadLetterCode.UNEXPECTED.value)
