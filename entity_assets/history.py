@@ -88,8 +88,9 @@ def entity_history(engine: DeltaRsEngine, dbid: str, collection: str, zone: str,
 
     state = engine.state_rows("entities", core.ENTITY_KEY, {key}, [bucket])
     updates, at = [], state[0]["slice"] if state else None
+    files_of = engine.slice_finder("entity_updates")  # an entity may have changed in thousands of slices
     while at is not None:
-        found = read(engine.slice_files("entity_updates", [at]))
+        found = read(files_of(at))
         updates += found
         if not found or found[0]["bucket"] is None:
             older = [f for f in engine.files("entity_updates") if f.min.get("slice", "") < at]  # no later file

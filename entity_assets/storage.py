@@ -819,6 +819,19 @@ class DeltaRsEngine:
         keys = pa.array(sorted(set(slice_keys)), low.type)
         return self._table_files(actions.filter(pc.and_(pc.is_in(low, value_set=keys), pc.equal(low, high))), dt)
 
+    def slice_finder(self, table: str) -> Callable[[str], list[TableFile]]:
+        """`slice_files` of one slice at a time, for many calls on one snapshot (a history walking
+        an entity's slices): its files are listed and indexed by slice once, not at each call."""
+        actions, dt = self._actions(table)
+        if f"min.{SLICE}" not in actions.column_names:
+            return lambda slice_key: []
+        low, high = actions[f"min.{SLICE}"], actions[f"max.{SLICE}"]
+        single = actions.filter(pc.equal(low, high))
+        rows: dict[str, list[int]] = {}
+        for i, key in enumerate(single[f"min.{SLICE}"].to_pylist()):
+            rows.setdefault(key, []).append(i)
+        return lambda slice_key: self._table_files(single.take(pa.array(rows.get(slice_key, []), pa.int64())), dt)
+
     def _actions(self, table: str, version: int | None = None, layout: pa.Schema | None = None):
         """The snapshot's add actions with the statistics some file has (most columns have none),
         and the snapshot's handle."""
