@@ -144,6 +144,18 @@ def test_a_subscription_moved_to_another_zone_is_a_zone_change_in_both_zones(lak
     assert counters(report) == {"subjectZone:B": 1, "subjectZone:A": 1}
 
 
+def test_a_zone_changes_task_counts_its_busiest_zones_and_how_many_others(lake, monkeypatch):
+    """A zone per user would send the driver every task's every zone (a million, 1 GB)."""
+    monkeypatch.setattr(fold, "ZONES_COUNTED", 2)
+    lake.fold("0000000001", lake.explode("0000000001", [
+        {"begun": 10, "patches": [patch(f"e{i}", add("n", i), zone=zone) for i, zone in enumerate("AABBBC")]}]))
+    report = list(fold.over_files(iter([{"files": lake.files("0000000001", "entity_updates")}]),
+                                  body=fold.zone_changes_task, slice_key="0000000001",
+                                  uris=lake.uris("0000000001"), storage_options=None))
+    assert counters(report) == {"subjectZone:B": 3, "subjectZone:A": 2, fold.ZONES_UNCOUNTED: 1}
+    assert len(lake.rows("0000000001", "zone_changes")) == 6  # every row written all the same
+
+
 def test_a_device_s_new_app_version_moves_it_from_its_old_version_s_count(lake, tmp_path):
     def connections(slice_key: str, *versions: tuple[str, str, int]) -> list[dict]:
         path = tmp_path / f"connections-{slice_key}.parquet"

@@ -66,8 +66,11 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
     shown_zones = Counter()  # a zone's name is as long as a client made it: long ones cut (and alike cut, added up)
     for zone, n in zones[:TOP_ZONES]:
         shown_zones[shown(zone)] += n
+    # each task counts its busiest zones (fold.ZONES_COUNTED): past them, a zone's count and the
+    # zone count are each task's counted ones, and `zones_uncounted` says how many it left out
     return MaterializeResult(metadata=_metadata(
         engine, "zone_changes", summary, zone_count=MetadataValue.int(len(zones)),
+        zones_uncounted=MetadataValue.int(counts.get(fold.ZONES_UNCOUNTED, 0)),
         zones=MetadataValue.json(dict(shown_zones))),
         check_results=[undeliverable_check("zone_changes", counts, summary["undeliverable"])])
 
