@@ -213,7 +213,7 @@ are dropped)."""
 _OP_NAMES = frozenset(name for op in (ValueOp, RemoveOp, FromOp) for name in get_args(get_type_hints(op)["op"]))
 
 # Serialized as the dicts they are: exclude_none must not drop a null ``value``.
-Ops = Annotated[list[PatchOp], Field(min_length=1), PlainSerializer(list, return_type=list[Any])]
+Ops = Annotated[list[PatchOp], Field(min_length=1, fail_fast=True), PlainSerializer(list, return_type=list[Any])]
 
 
 class PatchSpec(TypedDict):
@@ -237,7 +237,7 @@ class EntityBatch(_DbModel):
     user: Name
     dbid: Name = _dbid()
     begun: Long
-    patches: Annotated[list[PatchSpec], Field(min_length=1)]
+    patches: Annotated[list[PatchSpec], Field(min_length=1, fail_fast=True)]
     learning: Flag = False
     includeBefore: Flag = False
     includeAfter: Flag = False
@@ -405,7 +405,7 @@ class NotificationAck(_DbModel):
     dbid: Name = _dbid()
     user: Name
     device: Name
-    notifications: list[Name] | None = None
+    notifications: Annotated[list[Name], Field(fail_fast=True)] | None = None
     upTo: Long | None = None
     begun: Long
 
@@ -440,7 +440,7 @@ class ZoneSubscription(_Model):
     subjectCollection: Name | None = None
     device: Name
     user: Name
-    actions: Annotated[list[Action], Field(min_length=1), _null_reads_as(_all_actions)] = Field(
+    actions: Annotated[list[Action], Field(min_length=1, fail_fast=True), _null_reads_as(_all_actions)] = Field(
         default_factory=_all_actions
     )
 

@@ -768,3 +768,18 @@ def test_json_nested_past_the_parser_s_limit_is_a_bad_format_not_malformed_json(
     with pytest.raises(InvalidMessage) as caught:
         adapters._json(b'{"a": ', "value")
     assert caught.value.code is DeadLetterCode.MALFORMED_JSON
+
+
+@pytest.mark.parametrize("model, value", [
+    (EntityBatch, {"clientid": str(uuid.uuid4()), "request": 1, "user": "u", "dbid": "d", "begun": 1, "parts": 1,
+                   "patches": [{}] * 200_000}),
+    (EntityBatch, {"clientid": str(uuid.uuid4()), "request": 1, "user": "u", "dbid": "d", "begun": 1, "parts": 1,
+                   "patches": [{"collection": "C", "zone": "z", "entity": "e", "ops": [{}] * 200_000}]}),
+    (NotificationAck, {"dbid": "d", "user": "u", "device": "x", "begun": 1, "notifications": [1] * 200_000}),
+])
+def test_a_list_of_bad_items_stops_at_its_first(model, value):
+    """Every bad item was an error object: a 1 MB message of empty patches took 8 s and 1.3 GB of
+    memory in its task before it became a dead letter with three reasons."""
+    with pytest.raises(InvalidMessage) as caught:
+        parse_message(model, json.dumps(value).encode())
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "more)" not in caught.value.reason.replace("+1 more)", "")
