@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import fastavro
+import fastavro.read
 from pydantic import BaseModel, ConfigDict
 
 from entity_assets import messages as m
@@ -164,6 +165,25 @@ def envelope(raw: bytes) -> Envelope:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT,
                                "envelope: exactly one of messageSchema and messageSchemaId must be set")
     return env
+
+
+MAX_DECIMAL_BYTES = 128
+"""The bytes of an Avro decimal read at most (308 digits): fastavro's conversion of a decimal
+costs the square of its bytes, so one 1 MB record would hold a task 90 s."""
+
+
+def _bounded(read_decimal):
+    def read(data, writer_schema=None, reader_schema=None):
+        if len(data) > MAX_DECIMAL_BYTES:
+            raise ValueError(f"a decimal of {len(data)} bytes, past {MAX_DECIMAL_BYTES}")
+        return read_decimal(data, writer_schema, reader_schema)
+    return read
+
+
+# fastavro's readers of every logical type are one table of the library's (`fastavro.read`'s,
+# which its compiled reader shares): the decimals' are bounded there, for every schema decoded
+for _kind in ("bytes-decimal", "fixed-decimal"):
+    fastavro.read.LOGICAL_READERS[_kind] = _bounded(fastavro.read.LOGICAL_READERS[_kind])
 
 
 def _avro(raw: bytes, schema, what: str) -> Any:

@@ -253,3 +253,23 @@ def test_the_registry_before_a_slice_holds_each_id_s_first_registration(tmp_path
     registry = registry_before(engine, "0000000003")
     assert {schema_id: r.data_schema for schema_id, r in registry.items()} == {"a": "A1", "b": "B1", "c": "C2"}
     assert registry["a"].primary_key == ("ID",) and registry_before(engine, "0000000001") == {}
+
+
+def test_a_decimal_past_308_digits_is_a_dead_letter_not_minutes_of_a_task():
+    """fastavro converts a decimal in the square of its bytes: a 1 MB record's one decimal held its
+    task 90 s, at every run of the slice."""
+    amount = {"type": "bytes", "logicalType": "decimal", "precision": 38, "scale": 2}
+    sid = "f" * 32
+    decoder = qlik.Decoder({sid: qlik.Registered(sid, json.dumps(qlik.data_schema("T", {"ID": "long", "AMOUNT": amount})),
+                                                 "T", ("ID",))})
+
+    def insert(value: bytes):  # written as the bytes they are, read with the registered decimal
+        return decoder.decode(qlik.data_envelope(sid, qlik.data_schema("T", {"ID": "long", "AMOUNT": "bytes"}),
+                                                 "INSERT", {"ID": 1, "AMOUNT": value}))
+
+    row, *_ = insert((12345).to_bytes(2, "big"))
+    assert qlik.plain(row) == {"ID": 1, "AMOUNT": "123.45"}
+    assert qlik.plain(insert(b"\x7f" * qlik.MAX_DECIMAL_BYTES)[0])["AMOUNT"].endswith("E+305")  # 308 digits
+    with pytest.raises(InvalidMessage, match=f"a decimal of 100000 bytes, past {qlik.MAX_DECIMAL_BYTES}") as caught:
+        insert(b"\x7f" * 100_000)
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT
