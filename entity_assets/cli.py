@@ -594,12 +594,13 @@ def cmd_changes(args) -> int:
     if not engine.exists(args.table):
         raise SystemExit(f"entity-assets changes: the lake has no {args.table} table yet")
     from entity_assets.assets.common import STATE_APP
+    from entity_assets.trace import printable
 
     since = None if args.since is None else slice_key(int(args.since))
     version = engine.version(args.table)  # one snapshot: the rows, and the slice to go on from
     for table in engine.changes(args.table, since, version):
         for row in table.drop_columns(["bucket"]).to_pylist():
-            print(json.dumps(row, ensure_ascii=False))
+            print(printable(json.dumps(row, ensure_ascii=False)))  # a client's text as JSON escapes
     upto = engine.applied(args.table, STATE_APP, version)
     print(f"changes of {args.table} as of slice {slice_key(upto or 0)}: next, --since {upto or 0}", file=sys.stderr)
     return 0
@@ -608,6 +609,7 @@ def cmd_changes(args) -> int:
 def cmd_history(args) -> int:
     from entity_assets.definitions import build_resources
     from entity_assets.history import Diverged, as_of, entity_history
+    from entity_assets.trace import printable
 
     try:
         history = entity_history(build_resources()["lake"].open(), args.dbid, args.collection, args.zone, args.entity)
@@ -615,15 +617,15 @@ def cmd_history(args) -> int:
         raise SystemExit(f"entity-assets history: {exc}") from None
     if args.slice is None and args.at is None:
         for v in history:
-            print(json.dumps(v, ensure_ascii=False) if args.json else
+            print(printable(json.dumps(v, ensure_ascii=False) if args.json else
                   f"v{v['version']}  slice {v['slice']}  valid {v['valid_from']}..{v['valid_to'] or ''}  {v['action']} "
                   f"by {v['clientid']}/{v['request']}/{v['part']}  "
-                  + ("(deleted)" if v["deleted"] else json.dumps(v["document"], ensure_ascii=False)))
+                  + ("(deleted)" if v["deleted"] else json.dumps(v["document"], ensure_ascii=False))))
     else:
         found = as_of(history, slice=args.slice, time=args.at)
         if found is not None:
-            print(json.dumps(found, ensure_ascii=False) if args.json else
-                  json.dumps(found["document"], ensure_ascii=False))
+            print(printable(json.dumps(found, ensure_ascii=False) if args.json else
+                  json.dumps(found["document"], ensure_ascii=False)))
             return 0
     if not history:  # silence would not tell a mistyped key from an entity not there yet
         print(f"entity-assets history: no version of {args.dbid}/{args.collection}/{args.zone}/{args.entity} in "

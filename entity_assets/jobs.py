@@ -7,7 +7,7 @@ from dagster import AssetSelection, Config, Failure, MetadataValue, Nothing, OpE
     define_asset_job, job, op
 from pydantic import Field
 
-from entity_assets.assets.common import md_cell
+from entity_assets.assets.common import fenced, md_cell
 from entity_assets.history import Diverged, as_of, entity_history
 from entity_assets.trace import format_trail, parse_record, trace
 from resources import KafkaResource, LakeResource
@@ -44,7 +44,7 @@ def trace_record(context: OpExecutionContext, config: TraceConfig, lake: LakeRes
         "devices": MetadataValue.json({"count": len(trail.inboxes), "first": [
             {**inbox, "notifications": inbox["notifications"][:SHOWN_ROWS],
              "unacknowledged": inbox["unacknowledged"][:SHOWN_ROWS]} for inbox in trail.inboxes[:SHOWN_ROWS]]}),
-        "trail": MetadataValue.md(f"```\n{text}\n```"),
+        "trail": MetadataValue.md(fenced(text)),
         "states": MetadataValue.json({t: [{k: v for k, v in r.items() if k != "document"} for r in rows[:SHOWN_ROWS]]
                                       for t, rows in trail.states.items()})})
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -269,7 +270,17 @@ def format_trail(trail: Trail, shown: int | None = None) -> str:
     lines += listed("device_notifications", trail.inboxes, lambda inbox: (
         f"device={inbox['device']} count after the slice={inbox['count_after_slice']} now={inbox['count_now']} "
         f"unacknowledged={len(inbox['unacknowledged'])} of {len(inbox['notifications'])}"))
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Client text for a terminal or a log: control characters (a line break, which would fake a
+    line; ESC, which would drive the terminal) and bidirectional overrides as `\\uXXXX`, the
+    escapes JSON text also takes."""
+    return _UNPRINTABLE.sub(lambda c: f"\\u{ord(c.group()):04x}", text)
 
 
 def _fields(row: dict, names: tuple[str, ...]) -> str:

@@ -915,3 +915,17 @@ def test_the_updates_preview_keeps_client_text_in_its_cell():
     from entity_assets.assets.common import md_cell
 
     assert md_cell('{"a": "x|y"}\nz\\') == '{"a": "x\\|y"} z\\\\'
+    # markdown's marks too: a client's entity id rendered a working link and a remote image
+    assert md_cell("[Sign in again](https://evil.example) ![](https://evil.example/px.png)") == (
+        "\\[Sign in again\\]\\(https://evil.example\\) \\!\\[\\]\\(https://evil.example/px.png\\)")
+
+
+def test_client_text_cannot_close_a_trail_s_fence_nor_drive_a_terminal():
+    """A `user` of "bob\\n```\\n[link](…)" closed trace_job's fence; ESC sequences in a dbid set the
+    operator's window title and cleared the screen of `entity-assets trace`."""
+    from entity_assets.assets.common import fenced
+    from entity_assets.trace import printable
+
+    assert fenced("user=bob ```` [x](y)") == "`````\nuser=bob ```` [x](y)\n`````"
+    assert printable("db\x1b]0;pwned\x07\nx\u202ey") == "db\\u001b]0;pwned\\u0007\\u000ax\\u202ey"
+    assert printable("é 名前") == "é 名前"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -173,8 +174,20 @@ def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]
 
 
 def md_cell(text: str) -> str:
-    """A markdown table cell of client text: a `|` or a line break would end the cell or the row."""
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    """A markdown table cell of client text: a `|` or a line break would end the cell or the row,
+    and markdown's own marks (`[x](url)`, `![](url)`, emphasis, code, HTML) would render a client's
+    link or remote image in the operator's UI: each is escaped."""
+    return _MARKS.sub(r"\\\g<0>", text).replace("\r", " ").replace("\n", " ")
+
+
+_MARKS = re.compile(r"[\\|\[\]()!<>*_`#~]")
+
+
+def fenced(text: str) -> str:
+    """Markdown of `text` as is, in a code fence longer than any run of backticks it holds (which
+    would close a fence of three and render what follows)."""
+    fence = "`" * max(3, max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    return f"{fence}\n{text}\n{fence}"
 
 
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
