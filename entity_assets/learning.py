@@ -60,6 +60,10 @@ _SYNONYMS = {
 }
 
 _FORMAT = 1  # version of the to_json layout, checked by from_json
+
+MAX_FIELDS = 1_000
+"""Field names a level of a summary keeps (the smallest): past them the learned type says
+`fieldsTruncated` (a document used as a map, a key per id, is no entity type's field list)."""
 _LONG = 2.0**63  # a whole number sent as a float is an INTEGER within a 64-bit integer's range
 
 
@@ -161,11 +165,22 @@ class Summary:
     hence associative and commutative, so Spark partials can be combined in any order.
     """
 
-    __slots__ = ("observed", "fields")
+    __slots__ = ("observed", "fields", "truncated")
 
     def __init__(self) -> None:
         self.observed = 0
         self.fields: dict[str, _Field] = {}
+        self.truncated = False  # names past MAX_FIELDS were left out (`_trim`)
+
+    def _trim(self) -> None:
+        """Keeps the `MAX_FIELDS` smallest names: a document used as a map (a key per id) would
+        make a summary, and the learned type, of every key any client sent, which each learning
+        slice reads and rewrites. Order-free, so partials still merge in any order: a name kept
+        in the end is among the smallest of every subset of the names, so no partial dropped its
+        counts. Trimmed past twice the bound, so a document of many names costs a sort per bound."""
+        if len(self.fields) > MAX_FIELDS:
+            self.fields = {name: self.fields[name] for name in sorted(self.fields)[:MAX_FIELDS]}
+            self.truncated = True
 
     @classmethod
     def of(cls, docs) -> Summary:
@@ -191,6 +206,8 @@ class Summary:
                 if f.doc is None:
                     f.doc = Summary()
                 f.doc.observe(value)
+        if len(self.fields) > 2 * MAX_FIELDS:
+            self._trim()
 
     def merge(self, other: Summary) -> Summary:
         """Add other's observations into self (other is left untouched and never aliased); returns self."""
@@ -199,16 +216,20 @@ class Summary:
         if other is self:
             other = Summary().merge(self)
         self.observed += other.observed
+        self.truncated |= other.truncated
         for name, f in other.fields.items():
             mine = self.fields.get(name)
             if mine is None:
                 self.fields[name] = f.copy()
             else:
                 mine.merge(f)
+        self._trim()
         return self
 
     def to_dict(self) -> dict:
-        return {"observed": self.observed, "fields": {n: f.to_dict() for n, f in self.fields.items()}}
+        self._trim()  # observe trims lazily
+        return {"observed": self.observed, "fields": {n: f.to_dict() for n, f in self.fields.items()},
+                **({"truncated": True} if self.truncated else {})}
 
     def to_json(self) -> str:
         """Compact JSON with sorted keys: equal summaries give byte-identical text."""
@@ -234,6 +255,8 @@ class Summary:
             raise ValueError(f"{where}.fields: expected an object")
         for name, fd in fields.items():
             s.fields[name] = _Field.from_dict(fd, f"{where}.fields.{name}")
+        s.truncated = d.get("truncated") is True
+        s._trim()
         return s
 
     def __eq__(self, other: object) -> bool:
@@ -385,6 +408,8 @@ def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> di
             nested = _fields_of(spec) if dtype == DOCUMENT else None
             if f.doc is not None or nested is not None:
                 entry["fields"] = _infer_fields(f.doc, nested)
+            if f.doc is not None and f.doc.truncated:
+                entry["fieldsTruncated"] = True
         out[name] = entry
     return out
 
@@ -395,7 +420,8 @@ def infer(summary: Summary, declared: dict | None = None) -> dict:
     Widening only: required -> optional (a document lacked the field or had NULL), INTEGER ->
     DOUBLE; undeclared observed fields are added. Deterministic: fields sorted by name.
     """
-    return {"fields": _infer_fields(summary, _fields_of(declared))}
+    summary._trim()
+    return {"fields": _infer_fields(summary, _fields_of(declared)), **({"fieldsTruncated": True} if summary.truncated else {})}
 
 
 # ---------------------------------------------------------------- disagreements

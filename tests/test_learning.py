@@ -454,3 +454,42 @@ def test_the_check_shows_a_bounded_report_and_counts_it_all():
     assert check.metadata["collections_disagreeing"].value == SHOWN + 3
     assert check.metadata["disagreement_count"].value == (SHOWN + 3) * (SHOWN + 5)
     assert "db/a~1b0" in shown  # the collection "a/b0" of database "db", not collection "b0" of "db/a"
+
+
+def test_a_document_used_as_a_map_keeps_the_smallest_names_in_any_merge_order(monkeypatch):
+    """A client's document with a key per id (80,000 of them in 960 KB) made a summary, and a
+    learned type, of every key, which every learning slice read and rewrote. The names kept are
+    the same, with exact counts, however the partials were split and merged."""
+    import random
+
+    from entity_assets import learning
+
+    monkeypatch.setattr(learning, "MAX_FIELDS", 10)
+    docs = [{"id": i, "map": {f"k{j:03d}": j for j in range(i, i + 30)}} for i in range(40)]
+    whole = Summary.of(docs)
+    rng = random.Random(3)
+    for _ in range(5):
+        shuffled = docs[:]
+        rng.shuffle(shuffled)
+        parts = [Summary.of(shuffled[i:i + 7]) for i in range(0, len(shuffled), 7)]
+        merged = Summary()
+        for part in rng.sample(parts, len(parts)):
+            merged.merge(Summary.from_json(part.to_json()))
+        assert merged == whole
+    nested = whole.fields["map"].doc
+    assert sorted(nested.fields) == [f"k{j:03d}" for j in range(10)] and nested.truncated
+    assert nested.fields["k005"].present == 6  # docs 0-5 have it: exact
+    learned = infer(whole)
+    assert learned["fields"]["map"]["fieldsTruncated"] is True and "fieldsTruncated" not in learned
+    assert Summary.from_json(whole.to_json()) == whole
+
+
+def test_the_check_shows_client_names_and_paths_cut():
+    """50 learning messages with a 900 KB field name each made a 47 MB check event, which the
+    event log keeps and the UI loads."""
+    from entity_assets.assets.schemas import _declared_schema_check
+
+    report = {f"db/{'c' * 5000}": [{"path": f"/{'f' * 900_000}", "kind": "undeclared", "detail": "observed"}]}
+    result = _declared_schema_check(report)
+    shown = json.dumps(result.metadata["disagreements"].value)
+    assert len(shown) < 1_000 and "(900001 chars)" in shown and "(5003 chars)" in shown

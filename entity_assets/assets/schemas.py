@@ -22,6 +22,7 @@ from entity_assets.assets.common import (
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.learning import Summary, disagreements, entity_types, escape, infer
 from entity_assets.partitions import LAKE_POOL, slices_partitions
+from entity_assets.patch import shown
 from entity_assets.storage import FileWriter
 from entity_assets.tables import SCHEMAS
 from resources import LakeResource, SlicingResource, SparkResource
@@ -105,7 +106,8 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
 def _unchanged(engine, key: str, apply: bool, version: int | None):
     """The slice leaves every collection as the slice before did: its state commit records the
     slice and changes no file, and the check has no learned entity to find at odds, without
-    reading nor inferring the summaries, which grow with every field name learned."""
+    reading nor inferring the summaries, which grow with every field name learned (to
+    `learning.MAX_FIELDS` a level)."""
     stored = engine.read("learned_schemas", version, columns=["dbid"])
     result = {"rows": stored.num_rows, "files": 0, "version": engine.version("learned_schemas")}
     if apply:
@@ -133,5 +135,7 @@ def _declared_schema_check(report: dict[str, list[dict]]) -> AssetCheckResult:
         severity=AssetCheckSeverity.WARN,
         metadata={"collections_disagreeing": MetadataValue.int(len(report)),
                   "disagreement_count": MetadataValue.int(sum(len(issues) for issues in report.values())),
-                  "disagreements": MetadataValue.json({name: issues[:SHOWN]
+                  # names and paths cut, as zone names are: a client's field name may be 900 KB
+                  "disagreements": MetadataValue.json({shown(name): [{**issue, "path": shown(issue["path"])}
+                                                                     for issue in issues[:SHOWN]]
                                                        for name, issues in sorted(report.items())[:SHOWN]})})
