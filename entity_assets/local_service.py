@@ -2,17 +2,24 @@
 
 Each runs detached from the command that started it (it outlives a demo or a `dagster dev`),
 with its pid file and log in its own folder under the project home, and is stopped by that pid:
-SIGTERM, waited for so it can save, then SIGKILL after a timeout.
+SIGTERM, waited for so it can save, then SIGKILL after a timeout. Starts and stops of one folder
+take turns (a lock file there): two `scripts/ui.sh` at once would otherwise both launch a server,
+and the one whose server lost the port would stop the other's.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -30,12 +37,45 @@ class NotReady(RuntimeError):
     """The server exited at its start, or did not answer in time: its log says why."""
 
 
+PROC = Path("/proc")
+"""Linux's process table; without it (macOS) a command line comes from `ps`."""
+
+
 def _arguments(pid: int) -> list[str] | None:
-    """A process's command line; None where /proc does not tell (not Linux)."""
+    """A process's command line: /proc's, or where there is none (macOS) `ps`'s, split at blanks;
+    None when neither tells (the process is gone, or not ours to see)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        return (PROC / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
+        pass
+    try:
+        said = subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(pid)],  # -ww: not cut at 80 columns
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
         return None
+    return said.stdout.split() or None
+
+
+def write_file(path: Path, text: str) -> None:
+    """Replaces `path` at once (a reader never sees it half written), readable by its owner only."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _end(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Ends a server this process launched: SIGTERM, then SIGKILL after `timeout`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass(frozen=True)
@@ -61,11 +101,33 @@ class LocalService:
     def log_file(self) -> Path:
         return self.data_dir / f"{self.name}.log"
 
+    @property
+    def fingerprint_file(self) -> Path:
+        return self.data_dir / f"{self.name}.fingerprint"
+
     def command(self) -> list[str]:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str] | None:
         return None
+
+    def fingerprint(self) -> str | None:
+        """What the server runs that its start fixes (the code it loads), recorded at its start; None:
+        nothing a start must follow."""
+        return None
+
+    def prepare(self) -> None:
+        """Writes what the server reads at its start, before it launches."""
+        if (fingerprint := self.fingerprint()) is not None:
+            write_file(self.fingerprint_file, fingerprint)
+
+    def outdated(self) -> bool:
+        """Whether the running server started on other code than this process's (an upgrade since)."""
+        fingerprint = self.fingerprint()
+        try:
+            return fingerprint is not None and self.fingerprint_file.read_text() != fingerprint
+        except FileNotFoundError:  # started by a release that recorded none
+            return True
 
     def ready(self) -> bool:
         """One probe: whether the server answers now."""
@@ -87,55 +149,80 @@ class LocalService:
         except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
             return None
         arguments = _arguments(pid)
-        if arguments is None:
-            return pid
-        if not any(self.program in a for a in arguments):
-            return None  # stale: never signal it
+        if arguments is None or not any(self.program in a for a in arguments):
+            return None  # stale, or cannot tell: never signal it
         if not any(a == str(self.port) or a.endswith(f"={self.port}") for a in arguments):
             raise PortInUse(f"the {self.name} of {self.data_dir} runs with pid {pid} on another port than "
                             f"{self.port}: stop it first (same settings as its start), or use its port")
         return pid
 
-    def start(self, timeout: float = 60.0) -> int:
-        """Starts the server detached from this process (a no-op if it runs); returns its pid."""
-        running = self.pid()
-        if running:
-            self.wait_ready(timeout)
-            return running
-        if self.listening():  # ours would not bind, and a probe would take the other for it
-            raise PortInUse(f"{self.address} is in use by a process that {self.pid_file} does not name: "
-                               f"stop it, or give this {self.name} another port")
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """This folder's server to this process alone until the block ends: other starts and stops wait."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=self.environment())
-        self.pid_file.write_text(str(proc.pid))
-        try:
-            self.wait_ready(timeout, proc)
-        except Exception:
-            self.stop()
-            raise
-        return proc.pid
+        with open(self.data_dir / f"{self.name}.lock", "a") as lock:  # not inherited by the server
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def start(self, timeout: float = 60.0) -> int:
+        """Starts the server detached from this process (a no-op if it runs, a restart if it is
+        outdated); returns its pid."""
+        with self._turn():
+            running = self.pid()
+            if running and not self.outdated():
+                self.wait_ready(timeout)
+                return running
+            if running:
+                print(f"{self.name}: the server running (pid {running}) started on other code than this install's: "
+                      "restarting it", file=sys.stderr)
+                self._stop()
+            if self.listening():  # ours would not bind, and a probe would take the other for it
+                raise PortInUse(f"{self.address} is in use by a process that {self.pid_file} does not name: "
+                                f"stop it, or give this {self.name} another port")
+            self.prepare()
+            with open(self.log_file, "ab") as log:  # the child keeps its own descriptor
+                proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, env=self.environment())
+            try:
+                write_file(self.pid_file, str(proc.pid))
+                self.wait_ready(timeout, proc)
+            except BaseException:  # its own server only: the pid file names no other while this holds the turn
+                _end(proc)
+                self.pid_file.unlink(missing_ok=True)
+                raise
+            return proc.pid
 
     def wait_ready(self, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+        """Waits for the server to answer; with `proc`, for this start's own server, which must still
+        run after the probe that answered: the answer is then its, not another's on the port."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            ready = self.ready()
             if proc is not None and proc.poll() is not None:
                 raise NotReady(f"{self.name} exited with {proc.returncode}{self._last_lines()}")
-            if self.ready():
+            if ready:
                 return
             time.sleep(0.2)
         raise NotReady(f"{self.name} on {self.address} not ready after {timeout:g} s{self._last_lines()}")
 
-    def _last_lines(self, lines: int = 5) -> str:
+    def _last_lines(self, lines: int = 5, tail: int = 8192) -> str:
+        """The log's last lines, read from its end: a server's log may be long."""
         try:
-            said = self.log_file.read_text(errors="replace").strip().splitlines()[-lines:]
+            with open(self.log_file, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - tail))
+                said = log.read().decode(errors="replace").strip().splitlines()[-lines:]
         except OSError:
             said = []
         return f"; the end of {self.log_file}:\n  " + "\n  ".join(said) if said else f"; see {self.log_file}"
 
     def stop(self, timeout: float = 30.0) -> bool:
-        """SIGTERM and wait; returns whether one was running."""
+        """SIGTERM and wait; returns whether one was running. A start in progress finishes first."""
+        if not self.data_dir.is_dir():  # never started here
+            return False
+        with self._turn():
+            return self._stop(timeout)
+
+    def _stop(self, timeout: float = 30.0) -> bool:
         pid = self.pid()
         if pid is None:
             self.pid_file.unlink(missing_ok=True)

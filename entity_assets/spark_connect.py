@@ -12,17 +12,28 @@ Every run attaches to one server session (`SESSION_ID`, kept for the server's li
 server stops (SPARK-54055), so a session per run would leak one daemon (~150 MB) per run. Runs
 hold no session state (no temp views, no artifacts; the same SQL settings), and the lake pool
 runs them one at a time.
+
+The server runs code with the pipeline's environment, so it serves only clients that present its
+token: a new one at each start, in a file of its folder that only its user may read, which the
+runs' sessions read (`authenticated`). Its Python worker daemon imports the project's code once,
+so it records which code that is (`code_fingerprint`): `spark start` restarts a server that
+started on other code (an upgrade since), and a run's session refuses it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import secrets
 import sys
 import uuid
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from entity_assets.local_service import LocalService
+from entity_assets.local_service import LocalService, PortInUse, write_file
 
 DEFAULT_PORT = 15002
 """Spark Connect's own default port."""
@@ -31,6 +42,29 @@ SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 SESSION_ID = str(uuid.uuid5(uuid.NAMESPACE_URL, "entity-assets:spark-connect-session"))
 SESSION_TIMEOUT = "3650d"
 """The shared session must not expire between runs: the server refuses the id of a closed session."""
+TOKEN_VARIABLE = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
+"""Where the server reads its token when its conf has none: `spark.connect.authenticate.token`
+would put it on its command line, which every user of the host sees."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class Outdated(RuntimeError):
+    """The local server started on other code than this process's: its workers would run the old."""
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """The code the server's Python workers load (entity_assets/spark_daemon.py): the project's
+    sources and the pyspark and pyarrow they run on. Computed once per process, as each session
+    compares the server's with it."""
+    import entity_assets
+
+    package = Path(entity_assets.__file__).parent
+    digest = hashlib.sha256(f"pyspark {version('pyspark')}, pyarrow {version('pyarrow')}".encode())
+    for source in sorted(package.rglob("*.py")):
+        code = source.read_bytes()
+        digest.update(f"\0{source.relative_to(package)}\0{len(code)}\0".encode() + code)
+    return digest.hexdigest()
 
 
 def _spark_home() -> Path:
@@ -50,7 +84,12 @@ class LocalSparkConnect(LocalService):
 
     @property
     def url(self) -> str:
-        return f"sc://{self.address}/;session_id={SESSION_ID}"
+        """Over `localhost`: the one name over which pyspark's client sends a token without TLS."""
+        return f"sc://localhost:{self.port}/;session_id={SESSION_ID}"
+
+    @property
+    def token_file(self) -> Path:
+        return self.data_dir / "token"
 
     def command(self) -> list[str]:
         from resources.spark import DEFAULT_CONF, LOCAL_CONF
@@ -58,7 +97,7 @@ class LocalSparkConnect(LocalService):
         home = _spark_home()
         jar = next((home / "jars").glob("spark-connect_*.jar"))
         conf = {**DEFAULT_CONF, **LOCAL_CONF, "spark.connect.grpc.binding.address": self.host,
-                "spark.connect.grpc.binding.port": str(self.port), "spark.ui.enabled": "false",
+                "spark.connect.grpc.binding.port": str(self.port), "spark.log.level": "WARN",
                 "spark.connect.session.manager.defaultSessionTimeout": SESSION_TIMEOUT, **dict(self.conf)}
         return [str(home / "bin" / "spark-submit"), "--master", self.master, "--name", "entity-assets",
                 *(arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")),
@@ -66,7 +105,36 @@ class LocalSparkConnect(LocalService):
 
     def environment(self) -> dict[str, str]:
         # Python workers run this venv's interpreter, which has the project's task code.
-        return {**os.environ, "SPARK_HOME": str(_spark_home()), "PYSPARK_PYTHON": sys.executable}
+        return {**os.environ, "SPARK_HOME": str(_spark_home()), "PYSPARK_PYTHON": sys.executable,
+                TOKEN_VARIABLE: self.token_file.read_text()}
+
+    def fingerprint(self) -> str:
+        return code_fingerprint()
+
+    def prepare(self) -> None:
+        super().prepare()
+        write_file(self.token_file, secrets.token_urlsafe(32))
 
     def ready(self) -> bool:
         return self.listening()
+
+
+def authenticated(master: str) -> str:
+    """The URL a client connects to `master` with: for the home's own server (a loopback host, the
+    port it runs on) with its token, which `master` must not hold (the UI shows it), over `localhost`
+    (`url`); any other as it is. Raises Outdated for a server started on other code than this process's."""
+    from resources.lake import default_home
+
+    try:
+        url = urlsplit(master)
+        server = LocalSparkConnect(Path(default_home()) / "spark", port=url.port or DEFAULT_PORT)
+        pid = server.pid() if url.hostname in LOOPBACK else None
+    except (ValueError, PortInUse):  # not a port, or the home's server runs on another
+        return master
+    if pid is None:
+        return master
+    if server.outdated():
+        raise Outdated(f"the local Spark Connect server (pid {pid}, {server.data_dir}) started on other code than "
+                       "this run's (an upgrade since), which its Python workers would run: restart it "
+                       "(`entity-assets spark stop`, then `entity-assets spark start` or scripts/ui.sh)")
+    return f"sc://localhost:{server.port}/{url.path.lstrip('/')};token={server.token_file.read_text()}"

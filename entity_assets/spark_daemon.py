@@ -5,6 +5,8 @@ imports, so every forked worker compiled pyspark's worker modules again, and the
 task modules (pyarrow, pydantic, confluent-kafka): over a second per worker, paid by the first
 tasks of every run. This daemon puts the same pyspark, installed in site-packages with its
 bytecode, first, and imports the worker and the task modules once before it forks workers.
+It keeps them for the server's life: a server started before an upgrade would run the old code,
+so `spark start` restarts it and runs refuse it (entity_assets/spark_connect.py).
 pyarrow imports pandas on its first conversion of Python objects (about 0.3 CPU-s): that too
 happens here, once, not in every forked worker.
 

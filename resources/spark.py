@@ -19,11 +19,16 @@ DEFAULT_CONF = {
 LOCAL_CONF = {
     "spark.python.daemon.module": "entity_assets.spark_daemon",
     "spark.sql.sources.parallelPartitionDiscovery.threshold": "100000",
+    "spark.ui.enabled": "false",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
 }
 """On a local master the workers run this venv, so they can start warm (entity_assets/spark_daemon.py);
 and the driver lists the files of a read itself: over 32 files Spark would run a listing job of
 up to 10,000 tasks on the same cores (1-1.5 s on a read of the 64 files of a 1M-entity state),
-which pays only against an object store's latency."""
+which pays only against an object store's latency. Its executors are in its JVM (or, on
+`local-cluster`, on this host): nothing off the host needs its ports, so they listen on 127.0.0.1,
+and the web UI (every interface's port 4040, open to anyone) is off."""
 
 
 class SparkResource(Deployed, ConfigurableResource):
@@ -54,11 +59,13 @@ class SparkResource(Deployed, ConfigurableResource):
         if self._session is None:
             from pyspark.sql import SparkSession
 
+            from entity_assets.spark_connect import authenticated
+
             # Python workers must run the interpreter that has this project's packages.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
             builder = SparkSession.builder.appName(self.app_name)
-            builder = builder.remote(self.master) if self.remote else builder.master(self.master)
+            builder = builder.remote(authenticated(self.master)) if self.remote else builder.master(self.master)
             for key, value in self.settings().items():
                 builder = builder.config(key, value)
             self._session = builder.getOrCreate()

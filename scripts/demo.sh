@@ -8,6 +8,8 @@
 # State lives in $ENTITY_ASSETS_HOME (default ./.entity-assets): broker data, Delta lake, and the
 # Dagster instance that scripts/ui.sh shows. The broker keeps running afterwards.
 set -euo pipefail
+# A relative home is the caller's folder's, not the repository's: made absolute before the cd.
+case ${ENTITY_ASSETS_HOME:-} in ""|/*) ;; *) ENTITY_ASSETS_HOME=$PWD/$ENTITY_ASSETS_HOME ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 

@@ -6,9 +6,12 @@
 #
 # Uses the same $ENTITY_ASSETS_HOME (default ./.entity-assets) as scripts/demo.sh and the CLI.
 # Unless $ENTITY_ASSETS_SPARK_MASTER names a Spark, the runs connect to a local Spark Connect
-# server that this starts (port $ENTITY_ASSETS_SPARK_CONNECT_PORT, default 15002) and leaves
-# running, like the broker: `.venv/bin/entity-assets spark stop` ends it.
+# server that this starts (port $ENTITY_ASSETS_SPARK_CONNECT_PORT, default 15002; restarted when it
+# started on an earlier install's code) and leaves running, like the broker:
+# `.venv/bin/entity-assets spark stop` ends it.
 set -euo pipefail
+# A relative home is the caller's folder's, made absolute before the cd: Dagster refuses a relative DAGSTER_HOME.
+case ${ENTITY_ASSETS_HOME:-} in ""|/*) ;; *) ENTITY_ASSETS_HOME=$PWD/$ENTITY_ASSETS_HOME ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 

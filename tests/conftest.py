@@ -401,3 +401,39 @@ def make_pipeline(broker, spark, tmp_path, monkeypatch):
 @pytest.fixture
 def pipeline(make_pipeline) -> Pipeline:
     return make_pipeline()
+
+
+@pytest.fixture
+def worker_daemons():
+    """The Python worker daemons a Spark server started (its children running
+    entity_assets.spark_daemon), by the server's pid: one per session it served tasks in."""
+    def daemons(server_pid: int) -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+                if ppid == server_pid and b"spark_daemon" in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except (OSError, ValueError):
+                continue
+        return found
+    return daemons
+
+
+@pytest.fixture
+def running():
+    """A process whose command line holds `arguments`, once it runs: a process's command line may
+    read empty for a moment after its start (gVisor). Ended with the test."""
+    started = []
+
+    def start(*arguments: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)", *arguments],
+                                stdout=subprocess.PIPE)
+        started.append(proc)
+        proc.stdout.readline()
+        proc.stdout.close()
+        return proc
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()

@@ -1,10 +1,12 @@
 """The pipeline on Spark Connect, as the daemon's runs use it (scripts/ui.sh): the same slices run
 by two `entity-assets run` processes against a local Spark Connect server write the tables a
-classic local session writes, and leave one pool of Python workers on the server. The slow test
-starts a Spark Connect server (a JVM) of its own."""
+classic local session writes, and leave one pool of Python workers on the server; the server
+serves only clients with its token, and a run refuses a server started on other code. The token's
+test and the slow test start a Spark Connect server (a JVM) of their own."""
 
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +15,10 @@ import pytest
 
 from entity_assets import samples
 from entity_assets.broker import LocalBroker
-from entity_assets.local_service import NotReady, PortInUse
-from entity_assets.spark_connect import SESSION_ID, SESSION_TIMEOUT, LocalSparkConnect
-from resources import LakeResource
+from entity_assets.local_service import NotReady, PortInUse, _arguments
+from entity_assets.spark_connect import (SERVER_CLASS, SESSION_ID, SESSION_TIMEOUT, TOKEN_VARIABLE, LocalSparkConnect,
+                                         Outdated, authenticated)
+from resources import LakeResource, SparkResource
 
 REPO = Path(__file__).resolve().parents[1]
 # As the suite's pipelines do (conftest.make_pipeline): every step's work in Spark tasks, split
@@ -24,31 +27,23 @@ RUN = ("import entity_assets.assets.common as c; c.SMALL_TASK_ROWS = 1; "
        "from entity_assets.cli import main; raise SystemExit(main(['run']))")
 
 
-def _worker_daemons(server_pid: int) -> list[int]:
-    """The Python worker daemons a Spark server started (its children running entity_assets.spark_daemon)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
-            if ppid == server_pid and b"spark_daemon" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
 def test_the_local_server_serves_one_long_session_with_the_project_workers(tmp_path):
     server = LocalSparkConnect(tmp_path, port=15123)
-    assert server.url == f"sc://127.0.0.1:15123/;session_id={SESSION_ID}"
+    assert server.url == f"sc://localhost:15123/;session_id={SESSION_ID}"
     command = " ".join(server.command())
     assert "SparkConnectServer" in command and "spark-connect_" in command
     for setting in ("spark.connect.grpc.binding.port=15123", f"defaultSessionTimeout={SESSION_TIMEOUT}",
-                    "spark.python.daemon.module=entity_assets.spark_daemon"):
+                    "spark.python.daemon.module=entity_assets.spark_daemon", "spark.log.level=WARN",
+                    "spark.ui.enabled=false", "spark.driver.bindAddress=127.0.0.1"):
         assert setting in command
+    server.prepare()  # a new token at each start, in its environment, never on its command line
+    token = server.token_file.read_text()
+    assert server.environment()[TOKEN_VARIABLE] == token and token not in command and len(token) >= 32
+    assert stat.S_IMODE(server.token_file.stat().st_mode) == 0o600
+    server.prepare()
+    assert server.token_file.read_text() != token
     assert server.environment()["PYSPARK_PYTHON"] == sys.executable
     # a session on it sets SQL settings only; the server holds the rest
-    from resources import SparkResource
-
     remote = SparkResource(master=server.url).settings()
     assert remote and all(k.startswith("spark.sql.") for k in remote)
     assert set(remote) < set(SparkResource(master="local[2]").settings())
@@ -90,17 +85,17 @@ def test_a_stale_pid_file_names_no_server_and_its_process_is_never_signalled(tmp
         other.wait()
 
 
-def test_a_server_of_the_same_folder_on_another_port_is_named(tmp_path):
+def test_a_server_of_the_same_folder_on_another_port_is_named(running, tmp_path):
     """`--port 29093 broker start` beside the demo's broker on 29092: one data folder, two brokers."""
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "noida-db", "--kafka-port", "29092"])
+    broker = running("noida-db", "--kafka-port", "29092")
     try:
-        LocalBroker(tmp_path, port=29092).pid_file.write_text(str(running.pid))
-        assert LocalBroker(tmp_path, port=29092).pid() == running.pid
+        LocalBroker(tmp_path, port=29092).pid_file.write_text(str(broker.pid))
+        assert LocalBroker(tmp_path, port=29092).pid() == broker.pid
         with pytest.raises(PortInUse, match="on another port than 29093"):
             LocalBroker(tmp_path, port=29093).pid()
     finally:
-        running.kill()
-        running.wait()
+        broker.kill()
+        broker.wait()
 
 
 def test_a_server_that_exits_at_its_start_says_why_from_its_log(tmp_path, monkeypatch):
@@ -111,14 +106,63 @@ def test_a_server_that_exits_at_its_start_says_why_from_its_log(tmp_path, monkey
         LocalBroker(tmp_path, port=29556).start(timeout=30)
 
 
+def test_a_run_presents_the_home_s_server_its_token_and_refuses_it_started_on_other_code(running, tmp_path,
+                                                                                         monkeypatch):
+    """After an upgrade (`git pull`, setup) a server started before would run the old task code in
+    its workers. The token is read from the server's folder, not from the master URL the UI shows."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    server = LocalSparkConnect(tmp_path / "spark", port=15124)
+    started = running(SERVER_CLASS, "spark.connect.grpc.binding.port=15124")
+    try:
+        server.data_dir.mkdir()
+        server.prepare()
+        server.pid_file.write_text(str(started.pid))
+        token = server.token_file.read_text()
+        assert authenticated(server.url) == f"sc://localhost:15124/;session_id={SESSION_ID};token={token}"
+        assert authenticated("sc://127.0.0.1:15124") == f"sc://localhost:15124/;token={token}"
+        for other in ("sc://127.0.0.1:15125", "sc://spark.internal:15124/;session_id=x", "sc://localhost:x"):
+            assert authenticated(other) == other
+        server.fingerprint_file.write_text("the code before the upgrade")
+        with pytest.raises(Outdated, match="started on other code than this run's.*entity-assets spark stop"):
+            SparkResource(master=server.url).session()
+    finally:
+        started.kill()
+        started.wait()
+
+
+BARE_CLIENT = ("import sys; from pyspark.sql import SparkSession; "
+               "SparkSession.builder.remote(sys.argv[1]).getOrCreate().range(3).count()")
+RUN_CLIENT = ("import sys; from resources import SparkResource; "
+              "print(SparkResource(master=sys.argv[1]).session().range(3).count())")
+
+
+def test_the_local_server_serves_only_clients_that_present_its_token(tmp_path, free_port):
+    """Any user of the host could otherwise run code on it, with the pipeline's environment."""
+    env = {**os.environ, "ENTITY_ASSETS_HOME": str(tmp_path)}
+    env.pop(TOKEN_VARIABLE, None)
+    server = LocalSparkConnect(tmp_path / "spark", port=free_port())
+    server.start(timeout=180)
+    try:
+        token = server.token_file.read_text()
+        assert not any(token in a for a in _arguments(server.pid()))
+        bare, run = (subprocess.run([sys.executable, "-c", client, server.url], cwd=REPO, env=env, capture_output=True,
+                                    text=True, timeout=300) for client in (BARE_CLIENT, RUN_CLIENT))
+        assert bare.returncode != 0 and "UNAUTHENTICATED" in bare.stderr, bare.stderr[-3000:]
+        assert run.returncode == 0 and run.stdout.strip() == "3", run.stderr[-3000:]
+        log = server.log_file.read_text()
+        assert token not in log and "SessionHolder" not in log  # at WARN: no line per request
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_pipeline, free_port, tmp_path,
-                                                                   lake_rows):
+                                                                   worker_daemons, lake_rows):
     traffic = samples.GraphTraffic(samples.BatchTraffic(patches=1200, entities=200, learning=True), devices=10)
     records = [*traffic.records(), *(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))]
     halves = records[:len(records) // 2], records[len(records) // 2:]
     local = make_pipeline(max_messages=500)
-    server = LocalSparkConnect(tmp_path / "spark", port=free_port())
+    server = LocalSparkConnect(tmp_path / "home" / "spark", port=free_port())  # the runs' home's: its token
     server.start(timeout=180)
     # The same input topics, read by both at the same points: the same slices, Kafka timestamps and all.
     env = {**os.environ, "ENTITY_ASSETS_HOME": str(tmp_path / "home"), "ENTITY_ASSETS_KAFKA_BOOTSTRAP": broker.bootstrap,
@@ -135,7 +179,7 @@ def test_slices_on_spark_connect_write_what_a_local_session_writes(broker, make_
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             assert "FAILED" not in done.stdout
         # On Spark 4.2 a session per run would have left a worker daemon per run (spark_connect.py).
-        assert len(_worker_daemons(server.pid())) == 1
+        assert len(worker_daemons(server.pid())) == 1
     finally:
         server.stop()
     assert lake_rows(LakeResource(root=str(tmp_path / "home" / "lake"))) == lake_rows(local.lake)
