@@ -33,7 +33,7 @@ import base64
 import re
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
@@ -368,6 +368,7 @@ def _typed(value: dict) -> Any:
 
 
 def _date(inner) -> Any:
+    """In whole milliseconds: through a float, dates far from 1970 came out a millisecond early."""
     if isinstance(inner, dict):
         inner = _typed(inner) if len(inner) == 1 else _UNTYPED
     if isinstance(inner, str):  # relaxed: ISO 8601 text
@@ -375,13 +376,16 @@ def _date(inner) -> Any:
             at = datetime.fromisoformat(inner)
         except ValueError:
             return inner
-        inner = round((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
+        inner = ((at if at.tzinfo else at.replace(tzinfo=UTC)) - _EPOCH) // timedelta(milliseconds=1)
     if not isinstance(inner, int) or isinstance(inner, bool):
         return _UNTYPED
     try:
-        return datetime.fromtimestamp(inner / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    except (OverflowError, ValueError, OSError):
+        return (_EPOCH + timedelta(milliseconds=inner)).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except OverflowError:
         return inner
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _binary(data, subtype) -> Any:

@@ -132,14 +132,16 @@ def test_debezium_mongodb_records_hold_the_document_as_extended_json(fmt):
                  "at": {"$date": {"$numberLong": "631152000000"}}, "seen": {"$date": "2020-01-01T00:00:00Z"},
                  "ref": {"$binary": {"base64": "AAECAwQFBgcICQoLDA0ODw==", "subType": "04"}},
                  "raw": {"$binary": "aGk=", "$type": "00"}, "tags": [{"$numberInt": "3"}, {"nested": {"$oid": OID}}],
-                 "ts": {"$timestamp": {"t": 1, "i": 2}}, "gone": {"$undefined": True}}
+                 "ts": {"$timestamp": {"t": 1, "i": 2}}, "gone": {"$undefined": True},
+                 "end": {"$date": "9999-12-31T23:59:59.999Z"}, "old": {"$date": {"$numberLong": "-30610224000001"}}}
     created = patch_of(batch(source, MONGO_KEY, mongo("c", canonical)))
     assert (created["entity"], created["collection"]) == (OID, "products")
     assert created["ops"] == [{"op": "add", "path": "", "value": {
         "_id": OID, "qty": 12, "price": 9.5, "nan": "NaN", "total": "10.10", "ok": True,
         "at": "1990-01-01T00:00:00.000Z", "seen": "2020-01-01T00:00:00.000Z",
         "ref": "00010203-0405-0607-0809-0a0b0c0d0e0f", "raw": "aGk=", "tags": [3, {"nested": OID}],
-        "ts": {"$timestamp": {"t": 1, "i": 2}}, "gone": None}}]
+        "ts": {"$timestamp": {"t": 1, "i": 2}}, "gone": None,
+        "end": "9999-12-31T23:59:59.999Z", "old": "0999-12-31T23:59:59.999Z"}}]  # whole milliseconds
     relaxed = {"_id": {"$oid": OID}, "qty": 13}  # change_streams_update_full: the whole document
     assert patch_of(batch(source, MONGO_KEY, mongo("u", relaxed)))["ops"][0]["value"] == {"_id": OID, "qty": 13}
     deleted = patch_of(batch(source, MONGO_KEY, mongo("d")))
