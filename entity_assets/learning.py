@@ -209,6 +209,10 @@ class Summary:
         if len(self.fields) > 2 * MAX_FIELDS:
             self._trim()
 
+    def uncounted(self, name: str) -> bool:
+        """Whether `name` may have been left out (`_trim`): its counts, or their absence, say nothing."""
+        return self.truncated and (not self.fields or name > max(self.fields))
+
     def merge(self, other: Summary) -> Summary:
         """Add other's observations into self (other is left untouched and never aliased); returns self."""
         if not isinstance(other, Summary):
@@ -391,7 +395,7 @@ def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> di
         spec = declared.get(name)
         if f is None or f.present == 0:
             entry = _declared_spec(spec) if spec is not None else {"type": NULL, "optional": True}
-            if total:  # observed documents at this level all lack it
+            if total and not level.uncounted(name):  # observed documents at this level all lack it
                 entry["optional"] = True
             out[name] = entry
             continue
@@ -473,7 +477,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
                 continue
             f = level.fields.get(name)
             missing = total - (f.present if f is not None else 0)
-            if missing > 0:
+            if missing > 0 and not level.uncounted(name):
                 out.append({
                     "path": prefix + escape(name) if prefix else _top(name),
                     "kind": "required_missing",

@@ -493,3 +493,18 @@ def test_the_check_shows_client_names_and_paths_cut():
     result = _declared_schema_check(report)
     shown = json.dumps(result.metadata["disagreements"].value)
     assert len(shown) < 1_000 and "(900001 chars)" in shown and "(5003 chars)" in shown
+
+
+def test_a_declared_field_past_the_names_kept_is_neither_missing_nor_made_optional(monkeypatch):
+    """A level past MAX_FIELDS says nothing of the names it left out: `status`, in every document
+    and sorted after the kept names, was learned optional and reported missing from all."""
+    from entity_assets import learning
+
+    monkeypatch.setattr(learning, "MAX_FIELDS", 10)
+    docs = [{"status": "ok", **{f"attr_{(i * 5 + j) % 40:04d}": j for j in range(5)}} for i in range(30)]
+    declared = {"fields": {"status": {"type": "STRING"}, "attr_0000": {"type": "INTEGER"}}}
+    summary = Summary.of(docs)
+    assert "status" not in summary.fields and summary.truncated
+    assert infer(summary, declared)["fields"]["status"] == {"type": "STRING", "optional": False}
+    assert not [d for d in disagreements(summary, declared) if d["path"] == "status"]
+    assert infer(summary, declared)["fields"]["attr_0000"]["optional"] is True  # kept: counted, in some documents
