@@ -15,7 +15,7 @@ runs them one at a time.
 
 The server runs code with the pipeline's environment, so it serves only clients that present its
 token: a new one at each start, in a file of its folder that only its user may read, which the
-runs' sessions read (`authenticated`). Its Python worker daemon imports the project's code once,
+runs' sessions read (`authenticated`, `connect`). Its Python worker daemon imports the project's code once,
 so it records which code that is (`code_fingerprint`): `spark start` restarts a server that
 started on other code (an upgrade since), and a run's session refuses it.
 """
@@ -55,15 +55,18 @@ class Outdated(RuntimeError):
 @functools.cache
 def code_fingerprint() -> str:
     """The code the server's Python workers load (entity_assets/spark_daemon.py): the project's
-    sources and the pyspark and pyarrow they run on. Computed once per process, as each session
+    sources (its resources' too, which its assets import) and the pyspark, pyarrow and
+    confluent-kafka they run on. Computed once per process, as each session
     compares the server's with it."""
     import entity_assets
+    import resources
 
-    package = Path(entity_assets.__file__).parent
-    digest = hashlib.sha256(f"pyspark {version('pyspark')}, pyarrow {version('pyarrow')}".encode())
-    for source in sorted(package.rglob("*.py")):
-        code = source.read_bytes()
-        digest.update(f"\0{source.relative_to(package)}\0{len(code)}\0".encode() + code)
+    versions = ", ".join(f"{name} {version(name)}" for name in ("pyspark", "pyarrow", "confluent-kafka"))
+    digest = hashlib.sha256(versions.encode())
+    for package in (Path(entity_assets.__file__).parent, Path(resources.__file__).parent):
+        for source in sorted(package.rglob("*.py")):
+            code = source.read_bytes()
+            digest.update(f"\0{package.name}/{source.relative_to(package)}\0{len(code)}\0".encode() + code)
     return digest.hexdigest()
 
 
@@ -138,3 +141,24 @@ def authenticated(master: str) -> str:
                        "this run's (an upgrade since), which its Python workers would run: restart it "
                        "(`entity-assets spark stop`, then `entity-assets spark start` or scripts/ui.sh)")
     return f"sc://localhost:{server.port}/{url.path.lstrip('/')};token={server.token_file.read_text()}"
+
+
+def connect(master: str):
+    """A SparkSession builder connected to `master`: the home's own server over 127.0.0.1 itself,
+    with its token. Over `localhost`, gRPC tries ::1 first, where any user of the host may listen
+    on the port our server holds on 127.0.0.1 only, and would be sent the token."""
+    url = authenticated(master)
+    if url == master:
+        from pyspark.sql import SparkSession
+
+        return SparkSession.builder.remote(master)
+    from pyspark.sql.connect.client import DefaultChannelBuilder
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    class Loopback(DefaultChannelBuilder):
+        @property
+        def endpoint(self) -> str:
+            return f"ipv4:127.0.0.1:{urlsplit(url).port}"
+
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # as pyspark's builder sets it when it hands over to Connect's
+    return RemoteSession.builder.channelBuilder(Loopback(url))

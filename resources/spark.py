@@ -59,13 +59,13 @@ class SparkResource(Deployed, ConfigurableResource):
         if self._session is None:
             from pyspark.sql import SparkSession
 
-            from entity_assets.spark_connect import authenticated
+            from entity_assets.spark_connect import connect
 
             # Python workers must run the interpreter that has this project's packages.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-            builder = SparkSession.builder.appName(self.app_name)
-            builder = builder.remote(authenticated(self.master)) if self.remote else builder.master(self.master)
+            builder = connect(self.master) if self.remote else SparkSession.builder.master(self.master)
+            builder = builder.appName(self.app_name)
             for key, value in self.settings().items():
                 builder = builder.config(key, value)
             self._session = builder.getOrCreate()

@@ -145,10 +145,21 @@ def test_the_local_server_serves_only_clients_that_present_its_token(tmp_path, f
     try:
         token = server.token_file.read_text()
         assert not any(token in a for a in _arguments(server.pid()))
-        bare, run = (subprocess.run([sys.executable, "-c", client, server.url], cwd=REPO, env=env, capture_output=True,
-                                    text=True, timeout=300) for client in (BARE_CLIENT, RUN_CLIENT))
+        bare = subprocess.run([sys.executable, "-c", BARE_CLIENT, server.url], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
         assert bare.returncode != 0 and "UNAUTHENTICATED" in bare.stderr, bare.stderr[-3000:]
+        # another user's listener on ::1, the port our server holds on 127.0.0.1 only: gRPC tries
+        # `localhost`'s ::1 first, and would send it the token
+        decoy = socket.socket(socket.AF_INET6)
+        decoy.bind(("::1", server.port))
+        decoy.listen()
+        decoy.setblocking(False)
+        run = subprocess.run([sys.executable, "-c", RUN_CLIENT, server.url], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
         assert run.returncode == 0 and run.stdout.strip() == "3", run.stderr[-3000:]
+        with pytest.raises(BlockingIOError):
+            decoy.accept()  # the run never came to it
+        decoy.close()
         log = server.log_file.read_text()
         assert token not in log and "SessionHolder" not in log  # at WARN: no line per request
     finally:
