@@ -56,8 +56,12 @@ def _local(host: str) -> bool:
     return host in _local_names()
 
 
-def run_worker(instance: DagsterInstance, run: DagsterRun) -> tuple[int, float] | None:
-    """(pid, time it was seen running) of the run's worker on this host; None when unknown here."""
+def run_worker(instance: DagsterInstance, run: DagsterRun, by_launcher: bool = True) -> tuple[int, float] | None:
+    """(pid, time it was seen running) of the run's worker on this host; None when unknown here.
+
+    `by_launcher`: asked by the launcher's host (run monitoring), whose code server's `localhost`
+    it is, even where the host was recreated since (a pod's new name: its old workers are gone);
+    else (`entity-assets run`, anywhere) only of runs that this host's launcher tagged."""
     if WORKER_TAG in run.tags:
         host, _, pid = run.tags[WORKER_TAG].rpartition(":")
         record = instance.get_run_record_by_id(run.run_id)
@@ -69,7 +73,7 @@ def run_worker(instance: DagsterInstance, run: DagsterRun) -> tuple[int, float] 
     info = json.loads(grpc)
     if "socket" not in info and not _local(info.get("host", "")):
         return None
-    if run.tags.get(LAUNCHED_ON_TAG, socket.gethostname()) != socket.gethostname():
+    if not by_launcher and run.tags.get(LAUNCHED_ON_TAG, socket.gethostname()) != socket.gethostname():
         return None  # `localhost` of another host (a run launched before the tag was: as this host's)
     for record in instance.get_records_for_run(
         run.run_id, of_type=DagsterEventType.ENGINE_EVENT, limit=50
@@ -100,8 +104,8 @@ def process_alive(pid: int, since: float) -> bool:
     return state not in ("Z", "X") and started <= since + 2
 
 
-def check_worker(instance: DagsterInstance, run: DagsterRun) -> CheckRunHealthResult:
-    worker = run_worker(instance, run)
+def check_worker(instance: DagsterInstance, run: DagsterRun, by_launcher: bool = True) -> CheckRunHealthResult:
+    worker = run_worker(instance, run, by_launcher)
     if worker is None:
         # Not a process of this host (or not started yet): only its own launcher could tell.
         return CheckRunHealthResult(WorkerStatus.RUNNING, "run worker not checkable from this host")
@@ -164,7 +168,7 @@ def settle_runs(instance: DagsterInstance, sensor_name: str) -> list[str]:
         if LAKE_POOL not in (pools or ()):
             continue
         if run.status == DagsterRunStatus.STARTED:
-            health = check_worker(instance, run)
+            health = check_worker(instance, run, by_launcher=False)
             if health.status == WorkerStatus.FAILED:
                 instance.report_run_failed(run, f"{health.msg}: failed before a new run of the lake pool")
                 continue

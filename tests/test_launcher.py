@@ -82,7 +82,9 @@ def test_the_cli_fails_no_run_of_another_host_nor_any_while_a_daemon_runs_the_se
         GRPC_INFO_TAG: json.dumps({"host": "localhost", "port": 4266}), LAUNCHED_ON_TAG: "daemon-host"})
     instance.report_engine_event(f"Started process for run (pid: {_dead_pid()}).", elsewhere,
                                  EngineEventData.in_process(1))
-    assert check_worker(instance, elsewhere).status == WorkerStatus.RUNNING  # not checkable from here
+    assert check_worker(instance, elsewhere, by_launcher=False).status == WorkerStatus.RUNNING  # not from here
+    # run monitoring, on the launcher's host: a pod recreated under a new name fails its old runs
+    assert instance.run_launcher.check_run_worker_health(elsewhere).status == WorkerStatus.FAILED
     dead = instance.create_run_for_job(job_def=defs.resolve_job_def("slice_job"), status=DagsterRunStatus.STARTED,
                                        tags={WORKER_TAG: f"{socket.gethostname()}:{_dead_pid()}"})
     monkeypatch.setattr(instance, "get_daemon_heartbeats", lambda: {"SENSOR": SimpleNamespace(timestamp=time.time())})
