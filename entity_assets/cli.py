@@ -68,6 +68,11 @@ COPIED = "# entity-assets copies dagster.yaml here, over this copy: edit that fi
 """The first line of the project's copy of its `dagster.yaml` in the project home's instance."""
 
 
+def _settings(yaml: str) -> list[str]:
+    """A YAML file's lines without its comments: what an older release's copy shares with this one's."""
+    return [line for line in yaml.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
 def instance_config(dagster_home: Path) -> None:
     """The repository's `dagster.yaml` as the project home's instance's, so an upgrade's settings
     reach it; a copy whose first line is no longer `COPIED` is the user's (a Postgres storage,
@@ -78,7 +83,7 @@ def instance_config(dagster_home: Path) -> None:
         return
     config = source.read_text()
     if target.exists() and not (held := target.read_text()).startswith(COPIED):
-        if held != config:  # edited, or an older release's copy, which had no first line
+        if _settings(held) != _settings(config):  # edited (an older release's copy had no first line)
             print(f"entity-assets: {target} is not the copy of {source}, and is kept: delete it to take that "
                   "file's settings", file=sys.stderr)
             return
@@ -473,9 +478,9 @@ def _run_all(runs=run_pending) -> int:
     try:
         summaries = runs()
     except RunsInFlight as e:
-        print("not running: slices are being applied elsewhere in this instance, and state applies in slice "
-              "order:\n  " + "\n  ".join(e.args[0]) + "\nLet them finish (the daemon: scripts/ui.sh), or "
-              "terminate them and turn the sensor off in the UI.", file=sys.stderr)
+        print("not running: runs of the lake pool (slices, or lake_maintenance) are in flight elsewhere in this "
+              "instance, and state applies in slice order:\n  " + "\n  ".join(e.args[0]) + "\nLet them finish "
+              "(the daemon: scripts/ui.sh), or terminate them and turn the sensor off in the UI.", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"not running: {e}", file=sys.stderr)

@@ -87,7 +87,7 @@ OTHER_VARIABLES = ("ENTITY_ASSETS_HOME", "ENTITY_ASSETS_OWNERS", "ENTITY_ASSETS_
 def _no_unknown_variables() -> None:
     """A misspelt variable (`ENTITY_ASSETS_LAKE_URI`) would leave its setting at the default:
     a lake in a folder of the code server's container, which goes with it."""
-    known = {*VARIABLES.values(), *OTHER_VARIABLES}
+    known = {*VARIABLES.values(), *OTHER_VARIABLES, *_settings("client_secret_env").values()}  # a secret's own
     unknown = sorted(name for name in os.environ if name.startswith("ENTITY_ASSETS_") and name not in known)
     if unknown:
         import difflib

@@ -64,7 +64,7 @@ def refused_setting(config: Mapping[str, str]) -> str | None:
         Consumer({**consumer_settings(inert), "group.id": "entity-assets-settings", "logger": _SILENT}).close()
     except KafkaException as exc:
         return exc.args[0].str()
-    except ValueError as exc:  # message.max.bytes that is no number
+    except (ValueError, TypeError) as exc:  # message.max.bytes that is no number; a callback's name (error_cb)
         return str(exc)
     return None
 

@@ -15,7 +15,7 @@ from resources.deployed import Deployed
 
 def default_home() -> str:
     """Project-local state (broker data, lake, Dagster storage) unless ENTITY_ASSETS_HOME says otherwise."""
-    return os.path.abspath(os.environ.get("ENTITY_ASSETS_HOME") or ".entity-assets")  # set empty: unset
+    return os.path.abspath(os.environ.get("ENTITY_ASSETS_HOME", "").strip() or ".entity-assets")  # set blank: unset
 
 
 class LakeResource(Deployed, ConfigurableResource):

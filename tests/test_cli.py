@@ -260,6 +260,16 @@ def test_an_empty_dagster_home_gets_the_project_homes(monkeypatch, tmp_path):
     assert (tmp_path / "dagster" / "dagster.yaml").exists()
 
 
+def test_a_secret_s_variable_may_have_the_project_s_prefix(monkeypatch):
+    """Unknown `ENTITY_ASSETS_…` variables are refused, but not one that holds a secret named in
+    ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV: its name is the user's choice."""
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "sasl.password=ENTITY_ASSETS_KAFKA_PASSWORD")
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_PASSWORD", "s3cret")
+    assert build_resources()["kafka"].client_secret_env == {"sasl.password": "ENTITY_ASSETS_KAFKA_PASSWORD"}
+
+
 def test_the_project_home_s_instance_config_is_the_repository_s_unless_the_user_made_it_theirs(
         monkeypatch, tmp_path, capsys):
     """Each command copies the repository's dagster.yaml into the project home's instance, so an
@@ -280,8 +290,12 @@ def test_the_project_home_s_instance_config_is_the_repository_s_unless_the_user_
     config.write_text("storage:\n  postgres: {}\n")  # the user's own
     assert prepare() == "storage:\n  postgres: {}\n"
     assert "is not the copy of" in capsys.readouterr().err
-    config.write_text(repository)  # an older release's copy of the same file: the project's still
-    assert prepare() == f"{cli.COPIED}\n{repository}" and not capsys.readouterr().err
+    config.write_text(repository.replace("# Dagster instance", "# An older comment.\n# Dagster instance"))
+    assert prepare() == f"{cli.COPIED}\n{repository}" and not capsys.readouterr().err  # an older release's copy
+    old = subprocess.run(["git", "show", "881a407:dagster.yaml"], cwd=cli.REPO, capture_output=True, text=True)
+    if old.returncode == 0:  # a clone with that commit: the copy every home made before the first line
+        config.write_text(old.stdout)
+        assert prepare() == f"{cli.COPIED}\n{repository}" and not capsys.readouterr().err
 
 
 def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(broker, monkeypatch, tmp_path, capsys):
@@ -614,6 +628,7 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "acks=1", "librdkafka refuses it: Failed to create producer: `acks` must"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.certificate.locaton=/x", 'No such configuration property: '
                                                                         '"ssl.certificate.locaton"'),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "error_cb=log", "librdkafka refuses it"),  # a callback's name: no traceback
     ("KAFKA_SECURITY_PROTOCOL", "SASL-SSL", "security_protocol 'SASL-SSL': one of PLAINTEXT"),
     ("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "0", "new_topic_partitions: 0; give 1 or more"),
     # settings that would be read as something else, and do nothing
@@ -640,13 +655,17 @@ def test_a_variable_set_empty_counts_as_unset(monkeypatch):
     from entity_assets.definitions import VARIABLES, build_resources
     from resources.lake import default_home
 
-    for name in {*VARIABLES.values(), "ENTITY_ASSETS_HOME"} - {"ENTITY_ASSETS_INGESTION"}:
-        monkeypatch.setenv(name, " " if name in ("ENTITY_ASSETS_LAKE", "ENTITY_ASSETS_PUBLISH") else "")  # blank too
+    for name in {*VARIABLES.values(), "ENTITY_ASSETS_HOME", "ENTITY_ASSETS_STEP_RETRIES"} - {"ENTITY_ASSETS_INGESTION"}:
+        monkeypatch.setenv(name, " " if name in ("ENTITY_ASSETS_LAKE", "ENTITY_ASSETS_PUBLISH", "ENTITY_ASSETS_HOME",
+                                                 "ENTITY_ASSETS_STEP_RETRIES") else "")  # blank too
     resources = build_resources()
     assert resources["kafka"].publishes("device-notifications") and resources["kafka"].sasl_password is None
     assert resources["spark"].master == "local[*]" and resources["slicing"].offsets_went_back == "report"
     assert resources["kafka"].bootstrap_servers == KafkaResource().bootstrap_servers
     assert default_home() == os.path.abspath(".entity-assets")
+    from entity_assets.assets.retries import DEFAULT_RETRIES, retries
+
+    assert retries() == DEFAULT_RETRIES
 
 
 def test_run_ticks_the_sensor_with_the_slicing_settings_of_the_environment(monkeypatch, tmp_path):

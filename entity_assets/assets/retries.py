@@ -72,7 +72,7 @@ def transient(exc: BaseException) -> bool:
 def retries() -> int:
     """Retries of a step after a transient failure: `ENTITY_ASSETS_STEP_RETRIES`, read when the
     step runs (0: none; the code location's load refuses a value that is not a count)."""
-    text = os.environ.get(RETRIES_VARIABLE) or str(DEFAULT_RETRIES)
+    text = os.environ.get(RETRIES_VARIABLE, "").strip() or str(DEFAULT_RETRIES)
     if not (text.strip().isascii() and text.strip().isdigit()):
         raise SettingError(f"{RETRIES_VARIABLE}={text!r} is not a count of retries (0 or more)")
     return int(text)
