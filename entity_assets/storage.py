@@ -1042,13 +1042,20 @@ class DeltaRsEngine:
         listed = dt.vacuum(retention_hours=retention_hours, dry_run=True, enforce_retention_duration=False, full=full,
                            keep_versions=[kept["version"]] if kept else None)
         fs, root = filesystem(self.uri(table), self.storage_options)
-        # the log's records of removed files name those an earlier vacuum deleted too (an object
-        # store's delete of a missing key succeeds)
-        infos = fs.get_file_info([f"{root}/{path}" for path in listed])
-        gone = [path for path, info in zip(listed, infos) if info.type != pafs.FileType.NotFound]
-        for path in gone:
-            fs.delete_file(f"{root}/{path}")
-        return gone
+        ahead = REQUESTS_IN_FLIGHT if is_remote(self.uri(table)) else 0  # a request a file: several at once
+
+        def delete(path: str) -> bool:
+            # the log's records of removed files name those an earlier vacuum deleted too (an
+            # object store's delete of a missing key succeeds): only those still there count
+            if fs.get_file_info(f"{root}/{path}").type == pafs.FileType.NotFound:
+                return False
+            try:
+                fs.delete_file(f"{root}/{path}")
+            except FileNotFoundError:  # deleted meanwhile
+                return False
+            return True
+
+        return [path for path, deleted in zip(listed, prefetched(delete, listed, ahead)) if deleted]
 
     def expire_log(self, table: str, retention_hours: int, record_done: bool = True) -> int:
         """Deletes the Delta log files older than `retention_hours` that precede a checkpoint, as

@@ -224,7 +224,7 @@ def test_seed_batch_yields_the_seed_samples_and_failures_are_responses_only(pipe
     assert meta["entity_updates"]["dagster/partition_row_count"] == 1 and meta["entities"]["dagster/row_count"] == 1
     header, _, preview = meta["entity_updates"]["preview"].splitlines()  # a markdown table of the update
     assert header == "| entity | collection | zone | part | action | ops | after |"
-    assert preview.startswith(f"| {SALLY} | Contacts | default | 1 | created | [") and '"firstName"' in preview
+    assert preview.startswith(f"| `{SALLY}` | `Contacts` | `default` | `1` | `created` | `[") and '"firstName"' in preview
     checks = pipeline.checks(result)
     for name in ("updates_are_successes", "responses_have_every_part", "one_row_per_entity"):
         assert checks[name].passed is True, (name, checks)
@@ -914,10 +914,12 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
 def test_the_updates_preview_keeps_client_text_in_its_cell():
     from entity_assets.assets.common import md_cell
 
-    assert md_cell('{"a": "x|y"}\nz\\') == '{"a": "x\\|y"} z\\\\'
-    # markdown's marks too: a client's entity id rendered a working link and a remote image
-    assert md_cell("[Sign in again](https://evil.example) ![](https://evil.example/px.png)") == (
-        "\\[Sign in again\\]\\(https://evil.example\\) \\!\\[\\]\\(https://evil.example/px.png\\)")
+    assert md_cell('{"a": "x|y"}\nz\\') == '`{"a": "x\\|y"} z\\`'
+    # a code span: markdown's marks and GFM's bare links render as text, not as a client's link or
+    # remote image in the operator's UI; its fence is longer than any backtick run of the text
+    assert md_cell("[Sign in again](https://evil.example) ![](https://evil.example/px.png) www.evil.example") == (
+        "`[Sign in again](https://evil.example) ![](https://evil.example/px.png) www.evil.example`")
+    assert md_cell("a``b") == "```a``b```" and md_cell("`x`") == "`` `x` ``" and md_cell("") == ""
 
 
 def test_client_text_cannot_close_a_trail_s_fence_nor_drive_a_terminal():

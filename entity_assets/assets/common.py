@@ -174,13 +174,16 @@ def commit_at_once(engine: DeltaRsEngine, commits: dict[str, Callable[[], dict]]
 
 
 def md_cell(text: str) -> str:
-    """A markdown table cell of client text: a `|` or a line break would end the cell or the row,
-    and markdown's own marks (`[x](url)`, `![](url)`, emphasis, code, HTML) would render a client's
-    link or remote image in the operator's UI: each is escaped."""
-    return _MARKS.sub(r"\\\g<0>", text).replace("\r", " ").replace("\n", " ")
-
-
-_MARKS = re.compile(r"[\\|\[\]()!<>*_`#~]")
+    """A markdown table cell of client text, as a code span: markdown's marks would render a
+    client's link or remote image in the operator's UI (`[x](url)`, `![](url)`), and GFM makes a
+    link of any bare `https://…` or `www.…` outside code; a `|` or a line break would end the
+    cell or the row (a table's `\\|` holds in a code span too)."""
+    text = text.replace("\r", " ").replace("\n", " ").replace("|", "\\|")
+    if not text:
+        return ""
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text[0] == "`" or text[-1] == "`" else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def fenced(text: str) -> str:
@@ -641,7 +644,10 @@ def _published_after(engine: DeltaRsEngine, table: str, slice_key: str) -> str |
     """The highest slice `table`'s stream published, if later than `slice_key` (a re-run of an
     older slice records no publish). The lake's note of it outlives the table: a table deleted
     and rebuilt from slice 1 would otherwise publish its whole history again."""
-    highest = max(highest_done(engine, table, PUBLISH), engine.read_note(_published_note(table)) or "")
+    logged, noted = highest_done(engine, table, PUBLISH), engine.read_note(_published_note(table))
+    if noted is None and logged:  # a lake of a release before the note: noted before the table may go
+        engine.write_note(_published_note(table), logged)
+    highest = max(logged, noted or "")
     return highest if highest > slice_key else None
 
 
