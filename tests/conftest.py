@@ -94,6 +94,9 @@ def _no_deployment_settings(monkeypatch):
 
     for variable in VARIABLES.values():
         monkeypatch.delenv(variable, raising=False)
+    # pyspark's mark of a process whose sessions are Spark Connect's (`spark_connect.connect`):
+    # left by one test, the next one's local session would be taken for a Connect one
+    monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED", raising=False)
 
 
 def _free_port() -> int:

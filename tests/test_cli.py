@@ -292,10 +292,15 @@ def test_the_project_home_s_instance_config_is_the_repository_s_unless_the_user_
     assert "is not the copy of" in capsys.readouterr().err
     config.write_text(repository.replace("# Dagster instance", "# An older comment.\n# Dagster instance"))
     assert prepare() == f"{cli.COPIED}\n{repository}" and not capsys.readouterr().err  # an older release's copy
-    old = subprocess.run(["git", "show", "881a407:dagster.yaml"], cwd=cli.REPO, capture_output=True, text=True)
-    if old.returncode == 0:  # a clone with that commit: the copy every home made before the first line
-        config.write_text(old.stdout)
-        assert prepare() == f"{cli.COPIED}\n{repository}" and not capsys.readouterr().err
+    # every released copy, before copies said so on their first line (in a clone with that history)
+    commits = subprocess.run(["git", "log", "--format=%H", "--", "dagster.yaml"], cwd=cli.REPO, capture_output=True,
+                             text=True).stdout.split()
+    for commit in commits:
+        released = subprocess.run(["git", "show", f"{commit}:dagster.yaml"], cwd=cli.REPO, capture_output=True,
+                                  text=True).stdout
+        if released and not released.startswith(cli.COPIED):
+            config.write_text(released)
+            assert prepare() == f"{cli.COPIED}\n{repository}" and not capsys.readouterr().err, commit
 
 
 def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(broker, monkeypatch, tmp_path, capsys):

@@ -4,6 +4,7 @@ its own server only, an outdated server is restarted, and a pid is trusted only 
 process's command line says it is the server."""
 
 import errno
+import os
 import subprocess
 import sys
 import time
@@ -99,8 +100,12 @@ def test_a_start_is_ready_only_while_its_own_server_runs(tmp_path, free_port, mo
 
 
 def test_the_end_of_a_long_log_is_read_from_its_end(tmp_path, free_port, monkeypatch):
+    """A server's log of months (gigabytes) was read whole to show its last five lines."""
     server = Listener(tmp_path, port=free_port())
-    server.log_file.write_text("INFO noise\n" * 200_000)
+    with open(server.log_file, "wb") as log:
+        log.truncate(2 * 1024**3)  # sparse: 2 GB that take no disk, and no time, unless read whole
+        log.seek(0, 2)
+        log.write(b"INFO noise\n" * 1_000)
     failing = "import sys; print('Error: no Java'); sys.exit(3)"
     monkeypatch.setattr(Listener, "command", lambda self: [sys.executable, "-c", failing, self.program])
     with pytest.raises(NotReady, match=r"exited with 3; the end of .*:\n(  INFO noise\n){4}  Error: no Java$"):
@@ -108,8 +113,14 @@ def test_the_end_of_a_long_log_is_read_from_its_end(tmp_path, free_port, monkeyp
 
 
 def test_without_proc_the_command_line_comes_from_ps_and_an_unknown_one_is_stale(running, tmp_path, monkeypatch):
-    """macOS has no /proc: a pid file's live pid is the server's only if `ps` says so."""
+    """macOS has no /proc: a pid file's live pid is the server's only if `ps` says so (here a `ps`
+    that reads /proc for the test, as macOS's prints a command line: a container may have none)."""
     monkeypatch.setattr(local_service, "PROC", tmp_path / "no-proc")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "ps").write_text('#!/bin/sh\n# ps -ww -o command= -p PID\ntr "\\0" " " < /proc/"$5"/cmdline\n')
+    (tools / "ps").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
     server = Listener(tmp_path, port=29557)
     other = subprocess.Popen(["sleep", "60"])
     listener = running(server.program, "29557")
@@ -118,7 +129,7 @@ def test_without_proc_the_command_line_comes_from_ps_and_an_unknown_one_is_stale
         assert server.pid() is None and server.stop() is False and other.poll() is None
         server.pid_file.write_text(str(listener.pid))
         assert server.pid() == listener.pid
-        monkeypatch.setenv("PATH", str(tmp_path))  # no `ps` either: cannot tell, so not the server's
+        monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no `ps` either: cannot tell, so not the server's
         assert server.pid() is None
     finally:
         for proc in (other, listener):

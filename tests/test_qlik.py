@@ -241,7 +241,8 @@ def test_the_registry_before_a_slice_holds_each_id_s_first_registration(tmp_path
 
     engine, table = DeltaRsEngine(str(tmp_path)), "avro_schemas"
     engine.ensure(table, SCHEMAS[table])
-    registrations = {1: [("a", "A1"), ("b", "B1")], 2: [("a", "A2"), ("c", "C2")], 3: [("d", "D3")]}
+    registrations = {1: [("a", "A1"), ("b", "B1")], 2: [("a", "A2"), ("c", "C2")], 3: [("b", "B3")],
+                     4: [("d", "D4")]}  # slice 3: a restart's repeat only
     for seq, rows in registrations.items():
         key = f"{seq:010d}"
         writer = FileWriter(table, engine.uri(table), SCHEMAS[table], key)
@@ -250,8 +251,12 @@ def test_the_registry_before_a_slice_holds_each_id_s_first_registration(tmp_path
                            "kafka_timestamp": 1, **dict(zip(qlik.REGISTRY_FIELDS, qlik.Registered(
                                schema_id, text, "T", ("ID",)).values("hr")))})
         engine.replace_slice(table, SCHEMAS[table], writer.close(), key)
-    registry = registry_before(engine, "0000000003")
+    reads, read = [], engine.read
+    engine.read = lambda *a, **k: reads.append(k) or read(*a, **k)
+    registry = registry_before(engine, "0000000004")
     assert {schema_id: r.data_schema for schema_id, r in registry.items()} == {"a": "A1", "b": "B1", "c": "C2"}
+    schemas_read = [k["where"]["slice"] for k in reads if "dataSchema" in (k.get("columns") or [])]
+    assert sorted(schemas_read) == ["0000000001", "0000000002"]  # not slice 3, its repeats' schema text
     assert registry["a"].primary_key == ("ID",) and registry_before(engine, "0000000001") == {}
 
 

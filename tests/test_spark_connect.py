@@ -98,12 +98,12 @@ def test_a_server_of_the_same_folder_on_another_port_is_named(running, tmp_path)
         broker.wait()
 
 
-def test_a_server_that_exits_at_its_start_says_why_from_its_log(tmp_path, monkeypatch):
+def test_a_server_that_exits_at_its_start_says_why_from_its_log(tmp_path, monkeypatch, free_port):
     """No Java, or another Java: the end of the log, not a traceback naming the log file."""
     monkeypatch.setattr(LocalBroker, "command",
                         lambda self: [sys.executable, "-c", "import sys; print('Error: JAVA_HOME is not valid'); sys.exit(3)"])
     with pytest.raises(NotReady, match=r"exited with 3; the end of .*\n  Error: JAVA_HOME is not valid"):
-        LocalBroker(tmp_path, port=29556).start(timeout=30)
+        LocalBroker(tmp_path, port=free_port()).start(timeout=30)
 
 
 def test_a_run_presents_the_home_s_server_its_token_and_refuses_it_started_on_other_code(running, tmp_path,
@@ -136,19 +136,40 @@ RUN_CLIENT = ("import sys; from resources import SparkResource; "
               "print(SparkResource(master=sys.argv[1]).session().range(3).count())")
 
 
-def _ipv6_listener(port: int) -> socket.socket | None:
-    """A listener on [::1]:`port`, None on a host without IPv6."""
+def _ipv6_decoy(port: int) -> socket.socket | None:
+    """A listener on [::1]:`port` that a gRPC client of `localhost:port` reaches (checked with one),
+    None where none would (a host without IPv6, or a resolver that gives 127.0.0.1 only)."""
+    import errno
+
+    import grpc
+
     try:
         sock = socket.socket(socket.AF_INET6)
-    except OSError:
-        return None
-    try:
         sock.bind(("::1", port))
-        sock.listen()
-        sock.setblocking(False)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+            return None
+        raise
+    sock.listen()
+    control = grpc.insecure_channel(f"localhost:{port}")
+    try:
+        grpc.channel_ready_future(control).result(timeout=5)
+    except grpc.FutureTimeoutError:
+        pass
+    control.close()
+    sock.settimeout(1)
+    came = 0
+    while True:  # the control's connections: so would a run's over `localhost` come
+        try:
+            sock.accept()[0].close()
+        except TimeoutError:
+            break
+        came += 1
+        sock.settimeout(0.5)
+    if not came:
         sock.close()
         return None
+    sock.setblocking(False)
     return sock
 
 
@@ -166,7 +187,7 @@ def test_the_local_server_serves_only_clients_that_present_its_token(tmp_path, f
         assert bare.returncode != 0 and "UNAUTHENTICATED" in bare.stderr, bare.stderr[-3000:]
         # another user's listener on ::1, the port our server holds on 127.0.0.1 only: gRPC tries
         # `localhost`'s ::1 first, and would send it the token (a host without IPv6 has no ::1)
-        decoy = _ipv6_listener(server.port)
+        decoy = _ipv6_decoy(server.port)
         run = subprocess.run([sys.executable, "-c", RUN_CLIENT, server.url], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=300)
         assert run.returncode == 0 and run.stdout.strip() == "3", run.stderr[-3000:]
