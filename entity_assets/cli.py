@@ -34,7 +34,7 @@ from entity_assets.broker import DEFAULT_PORT, LocalBroker
 from entity_assets.spark_connect import DEFAULT_PORT as SPARK_CONNECT_PORT
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import DeliveryFailed, KafkaUnreachable
-from entity_assets.local_service import NotInstalled, NotReady, PortInUse
+from entity_assets.local_service import NotInstalled, NotReady, PortInUse, write_file
 from resources import SettingError, with_settings
 from resources.lake import default_home
 
@@ -96,9 +96,7 @@ def instance_config(dagster_home: Path) -> None:
             print(f"entity-assets: {target} is not the copy of {source}, and is kept: delete it to take that "
                   "file's settings", file=sys.stderr)
             return
-    partial = target.with_name(f".dagster.yaml.{os.getpid()}")
-    partial.write_text(f"{COPIED}\n{config}")
-    os.replace(partial, target)
+    write_file(target, f"{COPIED}\n{config}")
 
 
 def kafka_resource():
@@ -272,7 +270,8 @@ def cmd_produce(args) -> int:
                 raise UsageError("produce acks needs --devices: the sample's devices, every third of which acknowledges")
             counts = produce_records(traffic.acks(), streams=set(INPUT_STREAMS))
         else:
-            counts = produce_records(traffic.changes() if args.devices else traffic.records(), streams=set(INPUT_STREAMS))
+            counts = produce_records(traffic.changes() if args.devices else traffic.records(),
+                                     streams=set(INPUT_STREAMS))
         if args.bad:
             counts += produce_records(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))
     _say_produced(counts)
@@ -804,9 +803,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--partitions", type=_at_least(1), default=4)
     demo.add_argument("--cdc-rows", type=_at_least(1), default=100, help="rows of each sample CDC projection")
     args = parser.parse_args(argv)
-    handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run, "maintenance": cmd_maintenance, "summary": cmd_summary,
-               "trace": cmd_trace, "changes": cmd_changes, "history": cmd_history,
-               "demo": cmd_demo}
+    handler = {"broker": cmd_broker, "topics": cmd_topics, "spark": cmd_spark, "produce": cmd_produce, "run": cmd_run,
+               "maintenance": cmd_maintenance, "summary": cmd_summary, "trace": cmd_trace, "changes": cmd_changes,
+               "history": cmd_history, "demo": cmd_demo}
     try:
         prepare_environment(args.port)
         return handler[args.command](args)

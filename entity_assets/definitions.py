@@ -222,7 +222,8 @@ def _publish() -> dict:
         return {"publish": switch == "true"}
     streams = [s.strip() for s in text.split(",") if s.strip()]
     if not streams:
-        raise SettingError(f"{VARIABLES['published_streams']}={text!r} names no stream: set it to false to publish none")
+        raise SettingError(f"{VARIABLES['published_streams']}={text!r} names no stream: set it to false to "
+                           "publish none")
     return {"publish": True, "published_streams": streams}
 
 

@@ -263,7 +263,8 @@ def registry_before(engine, slice_key: str) -> dict[str, qlik.Registered]:
     ids = ids.filter(pc.less(ids.column("slice"), slice_key)).group_by("schemaId").aggregate([("slice", "min")])
     registry: dict[str, qlik.Registered] = {}
     for first in sorted(set(ids.column("slice_min").to_pylist())):
-        for row in engine.read("avro_schemas", columns=["slice", *qlik.REGISTRY_FIELDS], where={"slice": first}).to_pylist():
+        rows = engine.read("avro_schemas", columns=["slice", *qlik.REGISTRY_FIELDS], where={"slice": first})
+        for row in rows.to_pylist():
             registry.setdefault(row["schemaId"], qlik.Registered.from_row(row))
     return {schema_id: registry[schema_id] for schema_id in ids.column("schemaId").to_pylist()}
 

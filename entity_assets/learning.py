@@ -425,7 +425,8 @@ def infer(summary: Summary, declared: dict | None = None) -> dict:
     DOUBLE; undeclared observed fields are added. Deterministic: fields sorted by name.
     """
     summary._trim()
-    return {"fields": _infer_fields(summary, _fields_of(declared)), **({"fieldsTruncated": True} if summary.truncated else {})}
+    return {"fields": _infer_fields(summary, _fields_of(declared)),
+            **({"fieldsTruncated": True} if summary.truncated else {})}
 
 
 # ---------------------------------------------------------------- disagreements

@@ -51,7 +51,8 @@ def not_the_lake(root: str, ran: str) -> str:
 
 def dump_cursor(seq: int, positions: dict, closed_at: int | None, lag: dict | None = None, adopted: int = 0) -> str:
     return json.dumps({"seq": seq, "next": {f"{t}|{p}": off for (t, p), off in sorted(positions.items())},
-                       "closed_at": closed_at, **({"lag": lag} if lag else {}), **({"adopted": adopted} if adopted else {})})
+                       "closed_at": closed_at, **({"lag": lag} if lag else {}),
+                       **({"adopted": adopted} if adopted else {})})
 
 
 @sensor(job=slice_job, minimum_interval_seconds=30, description="Closes a slice of new Kafka offsets and requests its run.")

@@ -181,7 +181,7 @@ def md_cell(text: str) -> str:
     text = text.replace("\r", " ").replace("\n", " ").replace("|", "\\|")
     if not text:
         return ""
-    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    fence = "`" * (_backticks(text) + 1)
     pad = " " if text[0] == "`" or text[-1] == "`" else ""
     return f"{fence}{pad}{text}{pad}{fence}"
 
@@ -189,8 +189,13 @@ def md_cell(text: str) -> str:
 def fenced(text: str) -> str:
     """Markdown of `text` as is, in a code fence longer than any run of backticks it holds (which
     would close a fence of three and render what follows)."""
-    fence = "`" * max(3, max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    fence = "`" * max(3, _backticks(text) + 1)
     return f"{fence}\n{text}\n{fence}"
+
+
+def _backticks(text: str) -> int:
+    """The longest run of backticks in `text`: a code span or fence of as many would end there."""
+    return max((len(run) for run in re.findall(r"`+", text)), default=0)
 
 
 def table_metadata(engine: DeltaRsEngine, table: str, summary: dict) -> dict:
