@@ -128,14 +128,24 @@ def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
     JSON object of strings, as a dict. An item without `=` continues the value before it
     (`cleanup.policy=compact,delete`); with none before, it is refused here, where librdkafka or
     Spark would name no variable."""
-    name = VARIABLES[field]
-    settings: dict[str, str] = {}
-    key = None
-    text = _env(field)
+    name, text = VARIABLES[field], _env(field)
     if text.startswith("{"):  # a value that holds `k=v,k=v` itself (sasl.oauthbearer.extensions)
         settings = {key: value if isinstance(value, str) else json.dumps(value)
                     for key, value in _json_object(name, text, flat=True).items()}
-    for item in filter(str.strip, [] if settings else text.split(",")):
+    else:
+        settings = _pairs(name, text)
+    if secrets_refused and (secret := next((k for k in settings if SECRET_KEYS.search(k.lower())), None)):
+        raise SettingError(f"{name}: {secret} holds a secret, which the UI would show: name the variable that holds "
+                           f"it in ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV ({secret}=VARIABLE), or for Spark use the "
+                           "object store's own variables (docs/operations.md)")
+    return settings
+
+
+def _pairs(name: str, text: str) -> dict[str, str]:
+    """`key=value,key=value` of variable `name`; an item without `=` continues the value before it."""
+    settings: dict[str, str] = {}
+    key = None
+    for item in filter(str.strip, text.split(",")):
         name_part, equals, value = item.partition("=")
         if equals and name_part.strip():
             key = name_part.strip()
@@ -144,10 +154,6 @@ def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
             settings[key] += "," + item.strip()
         else:
             raise SettingError(f"{name}: {item.strip()!r} is not KEY=VALUE")
-    if secrets_refused and (secret := next((k for k in settings if SECRET_KEYS.search(k.lower())), None)):
-        raise SettingError(f"{name}: {secret} holds a secret, which the UI would show: name the variable that holds "
-                           f"it in ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV ({secret}=VARIABLE), or for Spark use the "
-                           "object store's own variables (docs/operations.md)")
     return settings
 
 
