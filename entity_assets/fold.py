@@ -790,13 +790,12 @@ FAN_OUT_COLUMNS = list(dict.fromkeys([*_CHANGE_COLUMNS, *notify.RECIPIENT_INPUTS
 
 
 def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[str, str], storage_options,
-                 subscriptions: list[tuple[str, str, str, notify.ZoneSubscription]],
+                 subscriptions: notify.SubscriptionIndex,
                  publishing: Publishing | None = None) -> Iterator[pa.RecordBatch]:
-    """Input: the slice's zone changes; subscriptions: (dbid, zone, entity, subscription) in effect.
+    """Input: the slice's zone changes; subscriptions: those in effect.
 
     A change's rows are its columns, taken once per device to notify, with the device's own.
     """
-    index = notify.SubscriptionIndex(subscriptions)
     # a row group per device_inboxes bucket: each task of device_notifications reads its own (inbox_events)
     out = Outputs(slice_key, uris, storage_options, publishing, row_groups_by={"changes_by_device": "bucket"})
     types = SCHEMAS["changes_by_device"]
@@ -812,7 +811,7 @@ def fan_out_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
         changes = pa.Table.from_batches([batch]).select(_CHANGE_COLUMNS)
         at, added = [], ([], [], [])
         for i, change in enumerate(zip(*(batch.column(name).to_pylist() for name in notify.RECIPIENT_INPUTS))):
-            for recipient in notify.recipients(index, *change):
+            for recipient in notify.recipients(subscriptions, *change):
                 at.append(i)
                 for values, value in zip(added, recipient):
                     values.append(value)

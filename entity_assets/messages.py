@@ -446,9 +446,12 @@ class ZoneSubscription(_Model):
 
     def covers(self, collection: str, action: str) -> bool:
         """Whether a change in this zone should notify the subscribed device."""
-        return (
-            self.subjectCollection is None or self.subjectCollection == collection
-        ) and action in self.actions
+        return covers(self.subjectCollection, self.actions, collection, action)
+
+
+def covers(subject_collection: str | None, actions, collection: str, action: str) -> bool:
+    """`ZoneSubscription.covers` of a subscription's two fields, as `notify.SubscriptionIndex` keeps them."""
+    return (subject_collection is None or subject_collection == collection) and action in actions
 
 
 TOPIC_MODELS: dict[str, type[BaseModel]] = {

@@ -150,7 +150,8 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
     uri = str(tmp_path / "changes_by_device")
     (tmp_path / "changes_by_device").mkdir()
     [report] = fold.fan_out_task(iter([pa.RecordBatch.from_pylist([change])]), slice_key="0000000001",
-                                 uris={"changes_by_device": uri}, storage_options=None, subscriptions=subscriptions)
+                                 uris={"changes_by_device": uri}, storage_options=None,
+                                 subscriptions=notify.SubscriptionIndex(subscriptions))
     [written] = [r for r in report.to_pylist() if r["table"] == "changes_by_device"]
     path = f"{uri}/{written['path']}"
     rows = pq.read_table(path).to_pylist()
@@ -187,7 +188,8 @@ def test_a_fan_out_writes_its_summaries_as_they_add_up_in_the_order_it_made_them
         monkeypatch.setattr(fold, "FAN_OUT_ROWS", rows)
         written.clear()
         list(fold.fan_out_task(iter([pa.RecordBatch.from_pylist(changes)]), slice_key="0000000001",
-                               uris={"changes_by_device": str(tmp_path)}, storage_options=None, subscriptions=subscriptions))
+                               uris={"changes_by_device": str(tmp_path)}, storage_options=None,
+                               subscriptions=notify.SubscriptionIndex(subscriptions)))
         return list(written)
 
     whole, cut = fan_out(10**6), fan_out(15)

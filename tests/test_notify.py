@@ -97,6 +97,47 @@ def test_parse_subscription_defaults_and_invalid():
     assert read_subscription(sub("A", "d", ["created"]))[1] is None
 
 
+def test_the_state_s_subscriptions_are_read_as_read_subscription_reads_each(tmp_path):
+    """changes_by_device parses the $zoneSubscription documents from their text, with the garbage
+    collector paused: the same subscriptions, and the same words for the bad ones, as
+    read_subscription of the parsed document; a deleted one left out, a null `deleted` kept."""
+    import gc
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from entity_assets import core
+    from entity_assets.assets.notifications import _subscriptions, _zones
+
+    texts = [json.dumps(sub("A", "d1", ["created"])), json.dumps(sub("B", "d2", ["updated"], collection="Contacts")),
+             json.dumps({"subjectZone": "A", "device": "d3", "user": "u", "actions": None}),
+             '{"subjectZone": "A", "subjectZone": "C", "device": "d4", "user": "u"}',  # the last member wins
+             '{"subjectZone": "A", "device": "d5", "user": "u", "extra": {"deep": [1, 2]}}',
+             "[]", "7", "null", '"text"', "{}", json.dumps({"subjectZone": 7, "device": "d", "user": "u"}),
+             json.dumps({"subjectZone": "A", "device": "d", "user": "u", "actions": ["touched"]}),
+             json.dumps({"subjectZone": "A", "device": "d", "user": "u", "actions": []}),
+             json.dumps({"subjectZone": "", "device": "d", "user": "u"}),
+             json.dumps(sub("Z", "gone", ["created"]))]
+    deleted = [False, None] + [False] * (len(texts) - 3) + [True]
+    state = pa.table({"dbid": ["db"] * len(texts), "zone": ["subs"] * len(texts),
+                      "entity": [f"s{i:02}" for i in range(len(texts))], "deleted": deleted, "document": texts})
+    valid, invalid = _subscriptions(state)
+    expected = [("db", "subs", f"s{i:02}", read_subscription(core.loads(text)))
+                for i, text in enumerate(texts) if not deleted[i]]
+    assert valid == [(d, z, e, read[0]) for d, z, e, read in expected if read[0] is not None]
+    assert invalid == [(d, z, e, read[1]) for d, z, e, read in expected if read[0] is None]
+    assert [s.device for *_, s in valid] == ["d1", "d2", "d3", "d4", "d5"] and valid[3][3].subjectZone == "C"
+    assert len(invalid) == 9 and ("db", "subs", "s05", "the document is not an object") in invalid
+    assert gc.isenabled()
+    assert _subscriptions(state.slice(0, 0)) == ([], [])
+
+    pq.write_table(pa.table({"dbid": ["db", "db", "db2"], "zone": ["A", "A", "A"], "x": [1, 2, 3]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"dbid": ["db"], "zone": ["C"], "x": [4]}), tmp_path / "b.parquet")
+    assert _zones([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], None) == {("db", "A"), ("db2", "A"), ("db", "C")}
+    assert _zones([], None) == set()
+
+
 def test_subscriptions_of_one_id_in_two_zones_are_two_subscriptions():
     """Entity ids are unique within a zone: keyed by id alone, one subscription hid the other."""
     index = SubscriptionIndex([(DB, "X", "sub-1", ZoneSubscription.model_validate(sub("A", "d1", ["created"]))),
