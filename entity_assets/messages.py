@@ -1,8 +1,8 @@
 """Pydantic models of the Kafka stream messages (seed 004) and the hot-path parser.
 
 Field names are the seed's wire names (``includeBefore``, ``appVersion``, ...) so that a model
-attribute, a Delta column and a JSON key never need a mapping table. Only ``from`` (a Python
-keyword) is spelled ``from_`` in Python.
+attribute, a Delta column and a JSON key never need a mapping table. ``from``, a Python keyword,
+is no attribute: ``FromOp`` is a TypedDict in the functional form, keyed ``"from"``.
 
 Pure pydantic on purpose: this module is imported by Spark workers and tests, and must stay
 cheap to import and fast to run (validation happens in pydantic-core's Rust code; the few

@@ -23,9 +23,10 @@ SEED_DURABILITY = {"cleanup.policy": "compact", "min.compaction.lag.ms": str(7 *
 default retention, before compaction may drop it; then each key's newest is kept for good."""
 
 DEFAULT_BOOTSTRAP = f"127.0.0.1:{DEFAULT_PORT}"
+"""The embedded broker (entity_assets.broker) of the demo and the scripts."""
 _PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-"""The embedded broker (entity_assets.broker) of the demo and the scripts."""
+"""An environment variable's name, as `client_secret_env` values must be."""
 
 
 class IngestionSource(Config):
