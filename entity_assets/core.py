@@ -123,11 +123,11 @@ SCHEMA_KEPT = "a database's schema is not deleted: replace it with {} to empty i
 
 
 def action_of(created: bool, deleted: bool) -> str:
-    """The change action of a successful entity update.
+    """The change action of a successful update.
 
-    ``created``: the entity did not exist before; ``deleted``: the patch removed the document.
-    Both at once (a patch on a missing entity that leaves nothing) counts as ``deleted``: the entity
-    is absent afterwards, so a subscriber must not be told it now exists.
+    ``created``: the document did not exist before (a database's first schema patch included,
+    applied to ``{}``); ``deleted``: the patch removed it. Never both: a missing entity is created
+    by adds only, and `apply` refuses a schema's deletion.
     """
     if deleted:
         return "deleted"

@@ -71,7 +71,6 @@ class PatchOutcome:
     status: int  # STATUS_OK, STATUS_NOT_FOUND or STATUS_FAILED
     doc: dict | None  # new document; None when deleted; the unchanged input on 2/3
     error: str | None  # None when status == STATUS_OK
-    created: bool  # the entity did not exist before and does now
     deleted: bool  # the patch deleted the entity
 
 
@@ -495,8 +494,8 @@ def _is_delete(op) -> bool:
     return isinstance(op, dict) and op.get("op") == "remove" and op.get("path") == ""
 
 
-def _outcome(status, doc=None, error=None, created=False, deleted=False) -> PatchOutcome:
-    return PatchOutcome(status, doc, error, created, deleted)
+def _outcome(status, doc=None, error=None, deleted=False) -> PatchOutcome:
+    return PatchOutcome(status, doc, error, deleted)
 
 
 def apply_patch(doc: dict | None, ops: list) -> PatchOutcome:
@@ -507,8 +506,7 @@ def apply_patch(doc: dict | None, ops: list) -> PatchOutcome:
     """
     if not isinstance(ops, list):
         return _outcome(STATUS_FAILED, doc, f"a patch must be an array of ops, got {_kind(ops)}")
-    created = doc is None
-    if created:
+    if doc is None:
         if not ops or not all(isinstance(op, dict) and op.get("op") == "add" for op in ops):
             return _outcome(STATUS_NOT_FOUND, None, "entity does not exist")
         base = {}
@@ -531,4 +529,4 @@ def apply_patch(doc: dict | None, ops: list) -> PatchOutcome:
         return _outcome(
             STATUS_FAILED, doc, f"an entity document must be an object, got {_kind(result)}"
         )
-    return _outcome(STATUS_OK, result, created=created)
+    return _outcome(STATUS_OK, result)

@@ -221,7 +221,9 @@ def test_action_of():
     assert core.action_of(created=True, deleted=False) == "created"
     assert core.action_of(created=False, deleted=False) == "updated"
     assert core.action_of(created=False, deleted=True) == "deleted"
-    assert core.action_of(created=True, deleted=True) == "deleted"
+    # never both: a patch that would create an entity and delete it finds none
+    create_and_delete = json.dumps([{"op": "add", "path": "/a", "value": 1}, {"op": "remove", "path": ""}])
+    assert core.apply(core.DocState(), create_and_delete, 1, False, False)[:2] == (2, "entity does not exist")
 
 
 def test_incomplete_request_stays_pending():

@@ -148,15 +148,14 @@ def test_seed_creation_sample():
         status=STATUS_OK,
         doc={"firstName": "Sally", "lastName": "Anderson", "phone": {"home": "1-222-555-1234"}},
         error=None,
-        created=True,
         deleted=False,
     )
 
 
 def test_update_existing_entity():
     out = apply_patch({"a": 1}, [{"op": "replace", "path": "a", "value": 2}])
-    assert (out.status, out.doc, out.error, out.created, out.deleted) == (
-        STATUS_OK, {"a": 2}, None, False, False,
+    assert (out.status, out.doc, out.error, out.deleted) == (
+        STATUS_OK, {"a": 2}, None, False,
     )
 
 
@@ -181,15 +180,15 @@ def test_removing_the_member_named_empty_is_no_delete():
 def test_failed_creation_is_failed():
     ops = [{"op": "add", "path": "a", "value": "x"}, {"op": "add", "path": "a/b", "value": 1}]
     out = apply_patch(None, ops)
-    assert out.status == STATUS_FAILED and out.doc is None and not out.created
+    assert out.status == STATUS_FAILED and out.doc is None
     assert out.error == "op 1 (add a/b): cannot add 'b' to a string"
 
 
 def test_deletion():
     doc = {"a": 1}
     out = apply_patch(doc, [{"op": "test", "path": "/a", "value": 1}, {"op": "remove", "path": ""}])
-    assert (out.status, out.doc, out.error, out.created, out.deleted) == (
-        STATUS_OK, None, None, False, True,
+    assert (out.status, out.doc, out.error, out.deleted) == (
+        STATUS_OK, None, None, True,
     )
     assert doc == {"a": 1}
 
