@@ -50,8 +50,8 @@ def bucket_of(dbid: str, collection: str, zone: str, entity: str) -> int:
     return key_bucket(f"{dbid}\x1f{collection}\x1f{zone}\x1f{entity}")
 
 
-BATCH_FIELDS = ("slice", "kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "clientid", "request",
-                "user", "dbid", "begun", "learning", "includeBefore", "includeAfter")
+PATCH_FROM_BATCH = ("slice", "kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp", "clientid",
+                    "request", "user", "dbid", "begun", "learning", "includeBefore", "includeAfter")
 """The entity_patches columns a patch takes from its batch's row."""
 PATCH_FIELDS = ("collection", "zone", "entity", "parts", "part", "ops", "bucket")
 """The entity_patches columns of each patch (`explode`)."""

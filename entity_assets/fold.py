@@ -538,7 +538,7 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
             at += [i] * len(own)
             patches += own
         # the batch's columns taken once per patch, the patch's own columns added: no row becomes a dict
-        exploded = rows.select(core.BATCH_FIELDS).take(pa.array(at, pa.int64()))
+        exploded = rows.select(core.PATCH_FROM_BATCH).take(pa.array(at, pa.int64()))
         for name, values in zip(core.PATCH_FIELDS, zip(*patches) if patches else [()] * len(core.PATCH_FIELDS)):
             exploded = exploded.append_column(name, pa.array(values, types.field(name).type))
         out.emit_rows("entity_patches", exploded)

@@ -25,7 +25,7 @@ def batch_row(batch: dict) -> dict:
 
 def explode_batch(batch: dict) -> list[dict]:
     """The entity_patches rows of a batch row, as `fold.explode_task` makes them in Arrow."""
-    head = {name: batch[name] for name in core.BATCH_FIELDS}
+    head = {name: batch[name] for name in core.PATCH_FROM_BATCH}
     return [{**head, **dict(zip(core.PATCH_FIELDS, patch))} for patch in core.explode(batch["dbid"], batch["patches"])]
 
 
@@ -288,5 +288,5 @@ def test_every_derived_stream_has_a_publisher():
 
 def test_a_patch_row_is_its_batch_fields_and_its_own():
     """Every entity_patches column comes from the batch row or from the patch (`core.explode`), once."""
-    assert sorted(core.BATCH_FIELDS + core.PATCH_FIELDS) == sorted(SCHEMAS["entity_patches"].names)
-    assert set(core.BATCH_FIELDS) <= set(SCHEMAS["entity_batches"].names)
+    assert sorted(core.PATCH_FROM_BATCH + core.PATCH_FIELDS) == sorted(SCHEMAS["entity_patches"].names)
+    assert set(core.PATCH_FROM_BATCH) <= set(SCHEMAS["entity_batches"].names)
