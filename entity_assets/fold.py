@@ -750,7 +750,7 @@ def zone_changes_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris
     A subscription that moved from a zone (`leftZone`) is a row there too, right after its row
     in its new zone, so each partition has an entity's messages in order. Counts by zone
     (counters "subjectZone:<zone>"), of its `ZONES_COUNTED` busiest zones, and how many others
-    it had ("zonesUncounted"): the driver gathers every task's counters.
+    it had ("zones_uncounted"): the driver gathers every task's counters.
     """
     out, zones = Outputs(slice_key, uris, storage_options, publishing), Counter()
     for batch in batches:
@@ -767,7 +767,7 @@ def zone_changes_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris
 ZONES_COUNTED = 1_000
 """Zones a zone_changes task counts for the materialization (which shows the busiest): a slice of
 a million zones (a zone per user) would hold each task's every zone in the driver."""
-ZONES_UNCOUNTED = "zonesUncounted"
+ZONES_UNCOUNTED = "zones_uncounted"
 
 
 def _with_left_zones(rows: pa.Table) -> pa.Table:
