@@ -27,7 +27,7 @@ from entity_assets.learning import new_declaration_error
 from entity_assets.publish import UNDELIVERABLE, Publisher, Publishing
 from entity_assets.storage import (REQUESTS_IN_FLIGHT, FileWriter, RowGroups, TableFile, files_ahead, from_rows, is_remote,
                                    key_string, key_strings, prefetched, read_files, read_table, read_tables, to_rows)
-from entity_assets.tables import SCHEMAS
+from entity_assets.tables import COORDINATES, SCHEMAS
 
 FILES_SCHEMA = pa.schema([("table", pa.string()), ("path", pa.string()), ("size", pa.int64()),
                           ("rows", pa.int64()), ("stats", pa.string())])
@@ -504,11 +504,13 @@ def schema_patch_rows(table: str, file: TableFile, storage_options, buckets: lis
                       redelivered: frozenset = frozenset()) -> pa.Table:
     """`schema_fold_task`'s input: a schema_patches file without its redeliveries (Kafka coordinates)."""
     data = read_table(file, storage_options)
-    if not redelivered:
-        return data
-    keep = [(t, p, o) not in redelivered for t, p, o in zip(*(data.column(c).to_pylist()
-                                                                 for c in ("kafka_topic", "kafka_partition", "kafka_offset")))]
-    return data.filter(pa.array(keep, pa.bool_()))
+    return data.filter(not_redelivered(data, redelivered)) if redelivered else data
+
+
+def not_redelivered(rows: pa.Table, redelivered: frozenset) -> pa.Array:
+    """The mask of `rows` that are no redelivery: whose `COORDINATES` are not in `redelivered`."""
+    return pa.array([at not in redelivered for at in zip(*(rows.column(c).to_pylist() for c in COORDINATES))],
+                    pa.bool_())
 
 
 # --------------------------------------------------------------------------- entity core
@@ -524,8 +526,7 @@ def explode_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dic
     for batch in batches:
         rows = pa.Table.from_batches([batch])
         if redelivered:
-            coordinates = zip(*(rows.column(c).to_pylist() for c in ("kafka_topic", "kafka_partition", "kafka_offset")))
-            kept = pa.array([at not in redelivered for at in coordinates], pa.bool_())
+            kept = not_redelivered(rows, redelivered)
             if not pc.all(kept).as_py():
                 out.count("redelivered", rows.num_rows - pc.sum(kept).as_py())
                 rows = rows.filter(kept)

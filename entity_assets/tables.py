@@ -19,6 +19,8 @@ LINEAGE = [
     ("kafka_offset", I64),
     ("kafka_timestamp", I64),
 ]
+COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
+"""A record's place in Kafka: a redelivery is a row at coordinates other than its first delivery's."""
 REQUEST = [("clientid", STR), ("request", I64), ("user", STR), ("dbid", STR)]
 FLAGS = [("learning", BOOL), ("includeBefore", BOOL), ("includeAfter", BOOL)]
 TARGET = [("collection", STR), ("zone", STR), ("entity", STR)]

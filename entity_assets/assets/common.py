@@ -15,7 +15,7 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
 
 from entity_assets.assets import topics
 from entity_assets.storage import DataFile, DeltaRsEngine, Repeat, TableFile, repeated_deliveries
-from entity_assets.tables import ADDED_IN_PLACE, APPLIED_IN_ORDER, SCHEMAS
+from entity_assets.tables import ADDED_IN_PLACE, APPLIED_IN_ORDER, COORDINATES, SCHEMAS
 from resources import SparkResource
 
 
@@ -223,7 +223,6 @@ def with_columns(spec: AssetSpec) -> AssetSpec:
 
 # --------------------------------------------------------------------------- redeliveries
 
-COORDINATES = ("kafka_topic", "kafka_partition", "kafka_offset")
 SPLIT_BY = "request"
 """Every identity holds the request number: its low bits split the search among tasks."""
 SPLIT_ROWS = 1_000_000
