@@ -78,7 +78,9 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
             ", or delete the sensor's cursor: `dagster sensor cursor kafka_offsets_sensor --delete` (docs/slices.md)")
         context.log.error(said)
         return SensorResult(skip_reason=SkipReason(said), cursor=context.cursor)
-    if latest != cursor_seq:
+    # the same number may be another slice: a lake restored behind the cursor whose lost slices
+    # the CLI closed again (`entity-assets run`), as many as it lost; its newest tells by its close
+    if latest != cursor_seq or (latest and store.closed_at().get(latest) != closed_at):
         newest = store.get(latest) if latest else None
         positions = newest.positions() if newest else {}
         closed_at = newest.closed_at if newest else None

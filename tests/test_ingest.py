@@ -451,6 +451,34 @@ def test_a_lake_restored_behind_the_sensor_runs_its_slices_again(pipeline, tmp_p
     assert all(pipeline.run_request(r).success for r in (restored[1], sixth))
 
 
+def test_a_cursor_naming_the_lake_s_newest_slice_by_number_reads_on_from_the_lake_s_offsets(pipeline, tmp_path):
+    """A lake restored behind the sensor and brought up to date by `entity-assets run` while the
+    sensor was stopped: the CLI closed as many slices again as the restore lost, so the sensor's
+    cursor names the lake's newest slice by its number, but another slice. Its offsets were read
+    twice (the CLI's slice went further) or never (it went less far)."""
+    pipeline.produce(traffic(20, seed=1))
+    pipeline.tick_and_run()
+    backup = tmp_path / "backup"
+    shutil.copytree(pipeline.lake.root, backup)
+    pipeline.produce(traffic(10, seed=2))
+    [second] = pipeline.tick()
+    stored = pipeline.cursor  # the daemon's, at its slice 2
+    shutil.rmtree(pipeline.lake.root)
+    shutil.copytree(backup, pipeline.lake.root)
+    pipeline.produce(traffic(6, seed=3))
+    first = pipeline.manifest(1)
+    pipeline.cursor = dump_cursor(first.seq, first.positions(), first.closed_at)  # as `entity-assets run` starts
+    [again] = pipeline.tick()
+    assert again.partition_key == K2 and pipeline.manifest(2).messages == 16
+    pipeline.cursor = stored  # the sensor turned on again
+    later = traffic(4, seed=4)
+    pipeline.produce(later)
+    [third] = pipeline.tick()
+    assert third.partition_key == slice_key(3)
+    assert pipeline.manifest(3).messages == len(later)
+    assert {(r.topic, r.partition): r.start for r in pipeline.manifest(3).ranges} == pipeline.manifest(2).positions()
+
+
 def test_a_run_that_succeeds_during_a_tick_is_not_requested_again(pipeline, monkeypatch):
     """The tick reads the runs, then the lake, then the newest whole runs: slice 1's run ended
     between the first two, so neither saw it, and the third did. It is done, not a slice the
