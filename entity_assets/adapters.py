@@ -42,7 +42,7 @@ from pydantic_core import from_json
 
 from entity_assets import messages as m
 from entity_assets import qlik
-from entity_assets.patch import MAX_DEPTH, nesting
+from entity_assets.patch import MAX_DEPTH, escape_token, nesting
 
 FORMATS = ("db2", "goldengate", "debezium", "qlik")
 AUTO = "auto"
@@ -490,7 +490,7 @@ def ops(kind: str, row: dict | None, *, merge: bool = False) -> list[dict]:
         return [{"op": "add", "path": "", "value": row}]
     if not row:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "after: no column to merge")
-    return [{"op": "add", "path": "/" + name.replace("~", "~0").replace("/", "~1"), "value": value}
+    return [{"op": "add", "path": "/" + escape_token(name), "value": value}
             for name, value in row.items()]
 
 

@@ -23,7 +23,7 @@ Decisions:
   them apart); a declared type the learner does not know (`UUID`, `DATE`) admits any value, and
   a field spec with nested `fields` but no type is a DOCUMENT.
 
-Pure stdlib: it is imported by Spark tasks and by the driver alike.
+Pure stdlib (and the pure `patch`): it is imported by Spark tasks and by the driver alike.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 from typing import Any
+
+from entity_assets.patch import escape_token
 
 __all__ = [
     "TYPES",
@@ -40,7 +42,6 @@ __all__ = [
     "infer",
     "disagreements",
     "entity_types",
-    "escape",
 ]
 
 TYPES = ("STRING", "INTEGER", "DOUBLE", "BOOLEAN", "DOCUMENT", "ARRAY", "NULL")
@@ -327,7 +328,7 @@ def _declaration_errors(schema_doc: Any) -> list[tuple[str | None, str]]:
             errors.append((type_name, f"{path}: must be an object of field specs"))
             continue
         for name, spec in fields.items():
-            where = f"{path}/{escape(name)}"
+            where = f"{path}/{escape_token(name)}"
             if not isinstance(spec, dict):
                 errors.append((type_name, f"{where}: a field spec must be an object, such as "
                                           "{\"type\": \"STRING\", \"optional\": true}"))
@@ -360,7 +361,7 @@ def _path(type_name: str | None, error: str) -> str:
 def _top(name: str) -> str:
     """A top-level name as a path's first token: an empty one keeps the path's leading slash,
     which `patch.parse_path` would otherwise drop (`/b` reads as `b`, `""` as the document)."""
-    return escape(name) or "/"
+    return escape_token(name) or "/"
 
 
 def _fields_of(entity_type: Any) -> dict[str, dict] | None:
@@ -432,11 +433,6 @@ def infer(summary: Summary, declared: dict | None = None) -> dict:
 # ---------------------------------------------------------------- disagreements
 
 
-def escape(name: str) -> str:
-    """A name as a JSON Pointer token (RFC 6901): its `/` cannot be taken for a separator."""
-    return name.replace("~", "~0").replace("/", "~1")
-
-
 def _counts(types: dict[str, int]) -> str:
     return ", ".join(f"{t}×{types[t]}" for t in sorted(types, key=lambda t: _RANK.get(t, len(TYPES))))
 
@@ -446,7 +442,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
     for name, f in level.fields.items():
         if f.present == 0:
             continue
-        path = prefix + escape(name) if prefix else _top(name)
+        path = prefix + escape_token(name) if prefix else _top(name)
         spec = (declared or {}).get(name)
         if spec is None:
             detail = f"observed in {f.present} of {total} documents as {_counts(f.types)}"
@@ -480,7 +476,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
             missing = total - (f.present if f is not None else 0)
             if missing > 0 and not level.uncounted(name):
                 out.append({
-                    "path": prefix + escape(name) if prefix else _top(name),
+                    "path": prefix + escape_token(name) if prefix else _top(name),
                     "kind": "required_missing",
                     "detail": f"missing in {missing} of {total} documents",
                 })

@@ -40,6 +40,7 @@ __all__ = [
     "PatchError",
     "PatchOutcome",
     "parse_path",
+    "escape_token",
     "shown",
     "apply_ops",
     "apply_patch",
@@ -136,6 +137,11 @@ def parse_path(path: str) -> tuple[str, ...]:
             raise ValueError(f"invalid '~' escape in path {_named(path)}")
         tokens = [t.replace("~1", "/").replace("~0", "~") for t in tokens]
     return tuple(tokens)
+
+
+def escape_token(name: str) -> str:
+    """A name as a JSON Pointer token (RFC 6901): its `/` cannot be taken for a separator."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _index(token: str, size: int, end_ok: bool) -> int:

@@ -13,12 +13,11 @@ from entity_assets.learning import (
     declaration_errors,
     disagreements,
     entity_types,
-    escape,
     infer,
     normalize_type,
     type_of,
 )
-from entity_assets.patch import parse_path
+from entity_assets.patch import escape_token, parse_path
 
 # The seed's schema-updates sample schema (after homePhone was added) and entity-updates sample entity.
 SEED_SCHEMA = {
@@ -446,7 +445,7 @@ def test_the_check_shows_a_bounded_report_and_counts_it_all():
     """A document used as a map makes a disagreement per key: the event log keeps every slice's metadata."""
     from entity_assets.assets.schemas import SHOWN, _declared_schema_check
 
-    report = {f"db/{escape('a/b')}{i}": [{"path": f"k{j}", "kind": "undeclared"} for j in range(SHOWN + 5)]
+    report = {f"db/{escape_token('a/b')}{i}": [{"path": f"k{j}", "kind": "undeclared"} for j in range(SHOWN + 5)]
               for i in range(SHOWN + 3)}
     check = _declared_schema_check(report)
     shown = check.metadata["disagreements"].value

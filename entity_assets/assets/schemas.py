@@ -20,9 +20,9 @@ from entity_assets.assets.common import (
     table_metadata, task_slots,
 )
 from entity_assets.assets.retries import retried_when_transient
-from entity_assets.learning import Summary, disagreements, entity_types, escape, infer
+from entity_assets.learning import Summary, disagreements, entity_types, infer
 from entity_assets.partitions import LAKE_POOL, slices_partitions
-from entity_assets.patch import shown
+from entity_assets.patch import escape_token, shown
 from entity_assets.storage import FileWriter
 from entity_assets.tables import SCHEMAS
 from resources import LakeResource, SlicingResource, SparkResource
@@ -98,7 +98,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
                 observed_this_slice=MetadataValue.int(sum(learned.observed for learned in now.values())),
                 replayed=MetadataValue.bool(not apply))
     yield MaterializeResult(asset_key="learned_schemas", metadata=meta)
-    yield _declared_schema_check({f"{escape(dbid)}/{escape(collection)}": issues
+    yield _declared_schema_check({f"{escape_token(dbid)}/{escape_token(collection)}": issues
                                   for (dbid, collection), learned in sorted(now.items())
                                   if (issues := disagreements(learned, declared.get((dbid, collection))))})
 
