@@ -15,10 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from entity_assets import core
+from entity_assets.patch import JSON_ESCAPED
 from entity_assets.storage import one_array
-
-_ESCAPED = r'[\x00-\x1f"\\]'
-"""The characters JSON escapes in a string: control characters, the quote, the backslash."""
 
 
 def _needs_escape(values: pa.Array) -> bool:
@@ -40,7 +38,7 @@ def _string(values: pa.Array | pa.ChunkedArray) -> list:
         return ['"', values, '"']
     quoted = pc.binary_join_element_wise('"', values, '"', "")
     if escaping:
-        escape = pc.fill_null(pc.match_substring_regex(values, _ESCAPED), False)
+        escape = pc.fill_null(pc.match_substring_regex(values, JSON_ESCAPED.pattern), False)
         slow = pa.array([core.dumps(v) if e else None for v, e in zip(values.to_pylist(), escape.to_pylist())],
                         pa.string())
         quoted = pc.if_else(escape, slow, quoted)

@@ -188,15 +188,16 @@ def nesting(value, limit: int) -> int:
     return deepest
 
 
-_ESCAPED = re.compile(r'["\\\x00-\x1f]')
-"""Characters that JSON text escapes (`core.dumps`): at most 6 characters each (`\u0000`)."""
+JSON_ESCAPED = re.compile(r'["\\\x00-\x1f]')
+"""Characters that JSON text escapes (`core.dumps`): at most 6 characters each (`\u0000`).
+Its pattern is RE2's too (`encode`, in Arrow)."""
 
 
 def _str_size(text: str) -> int:
     """At least the length of ``text`` as a JSON string: a client's control characters must not
     make a bound that a multi-gigabyte text passes."""
     size = len(text) + 2
-    return size if _ESCAPED.search(text) is None else size + 5 * len(_ESCAPED.findall(text))
+    return size if JSON_ESCAPED.search(text) is None else size + 5 * len(JSON_ESCAPED.findall(text))
 
 
 def _text_size(value, memo: dict) -> int:
