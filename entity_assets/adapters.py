@@ -37,7 +37,7 @@ from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 from pydantic_core import from_json
 
 from entity_assets import messages as m
@@ -142,14 +142,11 @@ def request_id(partition: int, offset: int) -> int:
 
 # --------------------------------------------------------------------------- message shapes
 
-_STRICT = ConfigDict(strict=True, extra="ignore")
-
-
 class GoldenGateChange(BaseModel):
     """The value of an Oracle GoldenGate record. `pos` is required by the seed's spec, yet its
     examples omit it; it is not needed, so it is optional."""
 
-    model_config = _STRICT
+    model_config = m.STRICT
     op_type: Literal["I", "U", "D"]
     before: m.Document | None = None
     after: m.Document | None = None
@@ -166,7 +163,7 @@ class DebeziumChange(BaseModel):
     """The value of a Debezium record (the `payload` when the JSON converter embeds its schema).
     `source` is required by the seed's spec, yet its examples omit it; it is not needed."""
 
-    model_config = _STRICT
+    model_config = m.STRICT
     op: Literal["c", "r", "u", "d"]
     before: m.Document | str | None = None
     after: m.Document | str | None = None

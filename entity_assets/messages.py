@@ -34,6 +34,7 @@ from pydantic_core import PydanticCustomError
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "STRICT",
     "DeadLetterCode",
     "InvalidMessage",
     "check_size",
@@ -116,7 +117,10 @@ Status = Annotated[int, Field(ge=1, le=3)]
 Action = Literal["created", "updated", "deleted"]
 Document = dict[str, Any]
 
-_STRICT = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+STRICT = ConfigDict(strict=True, extra="ignore")
+"""The input models' config (here, `adapters`, `qlik`): JSON's types as sent, no `"1"` for 1;
+members a producer adds are no error."""
+_STRICT = ConfigDict(**STRICT, populate_by_name=True)
 
 
 class _Model(BaseModel):

@@ -43,13 +43,12 @@ ENVELOPE_SCHEMA = {
 """The seed's envelope schema, verbatim."""
 
 _ENVELOPE = fastavro.parse_schema(ENVELOPE_SCHEMA)
-_STRICT = ConfigDict(strict=True, extra="ignore")
 _OPEN = ConfigDict(extra="ignore")
 """The messages Replicate writes inside the envelope: decoded by their own Avro schema already."""
 
 
 class Envelope(BaseModel):
-    model_config = _STRICT
+    model_config = m.STRICT
     magic: bytes
     type: Literal["MD", "DT"]
     headers: dict[str, str] | None = None
