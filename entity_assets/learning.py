@@ -185,7 +185,8 @@ class Summary:
 
     @classmethod
     def of(cls, docs) -> Summary:
-        """Summary of an iterable of documents (convenience for tests and small inputs)."""
+        """The summary of documents at hand: `infer(Summary.of(docs))` is their entity type (the
+        steps `observe` theirs as they read them)."""
         s = cls()
         for doc in docs:
             s.observe(doc)
@@ -308,15 +309,11 @@ def _declared_type(spec: dict) -> str | None:
     return DOCUMENT if t is None and isinstance(spec.get("fields"), dict) else t
 
 
-def declaration_errors(schema_doc: Any) -> list[str]:
+def _declaration_errors(schema_doc: Any) -> list[tuple[str | None, str]]:
     """What makes a database schema document not the seed's style: learning would read
     `"optional": "false"` as a field that may be missing, and skip a field spec that is not an
-    object. A null `type` or `optional` counts as absent."""
-    return [_path(type_name, error) for type_name, error in _declaration_errors(schema_doc)]
-
-
-def _declaration_errors(schema_doc: Any) -> list[tuple[str | None, str]]:
-    """(entity type, error within it: its path from the type's `fields` on) of each error."""
+    object. A null `type` or `optional` counts as absent. Each error as (entity type, error
+    within it: its path from the type's `fields` on)."""
     if not isinstance(schema_doc, dict):
         return [(None, "a database schema must be an object of entity types")]
     errors, todo = [], [(n, "fields", et.get("fields")) for n, et in schema_doc.items() if isinstance(et, dict)]

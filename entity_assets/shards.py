@@ -27,9 +27,6 @@ class Shard(NamedTuple):
     depth: int
     prefix: int
 
-    def contains(self, h: int) -> bool:
-        return h >> (BITS - self.depth) == self.prefix
-
     def halves(self) -> tuple[Shard, Shard]:
         return Shard(self.depth + 1, self.prefix << 1), Shard(self.depth + 1, self.prefix << 1 | 1)
 

@@ -71,9 +71,6 @@ class Manifest:
         """Where the next slice starts."""
         return {(r.topic, r.partition): r.end for r in self.ranges}
 
-    def ranges_of(self, topic: str) -> list[OffsetRange]:
-        return [r for r in self.ranges if r.topic == topic and r.count > 0]
-
 
 MANIFEST_SCHEMA = pa.schema(
     [
