@@ -4,6 +4,10 @@ Field names are the seed's wire names (``includeBefore``, ``appVersion``, ...) s
 attribute, a Delta column and a JSON key never need a mapping table. ``from``, a Python keyword,
 is no attribute: ``FromOp`` is a TypedDict in the functional form, keyed ``"from"``.
 
+The models of the streams the assets publish (``EntityPatch``, ``EntityUpdate``, ``SchemaUpdate``,
+``PartialResponse``, ``DeviceNotification``, ... and ``TOPIC_MODELS``) are those streams' schema,
+for consumers and the contract tests: production writes their messages as text (`core`, `encode`).
+
 Pure pydantic on purpose: this module is imported by Spark workers and tests, and must stay
 cheap to import and fast to run (validation happens in pydantic-core's Rust code; the few
 Python validators are one call per model, not per field, but for the optional flags present).
