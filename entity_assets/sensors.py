@@ -15,6 +15,7 @@ from entity_assets.jobs import slice_job
 from entity_assets.manifests import ManifestStore
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import Manifest, behind, plan_slices, read_to, run_key, slice_key, slice_seq
+from entity_assets.storage import NOTES_FOLDER
 from entity_assets.tables import APPLIED_IN_ORDER
 from resources import KafkaResource, LakeResource, SlicingResource
 
@@ -37,8 +38,16 @@ def load_cursor(raw: str | None) -> Cursor:
     if not raw:
         return Cursor(0, {}, None)
     data = json.loads(raw)
-    positions = {(tp.rsplit("|", 1)[0], int(tp.rsplit("|", 1)[1])): off for tp, off in data["next"].items()}
-    return Cursor(data["seq"], positions, data.get("closed_at"), data.get("lag"), data.get("adopted", 0))
+    return Cursor(data["seq"], _positions(data["next"]), data.get("closed_at"), data.get("lag"), data.get("adopted", 0))
+
+
+def _positions(keyed: dict[str, int]) -> dict[tuple[str, int], int]:
+    """Offsets by (topic, partition) from their JSON form, keyed `topic|partition` (`_keyed`)."""
+    return {(tp.rsplit("|", 1)[0], int(tp.rsplit("|", 1)[1])): off for tp, off in keyed.items()}
+
+
+def _keyed(positions: dict[tuple[str, int], int]) -> dict[str, int]:
+    return {f"{t}|{p}": off for (t, p), off in sorted(positions.items())}
 
 
 def not_the_lake(root: str, ran: str) -> str:
@@ -50,7 +59,7 @@ def not_the_lake(root: str, ran: str) -> str:
 
 
 def dump_cursor(seq: int, positions: dict, closed_at: int | None, lag: dict | None = None, adopted: int = 0) -> str:
-    return json.dumps({"seq": seq, "next": {f"{t}|{p}": off for (t, p), off in sorted(positions.items())},
+    return json.dumps({"seq": seq, "next": _keyed(positions),
                        "closed_at": closed_at, **({"lag": lag} if lag else {}),
                        **({"adopted": adopted} if adopted else {})})
 
@@ -99,21 +108,34 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     firsts = {tp: low for tp, (low, _) in marks.items()}
     ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
     positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds
-    back = behind(positions, ends)
-    went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {positions[(t, p)]}" for t, p in back)
-    if back and slicing.offsets_went_back == "restart":
+    held = went_back_before(engine)
+    # a topic created again: every partition, those whose new records already passed the offset too
+    topics = {t for t, _ in [*behind(positions, ends), *held]}
+    back = sorted(tp for tp in marks if tp[0] in topics)
+    went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {held.get((t, p), positions[(t, p)])}"
+                          for t, p in back)
+    restarted = bool(back) and slicing.offsets_went_back == "restart"
+    if restarted:
         positions = {**positions, **{tp: firsts[tp] for tp in back}}
         context.log.warning(f"offsets went back: {went_back}; read again from their first offsets")
         went_back = ""
     elif back:
+        if not held.keys() >= set(back):  # held until the user decides: the topic growing past says nothing
+            engine.write_note(WENT_BACK, json.dumps(_keyed({**{tp: positions[tp] for tp in back}, **held})))
+        ends = {**ends, **{tp: positions[tp] for tp in back}}
         went_back = (f"offsets went back: {went_back}. The topic was deleted and created again, or the bootstrap "
-                     "servers name another cluster; records below the next offset are not read (docs/slices.md)")
+                     "servers name another cluster; its partitions are held, none of their records read, until "
+                     "offsets_went_back is restart (read from their first offsets), or the note "
+                     f"{engine.uri(NOTES_FOLDER + '/' + WENT_BACK)} is deleted (read on from the slices' offsets: "
+                     "the same cluster again) (docs/slices.md)")
         context.log.error(went_back)
     latest_closed = closed_at  # of the newest slice before this tick's
     new = plan_slices(positions, ends, policy=slicing.policy(), next_seq=latest + 1,
                       last_closed_at=closed_at, now=int(time.time() * 1000))
     for manifest in new:
         store.write(manifest)
+    if restarted and held and new:  # a manifest holds the restarted offsets now
+        engine.write_note(WENT_BACK, "{}")
     if new:
         positions, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
@@ -151,6 +173,16 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         cursor=cursor,
         asset_events=observations,
     )
+
+
+WENT_BACK = "offsets-went-back"
+"""The lake's note of the partitions held since their offsets went back: `{"topic|partition": next
+offset}`. In the lake, not the cursor: `entity-assets run` ticks with a cursor of the manifests."""
+
+
+def went_back_before(engine) -> dict[tuple[str, int], int]:
+    """The partitions held since their offsets went back (`WENT_BACK`), and the slices' next offset of each."""
+    return _positions(json.loads(engine.read_note(WENT_BACK) or "{}"))
 
 
 def no_input_topic(kafka: KafkaResource) -> str:

@@ -26,7 +26,7 @@ from entity_assets.sensors import dump_cursor
 from entity_assets.slices import slice_key
 from entity_assets.storage import DeltaRsEngine
 from entity_assets.tables import SCHEMAS
-from resources import SparkResource
+from resources import SparkResource, with_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -524,17 +524,53 @@ def create_again(pipeline, stream: str) -> str:
     return topic
 
 
-def test_offsets_that_went_back_are_reported_at_every_tick(pipeline):
-    """A topic deleted and created again restarts its offsets: its records below the slices'
-    positions would never be read, so every tick says so."""
+def went_back(pipeline) -> str:
+    """A topic deleted and created again, with fewer records than the slices read of the old one,
+    then more: what the ticks between say."""
     pipeline.produce(traffic(120, seed=1))
-    [first] = pipeline.tick()
+    pipeline.tick()
     topic = create_again(pipeline, STREAM)
     pipeline.produce(traffic(4, seed=2))
     for _ in range(2):
         assert pipeline.tick() == []
         reason = pipeline.last_result.skip_reason.skip_message
         assert f"offsets went back: {topic}[" in reason and "created again" in reason
+    pipeline.produce(traffic(200, seed=3))
+    read = pipeline.manifest(K1).positions()
+    assert all(end > read[tp] for tp, end in pipeline.end_offsets(STREAM).items())  # past the slices' offsets
+    return topic
+
+
+def test_offsets_that_went_back_are_reported_at_every_tick_and_held_until_the_user_decides(pipeline):
+    """A topic deleted and created again restarts its offsets: its records below the slices'
+    positions would never be read, so every tick says so, and its partitions stay held once the
+    new topic grows past those positions (they would go on from there, its first records never
+    read): until `restart` reads them from their first offsets, every partition of the topic."""
+    topic = went_back(pipeline)
+    assert pipeline.tick() == []
+    assert "are held" in pipeline.last_result.skip_reason.skip_message
+    pipeline.resources["slicing"] = with_settings(pipeline.resources["slicing"], offsets_went_back="restart")
+    [second] = pipeline.tick()
+    restarted = [r for r in pipeline.manifest(K2).ranges if r.topic == topic]
+    assert all(r.start == 0 for r in restarted) and sum(r.count for r in restarted) == 204
+    pipeline.resources["slicing"] = with_settings(pipeline.resources["slicing"], offsets_went_back="report")
+    pipeline.produce(traffic(3, seed=4))
+    [third] = pipeline.tick()  # none held any more
+    assert pipeline.manifest(3).messages == 3
+
+
+def test_offsets_held_since_they_went_back_are_read_on_from_the_slices_offsets_once_their_note_is_deleted(pipeline):
+    """The bootstrap servers named another cluster for a while: once they name the lake's again,
+    the user deletes the note that holds the partitions, and the slices go on from their offsets."""
+    went_back(pipeline)
+    assert pipeline.tick() == []
+    note = Path(pipeline.lake.root) / "_notes" / "offsets-went-back"
+    assert str(note) in pipeline.last_result.skip_reason.skip_message
+    note.unlink()
+    [second] = pipeline.tick()
+    ends = pipeline.end_offsets(STREAM)
+    assert {(r.topic, r.partition): (r.start, r.end) for r in pipeline.manifest(K2).ranges if r.topic == pipeline.topic(STREAM)} \
+        == {tp: (start, ends[tp]) for tp, start in pipeline.manifest(K1).positions().items() if tp[0] == pipeline.topic(STREAM)}
 
 
 def test_offsets_that_went_back_can_be_read_again_from_the_start(make_pipeline):
