@@ -832,7 +832,7 @@ are 40 million, about 20 GB as Python lists and Arrow rows."""
 UNMATCHED = "unmatched_ack_ids"
 """inbox_task's counter of the ids acks named that were not pending: acknowledged before (an ack
 delivered again), expired, or never sent to that device (an app's bug)."""
-EXPIRED = "expired_notifications"
+EXPIRED_NOTIFICATIONS = "expired_notifications"
 """inbox_task's counter of notifications that inboxes past notify.MAX_PENDING let go."""
 
 
@@ -870,7 +870,7 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
                         out.count(UNMATCHED, missed)
             expired = inbox.expire(notify.MAX_PENDING)
             if expired:
-                out.count(EXPIRED, expired)
+                out.count(EXPIRED_NOTIFICATIONS, expired)
                 dirty = True
             if dirty:
                 out.emit("device_notifications", {"slice": slice_key, **_message_row(inbox)})

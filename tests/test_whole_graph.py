@@ -768,7 +768,7 @@ def test_an_inbox_that_is_never_acknowledged_stays_bounded(tmp_path, monkeypatch
     report = [f for b in fold.inbox_task(iter([pa.RecordBatch.from_pylist(events)]), slice_key=K1, uris=uris,
                                          storage_options=None, state_files={}, write_state=True)
               for f in b.to_pylist()]
-    assert {f["table"]: f["rows"] for f in report}[fold.COUNTER + fold.EXPIRED] == 2
+    assert {f["table"]: f["rows"] for f in report}[fold.COUNTER + fold.EXPIRED_NOTIFICATIONS] == 2
     [inbox] = [pq.read_table(f"{uris['device_inboxes']}/{f['path']}").to_pylist()[0]
                for f in report if f["table"] == "device_inboxes"]
     assert json.loads(inbox["document"])["pending"] == {"n2": 2, "n3": 3, "n4": 4}

@@ -190,7 +190,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     return MaterializeResult(metadata=_metadata(
         engine, "device_notifications", summary, inbox_version=MetadataValue.int(inboxes["version"]),
         acks=MetadataValue.int(sum(f.rows for f in ack_files)),
-        expired_notifications=MetadataValue.int(inboxes["counts"].get(fold.EXPIRED, 0)),
+        expired_notifications=MetadataValue.int(inboxes["counts"].get(fold.EXPIRED_NOTIFICATIONS, 0)),
         unmatched_ack_ids=MetadataValue.int(inboxes["counts"].get(fold.UNMATCHED, 0)),
         replayed=MetadataValue.bool(inboxes["replayed"])), check_results=[one_row_per_key(
             engine, "device_inboxes", key, counts, inboxes, asset_key="device_notifications",
