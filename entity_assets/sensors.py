@@ -131,7 +131,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         context.log.error(went_back)
     latest_closed = closed_at  # of the newest slice before this tick's
     new = plan_slices(positions, ends, policy=slicing.policy(), next_seq=latest + 1,
-                      last_closed_at=closed_at, now=int(time.time() * 1000))
+                      last_closed_at=closed_at, now=int(time.time() * 1000), firsts=firsts)
     for manifest in new:
         store.write(manifest)
     if restarted and held and new:  # a manifest holds the restarted offsets now

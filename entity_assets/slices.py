@@ -135,32 +135,39 @@ def plan_slices(
     next_seq: int,
     last_closed_at: int | None,
     now: int,
+    firsts: Mapping[TopicPartition, int] | None = None,
 ) -> list[Manifest]:
     """Closes zero or more slices covering [positions, ends).
 
     Nothing closes before `min_interval_seconds` since the last slice unless a full slice
     (`max_messages`) is waiting. A backlog over `max_messages` becomes several slices, each
-    taking a proportional share of every partition's backlog.
+    taking a proportional share of every partition's backlog. `firsts`: the first offset Kafka
+    holds of each partition; offsets below it are gone, a dead letter to write and no message to
+    read, so the first slice takes them and counts none of them (a stop past the retention made
+    slices of nothing but dead letters).
     """
     current = {tp: positions.get(tp, 0) for tp in ends}
-    backlog = {tp: max(0, ends[tp] - current[tp]) for tp in ends}
+    live = {tp: max(current[tp], (firsts or {}).get(tp, 0)) for tp in ends}
+    backlog = {tp: max(0, ends[tp] - live[tp]) for tp in ends}
     pending = sum(backlog.values())
-    if pending == 0:
+    gone = any(live[tp] > current[tp] for tp in ends)
+    if pending == 0 and not gone:
         return []
     due = last_closed_at is None or (now - last_closed_at) >= policy.min_interval_seconds * 1000
     if not due and pending < policy.max_messages:
         return []
     slices: list[Manifest] = []
     seq = next_seq
-    while pending >= policy.max_messages or (due and pending > 0):
+    while pending >= policy.max_messages or (due and (pending > 0 or gone)):
+        gone = False  # the first slice takes every span gone
         budget = policy.max_messages
-        share = min(1.0, budget / pending)
+        share = min(1.0, budget / pending) if pending else 1.0
         ranges = []
         for tp in sorted(current):
             take = min(backlog[tp], math.ceil(backlog[tp] * share), budget)
             budget -= take
-            ranges.append(OffsetRange(tp[0], tp[1], current[tp], current[tp] + take))
-            current[tp] += take
+            ranges.append(OffsetRange(tp[0], tp[1], current[tp], live[tp] + take))
+            current[tp] = live[tp] = live[tp] + take
             backlog[tp] -= take
         pending = sum(backlog.values())
         slices.append(Manifest(seq, tuple(ranges), now))

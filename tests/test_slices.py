@@ -107,6 +107,22 @@ def test_backlog_random_shapes_are_covered_exactly():
         assert_covers(slices, positions, ends, max_messages, 5)
 
 
+def test_offsets_kafka_no_longer_holds_go_to_the_first_slice_and_count_toward_no_slice_s_size():
+    """A stop past the retention: the span gone is read as one dead letter, not max_messages at a
+    time as slices of nothing else; the records left are split as any backlog."""
+    positions, ends, firsts = {A0: 0, A1: 50, B0: 7}, {A0: 10_000, A1: 1_050, B0: 7}, {A0: 9_000, A1: 40, B0: 7}
+    slices = plan_slices(positions, ends, policy=SlicePolicy(0, 500), next_seq=1, last_closed_at=None, now=NOW,
+                         firsts=firsts)
+    assert len(slices) == 4  # the 2,000 records held, 500 at a time
+    assert {(r.topic, r.partition): (r.start, r.end) for r in slices[0].ranges} == {
+        A0: (0, 9_250), A1: (50, 300), B0: (7, 7)}
+    assert_covers(slices, positions, ends, 10_000, 1)
+    assert all(s.messages <= 500 for s in slices[1:])
+    # a span gone and nothing since: the next slice, once due, takes it
+    assert plan_slices({A0: 0}, {A0: 900}, policy=SlicePolicy(0, 500), next_seq=1, last_closed_at=None, now=NOW,
+                       firsts={A0: 900})[0].ranges == (OffsetRange(*A0, 0, 900),)
+
+
 def test_positions_of_unknown_partitions_start_at_zero():
     [s] = plan({}, {A0: 3})
     assert s.ranges == (OffsetRange(*A0, 0, 3),)
