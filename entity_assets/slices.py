@@ -147,7 +147,7 @@ def plan_slices(
     slices of nothing but dead letters).
     """
     current = {tp: positions.get(tp, 0) for tp in ends}
-    live = {tp: max(current[tp], (firsts or {}).get(tp, 0)) for tp in ends}
+    live = {tp: max(current[tp], min((firsts or {}).get(tp, 0), ends[tp])) for tp in ends}
     backlog = {tp: max(0, ends[tp] - live[tp]) for tp in ends}
     pending = sum(backlog.values())
     gone = any(live[tp] > current[tp] for tp in ends)

@@ -118,6 +118,9 @@ def test_offsets_kafka_no_longer_holds_go_to_the_first_slice_and_count_toward_no
         A0: (0, 9_250), A1: (50, 300), B0: (7, 7)}
     assert_covers(slices, positions, ends, 10_000, 1)
     assert all(s.messages <= 500 for s in slices[1:])
+    # a partition held (its offsets went back: the sensor ends it at its position) takes nothing
+    assert plan_slices({A0: 500, A1: 0}, {A0: 500, A1: 10}, policy=SlicePolicy(0, 500), next_seq=1, last_closed_at=None,
+                       now=NOW, firsts={A0: 900, A1: 0})[0].ranges == (OffsetRange(*A0, 500, 500), OffsetRange(*A1, 0, 10))
     # a span gone and nothing since: the next slice, once due, takes it
     assert plan_slices({A0: 0}, {A0: 900}, policy=SlicePolicy(0, 500), next_seq=1, last_closed_at=None, now=NOW,
                        firsts={A0: 900})[0].ranges == (OffsetRange(*A0, 0, 900),)
