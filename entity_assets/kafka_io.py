@@ -7,11 +7,13 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
+from confluent_kafka import (Consumer, ConsumerGroupTopicPartitions, IsolationLevel, KafkaError, KafkaException, Producer,
+                             TopicPartition)
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec, ResourceType
 
 from entity_assets.slices import OffsetRange
 from entity_assets.storage import one_array
@@ -127,48 +129,62 @@ def cluster_metadata(config: dict, timeout: float = 10.0, client: Consumer | Adm
 
 def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool], timeout: float = 10.0,
                unanswered: list[str] | None = None) -> dict[tuple[str, int], tuple[int, int]]:
-    """(first offset held, high watermark) of every partition of `topics` (names, or a test of
-    the broker's names).
+    """(first offset held, end offset) of every partition of `topics` (names, or a test of the
+    broker's names).
+
+    The end offset is the last stable offset (`isolation.level` read_committed, the consumers'
+    default, unless the client config says read_uncommitted): a slice ends where its readers can
+    reach, not inside a transaction still open. Every partition is asked at once, in one
+    ListOffsets request per leader broker for each end, so no partition waits behind others.
 
     A partition that gives none (no leader: an election, a broker down) raises, or with
     `unanswered` is left out and named there, so that one partition of one topic does not hold
     back every other; no partition answering raises still. One the metadata says has no leader
-    is not asked (librdkafka would wait out `timeout` for each), and all the asking shares one
+    is not asked (librdkafka would wait out `timeout` for it), and all the asking shares one
     `timeout`: a sensor's tick has 60 s."""
     cause, logger = _LastError.logger("entity_assets.kafka_offsets")
-    consumer = Consumer({"group.id": "entity-assets-offsets", **consumer_settings(config), "enable.auto.commit": False,
-                         "logger": logger})
-    try:
-        metadata = cluster_metadata(config, timeout, consumer, cause)
-        deadline = time.monotonic() + timeout
-        out, failed = {}, []
-        for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else topics:
-            meta = metadata.topics.get(topic)
-            if meta is None or meta.error is not None:
-                continue
-            for p, partition in meta.partitions.items():
-                left = deadline - time.monotonic()
-                if partition.leader < 0 or left <= 0:  # (a partition error alone, REPLICA_NOT_AVAILABLE, reads)
-                    failed.append(f"{topic} partition {p} ({'no leader' if partition.leader < 0 else 'out of time'})")
-                    continue
-                try:
-                    out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=left,
-                                                                     cached=False)
-                except KafkaException as exc:
-                    failed.append(f"{topic} partition {p} ({exc.args[0].str()})")
-        if failed and (unanswered is None or not out):
-            raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no offsets of {'; '.join(failed)}: "
-                                   "the next look asks again")
-        if unanswered is not None:
-            unanswered.extend(failed)
-        return out
-    finally:
-        consumer.close()
+    admin = AdminClient({**config, "logger": logger})  # held until the answers are in: freed, it ends its requests
+    metadata = cluster_metadata(config, timeout, admin, cause)
+    deadline = time.monotonic() + timeout
+    failed, by_leader = [], {}
+    for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else dict.fromkeys(topics):
+        meta = metadata.topics.get(topic)
+        if meta is None or meta.error is not None:
+            continue
+        for p, partition in meta.partitions.items():
+            if partition.leader < 0:  # (a partition error alone, REPLICA_NOT_AVAILABLE, reads)
+                failed.append(f"{topic} partition {p} (no leader)")
+            else:
+                by_leader.setdefault(partition.leader, []).append(TopicPartition(topic, p))
+    isolation = (IsolationLevel.READ_UNCOMMITTED if str(config.get("isolation.level", "")).lower() == "read_uncommitted"
+                 else IsolationLevel.READ_COMMITTED)
+    left = max(deadline - time.monotonic(), 0.001)
+    answers: list[dict[tuple[str, int], Future]] = [{}, {}]  # first offsets, end offsets
+    for partitions in by_leader.values():
+        for answer, spec in zip(answers, (OffsetSpec.earliest(), OffsetSpec.latest())):
+            futures = admin.list_offsets({tp: spec for tp in partitions}, isolation_level=isolation, request_timeout=left)
+            answer.update(((tp.topic, tp.partition), future) for tp, future in futures.items())
+    out = {}
+    for partitions in by_leader.values():
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            try:  # librdkafka ends each request at the deadline: a second more only spares a race
+                out[key] = tuple(a[key].result(max(deadline - time.monotonic(), 0) + 1).offset for a in answers)
+            except KafkaException as exc:
+                failed.append(f"{tp.topic} partition {tp.partition} ({exc.args[0].str()})")
+            except TimeoutError:
+                failed.append(f"{tp.topic} partition {tp.partition} (out of time)")
+    if failed and (unanswered is None or not out):
+        raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no offsets of {'; '.join(failed)}: "
+                               "the next look asks again")
+    if unanswered is not None:
+        unanswered.extend(failed)
+    return out
 
 
 def end_offsets(config: dict, topics: Iterable[str] | Callable[[str], bool],
                 timeout: float = 10.0) -> dict[tuple[str, int], int]:
-    """High watermarks of every partition of `topics`."""
+    """End offsets (`watermarks`) of every partition of `topics`."""
     return {tp: high for tp, (_, high) in watermarks(config, topics, timeout).items()}
 
 

@@ -334,7 +334,7 @@ def test_the_size_check_measures_with_the_codec_the_producer_uses():
 
 
 def test_a_partition_the_metadata_gives_no_leader_is_not_asked_for_its_offsets(broker, monkeypatch):
-    """librdkafka would wait out the whole timeout for each: six of them, a sensor's 60 s."""
+    """librdkafka would wait out the whole timeout for it, a sensor's 60 s."""
     config = {"bootstrap.servers": broker.bootstrap}
     ensure_topics(config, ["kafka-io-leaderless"], 3)
     real, asked = kafka_io.cluster_metadata, []
@@ -344,17 +344,71 @@ def test_a_partition_the_metadata_gives_no_leader_is_not_asked_for_its_offsets(b
         metadata.topics["kafka-io-leaderless"].partitions[1].leader = -1
         return metadata
 
-    class Counted(kafka_io.Consumer):
-        def get_watermark_offsets(self, partition, *args, **kwargs):
-            asked.append(partition.partition)
-            return super().get_watermark_offsets(partition, *args, **kwargs)
+    class Counted(kafka_io.AdminClient):
+        def list_offsets(self, partitions, **kwargs):
+            asked.extend(tp.partition for tp in partitions)
+            return super().list_offsets(partitions, **kwargs)
 
     monkeypatch.setattr(kafka_io, "cluster_metadata", leaderless)
-    monkeypatch.setattr(kafka_io, "Consumer", Counted)
+    monkeypatch.setattr(kafka_io, "AdminClient", Counted)
     unanswered: list[str] = []
     marks = kafka_io.watermarks(config, ["kafka-io-leaderless"], unanswered=unanswered)
-    assert sorted(p for _, p in marks) == [0, 2] and sorted(asked) == [0, 2]
+    assert sorted(p for _, p in marks) == [0, 2] and sorted(asked) == [0, 0, 2, 2]  # first and end offsets
     assert unanswered == ["kafka-io-leaderless partition 1 (no leader)"]
+
+
+def test_every_partition_s_offsets_come_in_one_request_per_broker_and_a_failed_answer_is_named(broker, monkeypatch):
+    """Asked one by one in a fixed order under one deadline, the same last partitions of a large
+    cluster were out of time at every tick, and never sliced."""
+    from concurrent.futures import Future
+
+    from confluent_kafka import KafkaError, KafkaException
+
+    config = {"bootstrap.servers": broker.bootstrap}
+    topics = ["kafka-io-batched-a", "kafka-io-batched-b"]
+    ensure_topics(config, topics, 3)
+    produce(config, topics[1], [(f"k{i}", f"v{i}") for i in range(30)])
+    requests = []
+
+    class Failing(kafka_io.AdminClient):
+        def list_offsets(self, partitions, **kwargs):
+            requests.append(len(partitions))
+            failed = Future()
+            failed.set_exception(KafkaException(KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION)))
+            return {tp: failed if (tp.topic, tp.partition) == (topics[0], 2) else future
+                    for tp, future in super().list_offsets(partitions, **kwargs).items()}
+
+    monkeypatch.setattr(kafka_io, "AdminClient", Failing)
+    unanswered: list[str] = []
+    marks = kafka_io.watermarks(config, topics, unanswered=unanswered)
+    assert requests == [6, 6]  # the one broker: its first offsets, its end offsets
+    assert sorted(marks) == [(topics[0], 0), (topics[0], 1), *((topics[1], p) for p in range(3))]
+    assert sum(high for _, high in marks.values()) == 30 and all(low == 0 for low, _ in marks.values())
+    assert len(unanswered) == 1 and unanswered[0].startswith(f"{topics[0]} partition 2 (")
+    with pytest.raises(kafka_io.KafkaUnreachable, match=f"{topics[0]} partition 2"):  # asked without `unanswered`
+        kafka_io.watermarks(config, topics)
+
+
+def test_a_slice_ends_at_the_last_stable_offset_unless_the_client_config_reads_uncommitted(broker):
+    """A reader (read_committed) never gets past a transaction still open: a slice ending inside
+    it would wait for records it cannot read."""
+    from confluent_kafka import Producer
+
+    config = {"bootstrap.servers": broker.bootstrap}
+    topic = "kafka-io-open-transaction"
+    ensure_topics(config, [topic], 1)
+    produce(config, topic, [(f"k{i}", f"v{i}") for i in range(10)])
+    producer = Producer({**config, "transactional.id": "kafka-io-open-transaction"})
+    producer.init_transactions(10)
+    producer.begin_transaction()
+    for i in range(5):
+        producer.produce(topic, b"uncommitted", b"k", 0)
+    producer.flush(10)
+    try:
+        assert end_offsets(config, [topic]) == {(topic, 0): 10}
+        assert end_offsets({**config, "isolation.level": "read_uncommitted"}, [topic]) == {(topic, 0): 15}
+    finally:
+        producer.abort_transaction(10)
 
 
 def test_a_small_slice_s_spools_are_held_in_memory_up_to_a_budget_then_written_to_files(tmp_path, monkeypatch):
