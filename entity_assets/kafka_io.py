@@ -221,7 +221,8 @@ class OffsetsNotCommitted(RuntimeError):
 
 class RecordsExpired(Exception):
     """Offsets of a range that its partition no longer holds: Kafka's retention (or a delete of
-    records) removed them before they were read, or the topic was deleted and created again."""
+    records) removed them before they were read, the topic was deleted and created again, or an
+    unclean leader election cut its log short."""
 
     def __init__(self, topic: str, partition: int, start: int, stop: int):
         super().__init__(topic, partition, start, stop)  # picklable across Spark workers
@@ -229,7 +230,7 @@ class RecordsExpired(Exception):
 
     def __str__(self) -> str:
         return (f"{self.topic}[{self.partition}] no longer holds offsets [{self.start}, {self.stop}): Kafka's "
-                "retention deleted them before they were read, or the topic was created again")
+                "retention deleted them before they were read, or the topic was created again (or its log cut short)")
 
     @staticmethod
     def span(reason: str) -> range | None:
@@ -241,13 +242,14 @@ class RecordsExpired(Exception):
 _SPAN = re.compile(r"no longer holds offsets \[(\d+), (\d+)\)")
 
 
-def _expired(consumer: Consumer, r: OffsetRange, offset: int, err) -> RecordsExpired:
+def _expired(consumer: Consumer, r: OffsetRange, offset: int) -> RecordsExpired | None:
+    """The offsets of `r` from `offset` on that its partition no longer holds, or None if it holds `offset`."""
     low, high = consumer.get_watermark_offsets(TopicPartition(r.topic, r.partition), timeout=10.0, cached=False)
     if offset < low:
         return RecordsExpired(r.topic, r.partition, offset, min(low, r.end))
     if offset >= high:  # fewer records than when the slice was closed
         return RecordsExpired(r.topic, r.partition, offset, r.end)
-    raise KafkaException(err)
+    return None
 
 
 def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeout: float = 30.0,
@@ -257,7 +259,10 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
     Offsets may have gaps (compaction, transaction markers), so the range ends at the first
     message at or past `end - 1`, or when the consumer's position reaches `end`. Offsets the
     partition no longer holds raise `RecordsExpired`, or with `expired` are passed to it and
-    skipped: never silently, as librdkafka's offset reset would.
+    skipped: never silently, as librdkafka's offset reset would. So do those past a partition
+    that now ends before the range does (a topic created again with fewer records, a log cut
+    short by an unclean leader election), told when the read reaches its end, not after
+    `idle_timeout`: that stall raises TimeoutError only while the partition holds more.
     """
     if r.count <= 0:
         return
@@ -282,21 +287,18 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
         while True:
             # consume() waits for num_messages or the timeout: never ask for more than the range holds
             messages = consumer.consume(max(1, min(batch, r.end - next_offset)), timeout=1.0)
+            gone, at_end = None, False
             for m in messages:
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
+                        at_end = True
                         continue
                     if err.code() != KafkaError._AUTO_OFFSET_RESET:
                         raise KafkaException(err)
-                    gone = _expired(consumer, r, next_offset, err)
-                    if expired is None:
-                        raise gone
-                    expired(gone)
-                    if gone.stop >= r.end:
-                        return
-                    next_offset = gone.stop
-                    consumer.assign([TopicPartition(r.topic, r.partition, next_offset)])
+                    gone = _expired(consumer, r, next_offset)
+                    if gone is None:
+                        raise KafkaException(err)
                     break
                 if m.offset() >= r.end:
                     return
@@ -304,14 +306,29 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
                 next_offset = m.offset() + 1
                 if m.offset() >= r.end - 1:
                     return
-            if messages:
-                last_progress = time.monotonic()
-            else:
-                position = consumer.position([TopicPartition(r.topic, r.partition)])[0].offset
+            if gone is None and (at_end or not messages):
+                # invalid (negative) until the consumer has fetched: next_offset then
+                position = max(next_offset, consumer.position([TopicPartition(r.topic, r.partition)])[0].offset)
                 if position >= r.end:
                     return
-                if time.monotonic() - last_progress > idle_timeout:
-                    raise TimeoutError(f"{r.topic}[{r.partition}] stalled at {position} before {r.end}")
+                stalled = not messages and time.monotonic() - last_progress > idle_timeout
+                if at_end or stalled:  # the partition may end before the range does
+                    try:
+                        gone = _expired(consumer, r, position)
+                    except KafkaException:  # no answer: its end is not known, and a stall stays one
+                        gone = None
+                    if gone is None and stalled:
+                        raise TimeoutError(f"{r.topic}[{r.partition}] stalled at {position} before {r.end}")
+            if messages:
+                last_progress = time.monotonic()
+            if gone is not None:
+                if expired is None:
+                    raise gone
+                expired(gone)
+                if gone.stop >= r.end:
+                    return
+                next_offset = gone.stop
+                consumer.assign([TopicPartition(r.topic, r.partition, next_offset)])
     finally:
         consumer.close()
 

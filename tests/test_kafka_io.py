@@ -411,6 +411,26 @@ def test_a_slice_ends_at_the_last_stable_offset_unless_the_client_config_reads_u
         producer.abort_transaction(10)
 
 
+def test_a_range_past_the_partition_s_end_is_reported_gone_at_its_end_not_after_a_stall(broker):
+    """A topic created again and refilled to below a slice's end (or a log an unclean leader
+    election cut short): the read stalled at the partition's end, failing the run, whose retries
+    failed alike, and every later slice was refused."""
+    config = {"bootstrap.servers": broker.bootstrap}
+    topic = "kafka-io-ends-early"
+    ensure_topics(config, [topic], 1)
+    produce(config, topic, [(b"k", b"%d" % i) for i in range(40)])
+    gone = []
+    try:
+        read = [m.offset() for m in read_range(config, OffsetRange(topic, 0, 0, 90), idle_timeout=0.5,
+                                               expired=gone.append)]
+    except TimeoutError as exc:
+        pytest.fail(f"the read stalled instead of reporting the offsets gone: {exc}")
+    assert read == list(range(40))
+    assert [(g.topic, g.partition, g.start, g.stop) for g in gone] == [(topic, 0, 40, 90)]
+    with pytest.raises(RecordsExpired, match=r"kafka-io-ends-early\[0\] no longer holds offsets \[40, 90\)"):
+        list(read_range(config, OffsetRange(topic, 0, 30, 90), idle_timeout=0.5))
+
+
 def test_a_small_slice_s_spools_are_held_in_memory_up_to_a_budget_then_written_to_files(tmp_path, monkeypatch):
     """The driver holds its tasks' spools (a small slice's) to save an object store's requests,
     but only up to `HELD_BYTES`: 1,000 patches of 100 KB documents once held 400 MB there."""
