@@ -141,15 +141,21 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool], time
     `unanswered` is left out and named there, so that one partition of one topic does not hold
     back every other; no partition answering raises still. One the metadata says has no leader
     is not asked (librdkafka would wait out `timeout` for it), and all the asking shares one
-    `timeout`: a sensor's tick has 60 s."""
+    `timeout`: a sensor's tick has 60 s. A topic of `topics` given as names that the metadata
+    lacks or gives an error for (not created; no Describe right) raises nothing, and is named in
+    `unanswered` unless no partition answered: an empty answer with nothing unanswered says the
+    cluster has none of them (a mistyped prefix, another cluster)."""
     cause, logger = _LastError.logger("entity_assets.kafka_offsets")
     admin = AdminClient({**config, "logger": logger})  # held until the answers are in: freed, it ends its requests
     metadata = cluster_metadata(config, timeout, admin, cause)
     deadline = time.monotonic() + timeout
-    failed, by_leader = [], {}
+    failed, lacking, by_leader = [], [], {}
     for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else dict.fromkeys(topics):
         meta = metadata.topics.get(topic)
         if meta is None or meta.error is not None:
+            if not callable(topics):
+                reason = "not in the cluster's metadata" if meta is None else meta.error.str()
+                lacking.append(f"{topic} ({reason})")
             continue
         for p, partition in meta.partitions.items():
             if partition.leader < 0:  # (a partition error alone, REPLICA_NOT_AVAILABLE, reads)
@@ -178,7 +184,7 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool], time
         raise KafkaUnreachable(f"Kafka at {config['bootstrap.servers']} gave no offsets of {'; '.join(failed)}: "
                                "the next look asks again")
     if unanswered is not None:
-        unanswered.extend(failed)
+        unanswered.extend(failed + (lacking if out else []))
     return out
 
 

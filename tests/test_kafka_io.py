@@ -411,6 +411,37 @@ def test_a_slice_ends_at_the_last_stable_offset_unless_the_client_config_reads_u
         producer.abort_transaction(10)
 
 
+def test_a_topic_named_that_the_cluster_lacks_is_unanswered_and_raises_nothing(broker):
+    """A seed input topic never created would be read never, and said nowhere."""
+    config = {"bootstrap.servers": broker.bootstrap}
+    ensure_topics(config, ["kafka-io-named"], 1)
+    unanswered: list[str] = []
+    marks = kafka_io.watermarks(config, ["kafka-io-named", "kafka-io-never-created"], unanswered=unanswered)
+    assert list(marks) == [("kafka-io-named", 0)]
+    assert unanswered == ["kafka-io-never-created (not in the cluster's metadata)"]
+    assert list(end_offsets(config, ["kafka-io-named", "kafka-io-never-created"])) == [("kafka-io-named", 0)]
+    # none of them there: an empty answer says so (the sensor names a cluster without an input topic)
+    assert kafka_io.watermarks(config, ["kafka-io-never-created"], unanswered=unanswered) == {}
+    assert len(unanswered) == 1
+    assert kafka_io.watermarks(config, lambda t: t == "kafka-io-never-created", unanswered=unanswered) == {}
+    assert len(unanswered) == 1
+
+
+def test_a_seed_input_topic_the_cluster_lacks_is_named_by_the_input_watermarks(broker):
+    from entity_assets.ingest import INPUT_STREAMS
+    from resources import KafkaResource
+
+    kafka = KafkaResource(bootstrap_servers=broker.bootstrap, topic_prefix="kafka-io-seeds.")
+    unanswered: list[str] = []
+    assert kafka.input_watermarks(unanswered=unanswered) == {} and unanswered == []  # no input topic: the sensor says it
+    ensure_topics(kafka.config(), [kafka.topic("entity-batches"), kafka.topic("connections")], 2)
+    marks = kafka.input_watermarks(unanswered=unanswered)
+    assert sorted(marks) == sorted((kafka.topic(s), p) for s in ("entity-batches", "connections") for p in range(2))
+    assert unanswered == [f"{kafka.topic(s)} (not in the cluster's metadata: not created, or not Describe-able)"
+                          for s in INPUT_STREAMS if s not in ("entity-batches", "connections")]
+    assert kafka.input_watermarks() == marks  # without `unanswered`: nothing raised
+
+
 def test_a_range_past_the_partition_s_end_is_reported_gone_at_its_end_not_after_a_stall(broker):
     """A topic created again and refilled to below a slice's end (or a log an unclean leader
     election cut short): the read stalled at the partition's end, failing the run, whose retries
