@@ -605,22 +605,25 @@ def test_a_partition_no_slice_has_read_starts_at_the_first_offset_kafka_holds(pi
 def test_a_partition_without_a_leader_waits_and_the_others_are_sliced(pipeline, monkeypatch):
     """One partition that gives no offsets (an election, its broker down) must not hold back
     every topic: the tick leaves it out, says so, and a later tick slices it from where it was."""
+    from concurrent.futures import Future
+
     from confluent_kafka import KafkaError, KafkaException
 
     from entity_assets import kafka_io
 
     topic = pipeline.topic(STREAM)
 
-    class Leaderless(kafka_io.Consumer):
-        def get_watermark_offsets(self, partition, *args, **kwargs):
-            if (partition.topic, partition.partition) == (topic, 1):
-                raise KafkaException(KafkaError(KafkaError.LEADER_NOT_AVAILABLE))
-            return super().get_watermark_offsets(partition, *args, **kwargs)
+    class Leaderless(kafka_io.AdminClient):
+        def list_offsets(self, partitions, **kwargs):
+            failed = Future()
+            failed.set_exception(KafkaException(KafkaError(KafkaError.LEADER_NOT_AVAILABLE)))
+            return {tp: failed if (tp.topic, tp.partition) == (topic, 1) else future
+                    for tp, future in super().list_offsets(partitions, **kwargs).items()}
 
     pipeline.produce(traffic(120, seed=11))
     ends = pipeline.end_offsets(STREAM)
     assert ends[(topic, 1)] > 0
-    monkeypatch.setattr(kafka_io, "Consumer", Leaderless)
+    monkeypatch.setattr(kafka_io, "AdminClient", Leaderless)
     with pytest.raises(kafka_io.KafkaUnreachable, match=f"{topic} partition 1"):  # asked without `unanswered`
         pipeline.end_offsets(STREAM)
     [first] = pipeline.tick_and_run()
@@ -628,7 +631,7 @@ def test_a_partition_without_a_leader_waits_and_the_others_are_sliced(pipeline, 
     read = Counter(p for _, p, _ in coordinates(pipeline.read("entity_batches")))
     assert read == {p: end for (_, p), end in ends.items() if p != 1}
 
-    monkeypatch.setattr(kafka_io, "Consumer", Leaderless.__mro__[1])
+    monkeypatch.setattr(kafka_io, "AdminClient", Leaderless.__mro__[1])
     [second] = pipeline.tick_and_run()
     assert second.success
     assert Counter(p for _, p, _ in coordinates(pipeline.read("entity_batches"))) == {p: e for (_, p), e in ends.items()}
