@@ -106,12 +106,13 @@ def _subscriptions(state: pa.Table) -> tuple[list[tuple], list[tuple]]:
 
 
 def _zones(files, storage_options) -> set[tuple[str, str]]:
-    """(dbid, zone) of a slice's zone changes: the only subscriptions its fan-out looks up."""
-    if not files:
-        return set()
-    read = pa.concat_tables(read_tables(files, storage_options, columns=["dbid", "zone"]))
-    pairs = read.group_by(["dbid", "zone"]).aggregate([])
-    return set(zip(pairs["dbid"].to_pylist(), pairs["zone"].to_pylist()))
+    """(dbid, zone) of a slice's zone changes: the only subscriptions its fan-out looks up. A file
+    at a time: the driver holds the pairs, not a row per change."""
+    zones = set()
+    for read in read_tables(files, storage_options, columns=["dbid", "zone"]):
+        pairs = read.group_by(["dbid", "zone"]).aggregate([])
+        zones.update(zip(pairs["dbid"].to_pylist(), pairs["zone"].to_pylist()))
+    return zones
 
 
 @asset(partitions_def=slices_partitions, pool=LAKE_POOL, deps=["zone_changes", "entities"], group_name="notifications",
