@@ -97,6 +97,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
             context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest} (restored from a backup?): "
                                 "resuming from the lake")
             cursor_seq = latest
+        elif latest == cursor_seq and latest:  # the CLI's slices past what the lake held: not this sensor's requests
+            cursor_seq = min(cursor_seq, lake_holds(lake.open()))
 
     unanswered: list[str] = []
     marks = kafka.input_watermarks(unanswered=unanswered)
@@ -108,34 +110,15 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     firsts = {tp: low for tp, (low, _) in marks.items()}
     ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
     positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds
-    held = went_back_before(engine)
-    # a topic created again: every partition, those whose new records already passed the offset too
-    topics = {t for t, _ in [*behind(positions, ends), *held]}
-    back = sorted(tp for tp in marks if tp[0] in topics)
-    went_back = ", ".join(f"{t}[{p}] ends at {ends[(t, p)]}, next {held.get((t, p), positions[(t, p)])}"
-                          for t, p in back)
-    restarted = bool(back) and slicing.offsets_went_back == "restart"
-    if restarted:
-        positions = {**positions, **{tp: firsts[tp] for tp in back}}
-        context.log.warning(f"offsets went back: {went_back}; read again from their first offsets")
-        went_back = ""
-    elif back:
-        if not held.keys() >= set(back):  # held until the user decides: the topic growing past says nothing
-            engine.write_note(WENT_BACK, json.dumps(_keyed({**{tp: positions[tp] for tp in back}, **held})))
-        ends = {**ends, **{tp: positions[tp] for tp in back}}
-        went_back = (f"offsets went back: {went_back}. The topic was deleted and created again, or the bootstrap "
-                     "servers name another cluster; its partitions are held, none of their records read, until "
-                     "offsets_went_back is restart (read from their first offsets), or the note "
-                     f"{engine.uri(NOTES_FOLDER + '/' + WENT_BACK)} is deleted (read on from the slices' offsets: "
-                     "the same cluster again) (docs/slices.md)")
-        context.log.error(went_back)
+    planned, ends, restarted, went_back = _went_back(context, engine, slicing, positions, ends, marks)
     latest_closed = closed_at  # of the newest slice before this tick's
-    new = plan_slices(positions, ends, policy=slicing.policy(), next_seq=latest + 1,
+    new = plan_slices(planned, ends, policy=slicing.policy(), next_seq=latest + 1,
                       last_closed_at=closed_at, now=int(time.time() * 1000), firsts=firsts)
     for manifest in new:
         store.write(manifest)
-    if restarted and held and new:  # a manifest holds the restarted offsets now
-        engine.write_note(WENT_BACK, "{}")
+    if restarted and new:  # a manifest holds their first offsets now; without one, the next tick restarts them
+        engine.write_note(WENT_BACK, json.dumps(_keyed({tp: off for tp, off in went_back_before(engine).items()
+                                                        if tp not in restarted})))
     if new:
         positions, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
@@ -173,6 +156,41 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         cursor=cursor,
         asset_events=observations,
     )
+
+
+def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends: dict, marks: dict):
+    """Partitions whose offsets went back (`behind`), and those of a topic most of whose partitions
+    did at once (half or more): created again, its partitions whose new records passed the slices' offsets before a
+    tick looked too (one partition of several is a log an unclean election cut short: that one).
+    Held, in the lake's note (`WENT_BACK`), until the user says how to go on: `restart` reads them
+    from their first offsets; deleting the note reads on from the slices' offsets.
+
+    Returns the offsets to plan from, the ends to plan to (a held partition's: its offset), the
+    partitions restarted, and what a tick that closes no slice says of them."""
+    held = went_back_before(engine)
+    went = behind(positions, ends)
+    created = {t for t, _ in went if 2 * sum(w[0] == t for w in went) >= sum(tp[0] == t for tp in marks)}
+    back = sorted({*went, *(tp for tp in marks if tp[0] in created), *(tp for tp in held if tp in marks)})
+    if not held.keys() >= set(back):  # held until the user decides: the topic growing past says nothing
+        held = {**{tp: positions[tp] for tp in back}, **held}
+        engine.write_note(WENT_BACK, json.dumps(_keyed(held)))
+    unheard = sorted(tp for tp in held if tp not in marks)  # no offsets from Kafka: held still
+    said = ", ".join([*(f"{t}[{p}] ends at {ends[(t, p)]}, next {held[(t, p)]}" for t, p in back),
+                      *(f"{t}[{p}] gives no offsets, next {held[(t, p)]}" for t, p in unheard)])
+    if not said:
+        return positions, ends, [], ""
+    note = engine.uri(f"{NOTES_FOLDER}/{WENT_BACK}")
+    if back and slicing.offsets_went_back == "restart":
+        firsts = {tp: low for tp, (low, _) in marks.items()}
+        context.log.warning(f"offsets went back: {said}; read again from their first offsets"
+                            + (", but those Kafka gives no offsets of stay held" if unheard else ""))
+        return {**positions, **{tp: firsts[tp] for tp in back}}, ends, back, ""
+    said = (f"offsets went back: {said}. The topic was deleted and created again, or the bootstrap servers name "
+            "another cluster; those partitions are held, none of their records read, until offsets_went_back is "
+            f"restart (read from their first offsets), or the note {note} is deleted (read on from the slices' "
+            "offsets: the same cluster again, or a log cut short) (docs/slices.md)")
+    context.log.error(said)
+    return ({**positions, **{tp: held[tp] for tp in back}}, {**ends, **{tp: held[tp] for tp in back}}, [], said)
 
 
 WENT_BACK = "offsets-went-back"

@@ -194,11 +194,17 @@ def read_to(done: Mapping[TopicPartition, int], marks: Mapping[TopicPartition, t
     return out
 
 
-def split_ranges(ranges: Iterable[OffsetRange], max_per_task: int) -> list[OffsetRange]:
-    """Cuts ranges into task-sized pieces so that one hot partition still uses every core."""
+def split_ranges(ranges: Iterable[OffsetRange], max_per_task: int,
+                 firsts: Mapping[TopicPartition, int] | None = None) -> list[OffsetRange]:
+    """Cuts ranges into task-sized pieces so that one hot partition still uses every core.
+    `firsts`: the first offset Kafka holds of a partition; the offsets below it are one piece
+    whatever its size, a dead letter to write (`plan_slices` gives such a span to one slice)."""
     out = []
     for r in ranges:
         start = r.start
+        if (first := min((firsts or {}).get((r.topic, r.partition), start), r.end)) > start:
+            out.append(OffsetRange(r.topic, r.partition, start, first))
+            start = first
         while start < r.end:
             end = min(r.end, start + max_per_task)
             out.append(OffsetRange(r.topic, r.partition, start, end))

@@ -470,11 +470,12 @@ def test_a_cursor_naming_the_lake_s_newest_slice_by_number_reads_on_from_the_lak
     pipeline.cursor = dump_cursor(first.seq, first.positions(), first.closed_at)  # as `entity-assets run` starts
     [again] = pipeline.tick()
     assert again.partition_key == K2 and pipeline.manifest(2).messages == 16
-    pipeline.cursor = stored  # the sensor turned on again
+    pipeline.cursor = stored  # the sensor turned on again; `entity-assets run` stopped before running slice 2
     later = traffic(4, seed=4)
     pipeline.produce(later)
-    [third] = pipeline.tick()
-    assert third.partition_key == slice_key(3)
+    [second, third] = pipeline.tick()  # the CLI's slice 2 too: not a request of this sensor's
+    assert (second.partition_key, third.partition_key) == (K2, slice_key(3))
+    assert second.run_key == again.run_key
     assert pipeline.manifest(3).messages == len(later)
     assert {(r.topic, r.partition): r.start for r in pipeline.manifest(3).ranges} == pipeline.manifest(2).positions()
 
@@ -723,6 +724,23 @@ def test_records_kafka_no_longer_holds_are_dead_letters_and_a_re_run_keeps_the_l
     assert pipeline.read("entity_batches").num_rows == rows.num_rows
     assert pipeline.read("dead_letters").num_rows == len(ranges)
     assert "complete_responses" in meta and pipeline.read("entity_updates").num_rows == updates
+
+
+def test_a_span_gone_that_would_take_several_tasks_is_one_dead_letter(make_pipeline, delete_records_before):
+    """The tasks of a slice split each range every `max_messages_per_task` offsets: a span Kafka no
+    longer holds is one task, one EA-EXPIRED dead letter, not one per piece of offsets not there."""
+    pipeline = make_pipeline(max_messages_per_task=10)
+    pipeline.produce(traffic(200, seed=8))
+    [r1] = pipeline.tick()
+    ranges = [r for r in pipeline.manifest(K1).ranges if r.count > 30]
+    assert ranges
+    delete_records_before(pipeline.kafka.config(), {(r.topic, r.partition): r.start + 25 for r in ranges})
+    assert pipeline.run_request(r1).success
+    dead = pipeline.read("dead_letters").to_pylist()
+    assert sorted((d["kafka_partition"], d["kafka_offset"], d["code"]) for d in dead) == sorted(
+        (r.partition, r.start, "EA-EXPIRED") for r in ranges)
+    assert all(f"[{d['kafka_offset']}, {d['kafka_offset'] + 25})" in d["reason"] for d in dead)
+    assert pipeline.read("entity_batches").num_rows == 200 - 25 * len(ranges)
 
 
 def test_a_re_run_after_a_failed_commit_keeps_the_tables_committed_and_fills_the_others(pipeline, delete_records_before,

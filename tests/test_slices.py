@@ -160,6 +160,15 @@ def test_split_ranges_cuts_task_sized_contiguous_pieces():
         assert all(a.end == b.start for a, b in zip(parts, parts[1:]))
 
 
+def test_a_span_kafka_no_longer_holds_is_one_task_whatever_its_size():
+    ranges = [OffsetRange(*A0, 0, 10_500), OffsetRange(*A1, 100, 350), OffsetRange(*B0, 0, 40)]
+    assert split_ranges(ranges, 100, {A0: 10_250, A1: 0, B0: 900}) == [
+        OffsetRange(*A0, 0, 10_250), OffsetRange(*A0, 10_250, 10_350), OffsetRange(*A0, 10_350, 10_450),
+        OffsetRange(*A0, 10_450, 10_500), OffsetRange(*A1, 100, 200), OffsetRange(*A1, 200, 300),
+        OffsetRange(*A1, 300, 350), OffsetRange(*B0, 0, 40)]
+    assert split_ranges(ranges, 100) == split_ranges(ranges, 100, {})
+
+
 def test_manifest_arrow_round_trip():
     slices = plan({A0: 1}, {A0: 40, A1: 0, B0: 9}, max_messages=20, next_seq=3)
     assert len(slices) > 1
@@ -307,6 +316,85 @@ def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
         1: DagsterRunStatus.SUCCESS, 2: DagsterRunStatus.SUCCESS, 3: DagsterRunStatus.STARTED,
         5: DagsterRunStatus.SUCCESS, 6: DagsterRunStatus.FAILURE}
     assert newest_whole(instance, {1: closed + 3_600_000 * 24}) == {}  # created before the slice closed
+
+
+def _ticks(tmp_path, marks: dict):
+    """The sensor over a lake in `tmp_path` and a Kafka whose offsets are `marks` as they are at
+    each call ((topic, partition) -> (first, end); a partition left out gives none): a function
+    of the slicing settings that ticks once, keeping the cursor, and returns the SensorResult."""
+    from dagster import DagsterInstance, build_sensor_context
+
+    from entity_assets.sensors import kafka_offsets_sensor
+    from resources import KafkaResource, LakeResource
+
+    class Kafka(KafkaResource):
+        def input_watermarks(self, timeout=10.0, unanswered=None):
+            return dict(marks)
+
+    resources = {"kafka": Kafka(commit_offsets=False, publish=False), "lake": LakeResource(root=str(tmp_path / "lake"))}
+    instance, cursor = DagsterInstance.ephemeral(), [None]
+
+    def tick(**slicing):
+        from resources import SlicingResource
+
+        with build_sensor_context(instance=instance, cursor=cursor[0],
+                                  resources={**resources, "slicing": SlicingResource(**{"min_interval_seconds": 0,
+                                                                                          **slicing})}) as context:
+            result = kafka_offsets_sensor(context)
+        cursor[0] = result.cursor
+        return result
+
+    return tick
+
+
+def _manifest(tmp_path, seq: int) -> dict:
+    from entity_assets.manifests import ManifestStore
+    from entity_assets.storage import DeltaRsEngine
+
+    return {(r.topic, r.partition): (r.start, r.end)
+            for r in ManifestStore(DeltaRsEngine(str(tmp_path / "lake"))).get(seq).ranges}
+
+
+def test_a_topic_created_again_is_held_whole_and_a_partition_kafka_gives_no_offsets_of_stays_held(tmp_path):
+    """Half or more of a topic's partitions went back at once: created again, so all of it is held,
+    the partition whose new records passed the slices' offset before a tick looked too. A restart
+    reads those Kafka answers for from their first offsets; one it gives no offsets of stays held,
+    and is restarted once it does, not read on from the slices' offset."""
+    t = "entity-batches"
+    marks = {(t, 0): (0, 5000), (t, 1): (0, 5000)}
+    tick = _ticks(tmp_path, marks)
+    assert tick().run_requests
+    marks.update({(t, 0): (0, 12), (t, 1): (0, 6000)})
+    result = tick()
+    assert not result.run_requests and f"{t}[1] ends at 6000, next 5000" in result.skip_reason.skip_message
+    del marks[(t, 1)]
+    assert tick(offsets_went_back="restart").run_requests
+    assert _manifest(tmp_path, 2) == {(t, 0): (0, 12), (t, 1): (5000, 5000)}
+    marks[(t, 1)] = (0, 6100)
+    result = tick()
+    assert not result.run_requests and f"{t}[1] ends at 6100, next 5000" in result.skip_reason.skip_message
+    assert tick(offsets_went_back="restart").run_requests
+    assert _manifest(tmp_path, 3) == {(t, 0): (12, 12), (t, 1): (0, 6100)}
+    marks.update({(t, 0): (0, 20), (t, 1): (0, 6200)})
+    assert tick().run_requests  # none held
+    assert _manifest(tmp_path, 4) == {(t, 0): (12, 20), (t, 1): (6100, 6200)}
+
+
+def test_one_partition_of_several_cut_short_holds_that_one_and_a_restart_that_closes_no_slice_moves_nothing(tmp_path):
+    """A log an unclean election cut short: the topic's other partitions go on. A restart on a tick
+    that closes no slice (not due) keeps the slices' offsets in the cursor and the partition held."""
+    t = "entity-batches"
+    marks = {(t, p): (0, 50_000) for p in range(3)}
+    tick = _ticks(tmp_path, marks)
+    assert tick().run_requests
+    marks.update({(t, 0): (0, 49_990), (t, 1): (0, 50_400), (t, 2): (0, 50_400)})
+    assert tick().run_requests
+    assert _manifest(tmp_path, 2) == {(t, 0): (50_000, 50_000), (t, 1): (50_000, 50_400), (t, 2): (50_000, 50_400)}
+    marks[(t, 0)] = (0, 50_500)
+    result = tick(offsets_went_back="restart", min_interval_seconds=3600)
+    assert not result.run_requests and load_cursor(result.cursor).positions[(t, 0)] == 50_000
+    result = tick()
+    assert not result.run_requests and f"{t}[0] ends at 50500, next 50000" in result.skip_reason.skip_message
 
 
 def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(project_instance, monkeypatch):

@@ -15,7 +15,7 @@ from entity_assets.assets import topics
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
                                   new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
-from entity_assets.kafka_io import read_range, warm_producer
+from entity_assets.kafka_io import KafkaUnreachable, read_range, warm_producer, watermarks
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
 from entity_assets.partitions import LAKE_POOL, slices_partitions
@@ -38,6 +38,19 @@ DESCRIPTIONS = {
 TABLES = tuple(s.table for s in INPUT_STREAMS.values()) + ("avro_schemas", "dead_letters", "schema_waits")
 LETTER_TABLES = {s.name: s.table for s in INPUT_STREAMS.values()} | {IngestionStream.name: IngestionStream.table}
 """A dead letter's stream -> the table its record was read for: a CDC record's is entity_batches."""
+
+
+def _firsts(kafka: KafkaResource, ranges, slicing: SlicingResource) -> dict[tuple[str, int], int]:
+    """The first offsets Kafka holds of the partitions whose ranges take several tasks: a span gone
+    (a stop past the retention) is one task, not one per `max_messages_per_task` offsets that are
+    not there. Asked only then, and none if Kafka does not answer (the tasks find the span gone)."""
+    split = sorted({r.topic for r in ranges if r.count > slicing.max_messages_per_task})
+    if not split:
+        return {}
+    try:
+        return {tp: low for tp, (low, _) in watermarks(kafka.config(), split, 10.0, []).items()}
+    except KafkaUnreachable:
+        return {}
 
 
 @multi_asset(
@@ -73,7 +86,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     decoding = _schemas_first(kafka, ranges, streams_by_topic, registry) if registry is not None else {}
     streams_by_topic = {t: replace(s, registry=decoding) if isinstance(s, IngestionStream) else s
                         for t, s in streams_by_topic.items()}
-    tasks = [vars(r) for r in split_ranges(ranges, slicing.max_messages_per_task)]
+    tasks = [vars(r) for r in split_ranges(ranges, slicing.max_messages_per_task, _firsts(kafka, ranges, slicing))]
     fn = partial(
         ingest_tasks, kafka_config=kafka.config(), streams_by_topic=streams_by_topic,
         slice_key=manifest.key, table_uris={t: engine.uri(t) for t in TABLES},
