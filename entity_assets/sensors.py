@@ -159,18 +159,25 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
 
 
 def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends: dict, marks: dict):
-    """Partitions whose offsets went back (`behind`), and those of a topic most of whose partitions
-    did at once (half or more): created again, its partitions whose new records passed the slices' offsets before a
-    tick looked too (one partition of several is a log an unclean election cut short: that one).
-    Held, in the lake's note (`WENT_BACK`), until the user says how to go on: `restart` reads them
-    from their first offsets; deleting the note reads on from the slices' offsets.
+    """Partitions whose offsets went back (`behind`), with every partition of their topic: a topic
+    created again, whose partitions with new records past the slices' offsets before a tick looked
+    cannot be told from their old selves (nor can a log an unclean election cut short from a topic
+    created again). Held, in the lake's note (`WENT_BACK`), until the user says how to go on
+    (`offsets_went_back`): `restart` reads them from their first offsets, `continue` from the
+    slices' offsets once each partition's end is past them.
 
     Returns the offsets to plan from, the ends to plan to (a held partition's: its offset), the
     partitions restarted, and what a tick that closes no slice says of them."""
-    held = went_back_before(engine)
-    went = behind(positions, ends)
-    created = {t for t, _ in went if 2 * sum(w[0] == t for w in went) >= sum(tp[0] == t for tp in marks)}
-    back = sorted({*went, *(tp for tp in marks if tp[0] in created), *(tp for tp in held if tp in marks)})
+    held, mode = went_back_before(engine), slicing.offsets_went_back
+    topics = {t for t, _ in behind(positions, ends)}
+    back = sorted({*(tp for tp in marks if tp[0] in topics), *(tp for tp in held if tp in marks)})
+    if mode == "continue":
+        if held:
+            engine.write_note(WENT_BACK, "{}")
+        if back:
+            context.log.warning(f"offsets went back: {', '.join(f'{t}[{p}]' for t, p in back)}; read on from the "
+                                "slices' offsets once each partition's end is past them")
+        return positions, ends, [], ""
     if not held.keys() >= set(back):  # held until the user decides: the topic growing past says nothing
         held = {**{tp: positions[tp] for tp in back}, **held}
         engine.write_note(WENT_BACK, json.dumps(_keyed(held)))
@@ -179,16 +186,18 @@ def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends:
                       *(f"{t}[{p}] gives no offsets, next {held[(t, p)]}" for t, p in unheard)])
     if not said:
         return positions, ends, [], ""
-    note = engine.uri(f"{NOTES_FOLDER}/{WENT_BACK}")
-    if back and slicing.offsets_went_back == "restart":
+    if back and mode == "restart":
         firsts = {tp: low for tp, (low, _) in marks.items()}
         context.log.warning(f"offsets went back: {said}; read again from their first offsets"
                             + (", but those Kafka gives no offsets of stay held" if unheard else ""))
         return {**positions, **{tp: firsts[tp] for tp in back}}, ends, back, ""
-    said = (f"offsets went back: {said}. The topic was deleted and created again, or the bootstrap servers name "
-            "another cluster; those partitions are held, none of their records read, until offsets_went_back is "
-            f"restart (read from their first offsets), or the note {note} is deleted (read on from the slices' "
-            "offsets: the same cluster again, or a log cut short) (docs/slices.md)")
+    note = engine.uri(f"{NOTES_FOLDER}/{WENT_BACK}")
+    said = f"offsets went back: {said}. " + (
+        "Held until Kafka gives offsets of them, then read again from their first offsets" if mode == "restart" else
+        "The topic was deleted and created again, or the bootstrap servers name another cluster, or a leader "
+        "election cut a log short; those partitions are held, none of their records read, until "
+        "offsets_went_back is restart (read from their first offsets: a topic created again) or continue (read on "
+        "from the slices' offsets: the same cluster again, a log cut short)") + f" (the note {note}; docs/slices.md)"
     context.log.error(said)
     return ({**positions, **{tp: held[tp] for tp in back}}, {**ends, **{tp: held[tp] for tp in back}}, [], said)
 

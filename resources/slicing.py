@@ -27,9 +27,11 @@ class SlicingResource(Deployed, ConfigurableResource):
                                       "the slice of its first (a day at the default interval); then its pending parts "
                                       "are dropped and the no_request_expired check names it (0: no request "
                                       "waits past the slice of its first part)")
-    offsets_went_back: Literal["report", "restart"] = Field(
+    offsets_went_back: Literal["report", "restart", "continue"] = Field(
         default="report", description="a partition whose offsets went below the slices' (a topic created again, "
-                                      "another cluster): report it at every tick, or read it again from its first offset")
+                                      "another cluster, a log cut short): report it at every tick and hold its "
+                                      "topic, read the topic again from its first offsets, or continue from the "
+                                      "slices' offsets once each partition's end is past them")
 
     def policy(self) -> SlicePolicy:
         return SlicePolicy(self.min_interval_seconds, self.max_messages)

@@ -560,18 +560,18 @@ def test_offsets_that_went_back_are_reported_at_every_tick_and_held_until_the_us
     assert pipeline.manifest(3).messages == 3
 
 
-def test_offsets_held_since_they_went_back_are_read_on_from_the_slices_offsets_once_their_note_is_deleted(pipeline):
+def test_offsets_held_since_they_went_back_are_read_on_from_the_slices_offsets_with_continue(pipeline):
     """The bootstrap servers named another cluster for a while: once they name the lake's again,
-    the user deletes the note that holds the partitions, and the slices go on from their offsets."""
+    the user sets `continue`, and the slices go on from their offsets."""
     went_back(pipeline)
     assert pipeline.tick() == []
-    note = Path(pipeline.lake.root) / "_notes" / "offsets-went-back"
-    assert str(note) in pipeline.last_result.skip_reason.skip_message
-    note.unlink()
+    assert "or continue (read on from the slices' offsets" in pipeline.last_result.skip_reason.skip_message
+    pipeline.resources["slicing"] = with_settings(pipeline.resources["slicing"], offsets_went_back="continue")
     [second] = pipeline.tick()
     ends = pipeline.end_offsets(STREAM)
     assert {(r.topic, r.partition): (r.start, r.end) for r in pipeline.manifest(K2).ranges if r.topic == pipeline.topic(STREAM)} \
         == {tp: (start, ends[tp]) for tp, start in pipeline.manifest(K1).positions().items() if tp[0] == pipeline.topic(STREAM)}
+    assert (Path(pipeline.lake.root) / "_notes" / "offsets-went-back").read_text() == "{}"
 
 
 def test_offsets_that_went_back_can_be_read_again_from_the_start(make_pipeline):

@@ -356,45 +356,49 @@ def _manifest(tmp_path, seq: int) -> dict:
 
 
 def test_a_topic_created_again_is_held_whole_and_a_partition_kafka_gives_no_offsets_of_stays_held(tmp_path):
-    """Half or more of a topic's partitions went back at once: created again, so all of it is held,
-    the partition whose new records passed the slices' offset before a tick looked too. A restart
-    reads those Kafka answers for from their first offsets; one it gives no offsets of stays held,
-    and is restarted once it does, not read on from the slices' offset."""
+    """One partition of a topic went back: all of it is held, those whose new records passed the
+    slices' offsets before a tick looked too (a hot partition's offset is far past its new end, the
+    quiet ones' already passed). A restart reads those Kafka answers for from their first offsets;
+    one it gives no offsets of stays held, and is restarted once it does, not read on from the
+    slices' offset."""
     t = "entity-batches"
-    marks = {(t, 0): (0, 5000), (t, 1): (0, 5000)}
+    marks = {(t, 0): (0, 1_000_000), **{(t, p): (0, 100) for p in (1, 2, 3)}}
     tick = _ticks(tmp_path, marks)
     assert tick().run_requests
-    marks.update({(t, 0): (0, 12), (t, 1): (0, 6000)})
+    marks.update({(t, 0): (0, 50), **{(t, p): (0, 150) for p in (1, 2, 3)}})
     result = tick()
-    assert not result.run_requests and f"{t}[1] ends at 6000, next 5000" in result.skip_reason.skip_message
-    del marks[(t, 1)]
+    assert not result.run_requests and f"{t}[1] ends at 150, next 100" in result.skip_reason.skip_message
+    del marks[(t, 3)]
     assert tick(offsets_went_back="restart").run_requests
-    assert _manifest(tmp_path, 2) == {(t, 0): (0, 12), (t, 1): (5000, 5000)}
-    marks[(t, 1)] = (0, 6100)
+    assert _manifest(tmp_path, 2) == {(t, 0): (0, 50), (t, 1): (0, 150), (t, 2): (0, 150), (t, 3): (100, 100)}
+    marks[(t, 3)] = (0, 160)
     result = tick()
-    assert not result.run_requests and f"{t}[1] ends at 6100, next 5000" in result.skip_reason.skip_message
+    assert not result.run_requests and f"{t}[3] ends at 160, next 100" in result.skip_reason.skip_message
+    result = tick(offsets_went_back="restart", min_interval_seconds=3600)  # not due: no slice, no offset moved
+    assert not result.run_requests and load_cursor(result.cursor).positions[(t, 3)] == 100
     assert tick(offsets_went_back="restart").run_requests
-    assert _manifest(tmp_path, 3) == {(t, 0): (12, 12), (t, 1): (0, 6100)}
-    marks.update({(t, 0): (0, 20), (t, 1): (0, 6200)})
+    assert _manifest(tmp_path, 3) == {(t, 0): (50, 50), (t, 1): (150, 150), (t, 2): (150, 150), (t, 3): (0, 160)}
+    marks.update({(t, 0): (0, 60), (t, 3): (0, 170)})
     assert tick().run_requests  # none held
-    assert _manifest(tmp_path, 4) == {(t, 0): (12, 20), (t, 1): (6100, 6200)}
+    assert _manifest(tmp_path, 4) == {(t, 0): (50, 60), (t, 1): (150, 150), (t, 2): (150, 150), (t, 3): (160, 170)}
 
 
-def test_one_partition_of_several_cut_short_holds_that_one_and_a_restart_that_closes_no_slice_moves_nothing(tmp_path):
-    """A log an unclean election cut short: the topic's other partitions go on. A restart on a tick
-    that closes no slice (not due) keeps the slices' offsets in the cursor and the partition held."""
+def test_a_log_cut_short_is_held_until_continue_reads_on_from_the_slices_offsets(tmp_path):
+    """An unclean leader election cut one partition's log short: its topic is held (offsets cannot
+    tell it from a topic created again) until `continue`, which goes on from the slices' offsets,
+    each partition once its end is past them, and empties the note."""
     t = "entity-batches"
     marks = {(t, p): (0, 50_000) for p in range(3)}
     tick = _ticks(tmp_path, marks)
     assert tick().run_requests
     marks.update({(t, 0): (0, 49_990), (t, 1): (0, 50_400), (t, 2): (0, 50_400)})
-    assert tick().run_requests
-    assert _manifest(tmp_path, 2) == {(t, 0): (50_000, 50_000), (t, 1): (50_000, 50_400), (t, 2): (50_000, 50_400)}
-    marks[(t, 0)] = (0, 50_500)
-    result = tick(offsets_went_back="restart", min_interval_seconds=3600)
-    assert not result.run_requests and load_cursor(result.cursor).positions[(t, 0)] == 50_000
     result = tick()
-    assert not result.run_requests and f"{t}[0] ends at 50500, next 50000" in result.skip_reason.skip_message
+    assert not result.run_requests and "or continue (read on from the slices' offsets" in result.skip_reason.skip_message
+    assert tick(offsets_went_back="continue").run_requests
+    assert _manifest(tmp_path, 2) == {(t, 0): (50_000, 50_000), (t, 1): (50_000, 50_400), (t, 2): (50_000, 50_400)}
+    marks[(t, 0)] = (0, 50_100)
+    assert tick().run_requests  # held no more
+    assert _manifest(tmp_path, 3) == {(t, 0): (50_000, 50_100), (t, 1): (50_400, 50_400), (t, 2): (50_400, 50_400)}
 
 
 def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(project_instance, monkeypatch):

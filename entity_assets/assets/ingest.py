@@ -48,7 +48,7 @@ def _firsts(kafka: KafkaResource, ranges, slicing: SlicingResource) -> dict[tupl
     if not split:
         return {}
     try:
-        return {tp: low for tp, (low, _) in watermarks(kafka.config(), split, 10.0, []).items()}
+        return {tp: low for tp, (low, _) in watermarks(kafka.config(), split, 5.0, []).items()}
     except KafkaUnreachable:
         return {}
 
