@@ -248,14 +248,27 @@ class RecordsExpired(Exception):
 _SPAN = re.compile(r"no longer holds offsets \[(\d+), (\d+)\)")
 
 
-def _expired(consumer: Consumer, r: OffsetRange, offset: int) -> RecordsExpired | None:
-    """The offsets of `r` from `offset` on that its partition no longer holds, or None if it holds `offset`."""
+def _expired(consumer: Consumer, r: OffsetRange, offset: int, config: dict | None = None) -> RecordsExpired | None:
+    """The offsets of `r` from `offset` on that its partition no longer holds, or None if it holds `offset`.
+
+    `config`: the partition's end is asked again counting the records of transactions still
+    open, which a read_committed consumer's end (the last stable offset) leaves out: a range
+    can end past it when the readers' isolation differs from the sensor's that closed it, and
+    those records are not gone, only not readable yet."""
     low, high = consumer.get_watermark_offsets(TopicPartition(r.topic, r.partition), timeout=10.0, cached=False)
     if offset < low:
         return RecordsExpired(r.topic, r.partition, offset, min(low, r.end))
-    if offset >= high:  # fewer records than when the slice was closed
+    if offset >= high and (config is None or _written_end(config, r) <= offset):  # fewer records than at the close
         return RecordsExpired(r.topic, r.partition, offset, r.end)
     return None
+
+
+def _written_end(config: dict, r: OffsetRange) -> int:
+    """The partition's high watermark, the records of open transactions counted."""
+    tp, admin = TopicPartition(r.topic, r.partition), AdminClient(config)  # held until it answers: freed, it ends its requests
+    futures = admin.list_offsets({tp: OffsetSpec.latest()}, isolation_level=IsolationLevel.READ_UNCOMMITTED,
+                                 request_timeout=10.0)
+    return futures[tp].result(11.0).offset
 
 
 def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeout: float = 30.0,
@@ -320,8 +333,8 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
                 stalled = not messages and time.monotonic() - last_progress > idle_timeout
                 if at_end or stalled:  # the partition may end before the range does
                     try:
-                        gone = _expired(consumer, r, position)
-                    except KafkaException:  # no answer: its end is not known, and a stall stays one
+                        gone = _expired(consumer, r, position, config)
+                    except (KafkaException, TimeoutError):  # no answer: its end is not known, and a stall stays one
                         gone = None
                     if gone is None and stalled:
                         raise TimeoutError(f"{r.topic}[{r.partition}] stalled at {position} before {r.end}")
