@@ -859,9 +859,9 @@ def inbox_task(batches: Iterator[pa.RecordBatch], *, slice_key: str, uris: dict[
             dirty = False
             for row in events:
                 if row["kind"] == NOTIFY:
-                    inbox.add(row["notification"], row["ended"])
+                    added = inbox.add(row["notification"], row["ended"])
+                    dirty = added or dirty or (inbox.dbid, inbox.user) != (row["dbid"], row["user"])
                     inbox.dbid, inbox.user = row["dbid"], row["user"]  # whom the device was last notified for
-                    dirty = True
                 else:
                     ids = json.loads(row["notifications"]) if row["notifications"] else None
                     removed, missed = inbox.ack(ids, row["upTo"])

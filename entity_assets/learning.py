@@ -28,8 +28,10 @@ Pure stdlib (and the pure `patch`): it is imported by Spark tasks and by the dri
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from entity_assets.patch import escape_token
@@ -65,6 +67,10 @@ _FORMAT = 1  # version of the to_json layout, checked by from_json
 MAX_FIELDS = 1_000
 """Field names a level of a summary keeps (the smallest): past them the learned type says
 `fieldsTruncated` (a document used as a map, a key per id, is no entity type's field list)."""
+MAX_PATHS = 10_000
+"""Field paths a summary keeps in all, at every depth (the smallest as tuples of names, so a field
+before its own fields): a map inside a map kept 1,000 names under each of 1,000 names, a million
+fields that every learning slice read and rewrote (44 MB of one collection's row)."""
 _LONG = 2.0**63  # a whole number sent as a float is an INTEGER within a 64-bit integer's range
 
 
@@ -131,7 +137,7 @@ class _Field:
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"present": self.present, "types": dict(self.types)}
         if self.doc is not None and self.doc.observed:
-            d["doc"] = self.doc.to_dict()
+            d["doc"] = self.doc._dict()
         return d
 
     @classmethod
@@ -183,6 +189,35 @@ class Summary:
             self.fields = {name: self.fields[name] for name in sorted(self.fields)[:MAX_FIELDS]}
             self.truncated = True
 
+    def _paths(self, prefix: tuple = ()) -> Iterator[tuple]:
+        for name, f in self.fields.items():
+            yield (*prefix, name)
+            if f.doc is not None:
+                yield from f.doc._paths((*prefix, name))
+
+    def _trim_paths(self) -> None:
+        """Keeps the `MAX_PATHS` smallest paths of this summary, at every depth: order-free as `_trim`
+        (a path kept in the end is among the smallest of every subset), and a field whose own fields
+        are kept is kept (it sorts before them)."""
+        if sum(1 for _ in self._paths()) > MAX_PATHS:
+            self._keep(set(heapq.nsmallest(MAX_PATHS, self._paths())), ())
+
+    def _keep(self, paths: set[tuple], prefix: tuple) -> None:
+        kept = {name: f for name, f in self.fields.items() if (*prefix, name) in paths}
+        if len(kept) < len(self.fields):
+            self.fields, self.truncated = kept, True
+        for name, f in kept.items():
+            if f.doc is not None:
+                f.doc._keep(paths, (*prefix, name))
+
+    def _settle(self) -> None:
+        """Trims every level as a merge does (`observe` trims lazily): equal observations, equal summaries."""
+        for f in self.fields.values():
+            if f.doc is not None:
+                f.doc._settle()
+        self._trim()
+        self._trim_paths()
+
     @classmethod
     def of(cls, docs) -> Summary:
         """The summary of documents at hand: `infer(Summary.of(docs))` is their entity type (the
@@ -230,10 +265,14 @@ class Summary:
             else:
                 mine.merge(f)
         self._trim()
+        self._trim_paths()
         return self
 
     def to_dict(self) -> dict:
-        self._trim()  # observe trims lazily
+        self._settle()
+        return self._dict()
+
+    def _dict(self) -> dict:
         return {"observed": self.observed, "fields": {n: f.to_dict() for n, f in self.fields.items()},
                 **({"truncated": True} if self.truncated else {})}
 
@@ -263,6 +302,7 @@ class Summary:
             s.fields[name] = _Field.from_dict(fd, f"{where}.fields.{name}")
         s.truncated = d.get("truncated") is True
         s._trim()
+        s._trim_paths()
         return s
 
     def __eq__(self, other: object) -> bool:
@@ -422,7 +462,7 @@ def infer(summary: Summary, declared: dict | None = None) -> dict:
     Widening only: required -> optional (a document lacked the field or had NULL), INTEGER ->
     DOUBLE; undeclared observed fields are added. Deterministic: fields sorted by name.
     """
-    summary._trim()
+    summary._settle()
     return {"fields": _infer_fields(summary, _fields_of(declared)),
             **({"fieldsTruncated": True} if summary.truncated else {})}
 
@@ -449,7 +489,7 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
             continue
         dtype = _declared_type(spec)
         optional = spec.get("optional") is True
-        if dtype is not None:
+        if dtype not in (None, NULL):  # a NULL declared is no constraint: `infer` learns the field's type, as for none
             bad = {
                 t: n for t, n in f.types.items()
                 if n > 0 and not _compatible(t, dtype) and not (t == NULL and optional)
@@ -486,6 +526,7 @@ def disagreements(summary: Summary, declared: dict | None) -> list[dict]:
     does not admit (INTEGER fits DOUBLE, NULL fits optional); required_missing: with counts.
     """
     out: list[dict] = []
+    summary._settle()
     _disagree(summary, _fields_of(declared) or {}, "", out)
     return sorted(out, key=lambda d: (d["path"], d["kind"]))
 

@@ -213,11 +213,14 @@ class DeviceInbox:
         top = max(self.pending.values(), default=None)
         self.last = top if last is None else (last if top is None else max(last, top))
 
-    def add(self, notification: str, ended: int) -> None:
-        """Record a notification; re-adding a pending id keeps its first ``ended`` (idempotent)."""
+    def add(self, notification: str, ended: int) -> bool:
+        """Record a notification; re-adding a pending id keeps its first ``ended`` (idempotent).
+        Whether it was not pending: an inbox that gets only ids it holds has not changed."""
+        new = notification not in self.pending
         self.pending.setdefault(notification, ended)
         if self.last is None or ended > self.last:
             self.last = ended
+        return new
 
     def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None) -> tuple[int, int]:
         """Remove the named notifications and every one with ``ended <= up_to``: how many went, and

@@ -172,6 +172,49 @@ def test_each_inbox_task_decodes_only_its_buckets_of_the_notifications(tmp_path)
     assert sorted(events.column("device").to_pylist()) == sorted(d for d in devices if core.key_bucket(d) in mine)
 
 
+def test_a_device_whose_inbox_gets_only_ids_it_holds_gets_no_message(tmp_path):
+    """A change whose request id comes again (past the dedupe window) notifies the ids it did: the
+    inbox holds them, so nothing changed and device-notifications says nothing (it repeated the
+    device's count, as if a notification had come)."""
+    from entity_assets.storage import TableFile
+
+    uris = {t: str(tmp_path / t) for t in ("changes_by_device", "device_notifications", "device_inboxes")}
+    for uri in uris.values():
+        os.makedirs(uri)
+    subscriptions = notify.SubscriptionIndex([("db", "subs", "s1", notify.parse_subscription(
+        {"subjectZone": "A", "device": "d1", "user": "u1"}))])
+    change = {"kafka_topic": "t", "kafka_partition": 0, "kafka_offset": 1, "kafka_timestamp": 1001, "dbid": "db",
+              "collection": "Contacts", "zone": "A", "entity": "e1", "action": "created", "ended": 1001,
+              "clientid": "c", "request": 1, "part": 1, "begun": 1001, "status": 1}
+    schema = pa.schema([(c, SCHEMAS["zone_changes"].field(c).type) for c in fold.FAN_OUT_COLUMNS])
+
+    def run(key: str, state: dict) -> list[dict]:
+        report = [r for b in fold.fan_out_task(iter([pa.RecordBatch.from_pylist([change], schema=schema)]), slice_key=key,
+                                               uris=uris, storage_options=None, subscriptions=subscriptions)
+                  for r in b.to_pylist()]
+        notes = [TableFile(r["path"], f"{uris['changes_by_device']}/{r['path']}", r["size"], r["rows"])
+                 for r in report if r["table"] == "changes_by_device"]
+        return list(fold.over_buckets(iter([{"buckets": list(range(32))}]), body=fold.inbox_task,
+                                      sources={"changes_by_device": notes, "notification_acks": []},
+                                      reader=fold.inbox_events, key_columns=("device",), order=fold.INBOX_ORDER,
+                                      storage_options=None, slice_key=key, uris=uris, state_files=state,
+                                      write_state=True))
+
+    def rows(report: list[dict], table: str) -> list[dict]:
+        return [row for r in report if r["table"] == table for row in pq.read_table(f"{uris[table]}/{r['path']}").to_pylist()]
+
+    first = run("0000000001", {})
+    assert [(m["device"], m["count"]) for m in rows(first, "device_notifications")] == [("d1", 1)]
+    state = {}
+    for r in first:
+        if r["table"] == "device_inboxes":
+            stats = json.loads(r["stats"])
+            state.setdefault(stats["minValues"]["bucket"], []).append(TableFile(
+                r["path"], f"{uris['device_inboxes']}/{r['path']}", r["size"], r["rows"], stats["minValues"],
+                stats["maxValues"]))
+    assert rows(run("0000000002", state), "device_notifications") == []
+
+
 def test_a_fan_out_writes_its_summaries_as_they_add_up_in_the_order_it_made_them(tmp_path, monkeypatch):
     """20,000 changes in a zone 2,000 devices watch are 40 million summaries: a task holds at most
     `FAN_OUT_ROWS` of them (past one change's) before they go to its writer."""

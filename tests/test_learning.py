@@ -455,6 +455,18 @@ def test_the_check_shows_a_bounded_report_and_counts_it_all():
     assert "db/a~1b0" in shown  # the collection "a/b0" of database "db", not collection "b0" of "db/a"
 
 
+def _merged_in_any_order(docs: list[dict], rng, size: int):
+    """Summaries of `docs` shuffled, cut in parts of `size`, each through its JSON, merged in a random order."""
+    for _ in range(5):
+        shuffled = docs[:]
+        rng.shuffle(shuffled)
+        parts = [Summary.of(shuffled[i:i + size]) for i in range(0, len(shuffled), size)]
+        merged = Summary()
+        for part in rng.sample(parts, len(parts)):
+            merged.merge(Summary.from_json(part.to_json()))
+        yield merged
+
+
 def test_a_document_used_as_a_map_keeps_the_smallest_names_in_any_merge_order(monkeypatch):
     """A client's document with a key per id (80,000 of them in 960 KB) made a summary, and a
     learned type, of every key, which every learning slice read and rewrote. The names kept are
@@ -466,14 +478,7 @@ def test_a_document_used_as_a_map_keeps_the_smallest_names_in_any_merge_order(mo
     monkeypatch.setattr(learning, "MAX_FIELDS", 10)
     docs = [{"id": i, "map": {f"k{j:03d}": j for j in range(i, i + 30)}} for i in range(40)]
     whole = Summary.of(docs)
-    rng = random.Random(3)
-    for _ in range(5):
-        shuffled = docs[:]
-        rng.shuffle(shuffled)
-        parts = [Summary.of(shuffled[i:i + 7]) for i in range(0, len(shuffled), 7)]
-        merged = Summary()
-        for part in rng.sample(parts, len(parts)):
-            merged.merge(Summary.from_json(part.to_json()))
+    for merged in _merged_in_any_order(docs, random.Random(3), 7):
         assert merged == whole
     nested = whole.fields["map"].doc
     assert sorted(nested.fields) == [f"k{j:03d}" for j in range(10)] and nested.truncated
@@ -481,6 +486,39 @@ def test_a_document_used_as_a_map_keeps_the_smallest_names_in_any_merge_order(mo
     learned = infer(whole)
     assert learned["fields"]["map"]["fieldsTruncated"] is True and "fieldsTruncated" not in learned
     assert Summary.from_json(whole.to_json()) == whole
+
+
+def test_a_map_inside_a_map_keeps_max_paths_in_all_alike_however_the_documents_are_split(monkeypatch):
+    """1,000 names a level kept 1,000 under each of 1,000: a million fields of one collection that
+    every learning slice read and rewrote. The summary keeps the MAX_PATHS smallest paths in all,
+    the same whatever the split and merge order, and says so where it left names out."""
+    import random
+
+    from entity_assets import learning
+
+    monkeypatch.setattr(learning, "MAX_FIELDS", 6)
+    monkeypatch.setattr(learning, "MAX_PATHS", 20)
+    docs = [{"id": i, "perm": {f"u{(i + a) % 9}": {f"r{(i * b) % 11:02d}": "rw" for b in range(4)} for a in range(3)}}
+            for i in range(60)]
+    whole = Summary.of(docs)
+    for merged in _merged_in_any_order(docs, random.Random(5), 9):
+        assert merged == whole
+        assert infer(merged) == infer(Summary.of(docs)) == infer(Summary.from_json(whole.to_json()))
+    paths = sorted(whole._paths())
+    assert len(paths) == 20 and paths[:2] == [("id",), ("perm",)]
+    users = whole.fields["perm"].doc
+    assert users.truncated or any(f.doc.truncated for f in users.fields.values())
+    assert "fieldsTruncated" in json.dumps(infer(whole))
+
+
+def test_a_field_declared_null_is_no_constraint_as_a_field_declared_without_a_type():
+    """`infer` learns a NULL-declared field's type as for one declared without a type: the check
+    reported every value of it as a type conflict, at every slice."""
+    summary = Summary.of([{"x": "a"}, {"x": None}])
+    for spec in ({"type": "NULL", "optional": True}, {"optional": True}):
+        declared = {"fields": {"x": spec}}
+        assert infer(summary, declared)["fields"]["x"] == {"type": "STRING", "optional": True}
+        assert disagreements(summary, declared) == []
 
 
 def test_the_check_shows_client_names_and_paths_cut():

@@ -256,7 +256,7 @@ def test_inbox_add_count_begun_ended():
     inbox.add("n2", 200)
     inbox.add("n1", 100)
     inbox.add("n3", 300)
-    inbox.add("n1", 100)  # re-run: idempotent
+    assert inbox.add("n1", 100) is False  # re-run: idempotent, the inbox unchanged
     assert (inbox.count, inbox.begun, inbox.ended) == (3, 100, 300)
 
 
