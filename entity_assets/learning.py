@@ -383,11 +383,19 @@ def new_declaration_error(before: Any, after: Any) -> str | None:
     a schema patch that makes one fails (status 3); one a schema already held, from a release
     that did not check, neither fails the patches that leave it be (a type renamed by a `move`
     keeps its errors, counted in any type) nor hides a new one."""
-    held = Counter(error for _, error in _declaration_errors(before)) if before is not None else Counter()
-    for type_name, error in _declaration_errors(after):
-        if held[error] <= 0:
+    held = Counter(_declaration_errors(before)) if before is not None else Counter()
+    fresh = []
+    for found in _declaration_errors(after):  # held by its own type: not new
+        if held[found] > 0:
+            held[found] -= 1
+        else:
+            fresh.append(found)
+    types = set(after) if isinstance(after, dict) else set()
+    moved = Counter(error for (type_name, error), n in held.items() if type_name not in types for _ in range(n))
+    for type_name, error in fresh:  # held by a type `after` lacks: the same type, renamed
+        if moved[error] <= 0:
             return _path(type_name, error)
-        held[error] -= 1
+        moved[error] -= 1
     return None
 
 

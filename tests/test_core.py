@@ -133,7 +133,14 @@ def test_a_schema_patch_that_leaves_a_declaration_learning_cannot_read_fails_wit
                           check=new_declaration_error)["status"] == 1
     copy = [{"op": "copy", "from": "Teams", "path": "Groups"}]
     failed = core.apply_one(state, {**patch, "ops": json.dumps(copy)}, implicit_empty=True, check=new_declaration_error)
-    assert failed["status"] == 3 and "optional: must be true or false" in failed["error"]
+    assert failed["status"] == 3 and failed["error"] == "Groups/fields/groupName/optional: must be true or false"
+    # the same mistake in another type is new, named in that type, whether the held one stays or goes
+    for ops in ([{"op": "add", "path": "Staff", "value": held["Groups"]}],
+                [{"op": "replace", "path": "Teams/fields/groupName/optional", "value": False},
+                 {"op": "add", "path": "Staff", "value": held["Groups"]}]):
+        failed = core.apply_one(state, {**patch, "ops": json.dumps(ops)}, implicit_empty=True,
+                                check=new_declaration_error)
+        assert failed["status"] == 3 and failed["error"] == "Staff/fields/groupName/optional: must be true or false"
 
 
 def test_a_document_grown_by_adds_stops_at_the_size_a_copy_may_grow_it_to():
