@@ -28,10 +28,8 @@ Pure stdlib (and the pure `patch`): it is imported by Spark tasks and by the dri
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 from entity_assets.patch import escape_token
@@ -67,10 +65,6 @@ _FORMAT = 1  # version of the to_json layout, checked by from_json
 MAX_FIELDS = 1_000
 """Field names a level of a summary keeps (the smallest): past them the learned type says
 `fieldsTruncated` (a document used as a map, a key per id, is no entity type's field list)."""
-MAX_PATHS = 10_000
-"""Field paths a summary keeps in all, at every depth (the smallest as tuples of names, so a field
-before its own fields): a map inside a map kept 1,000 names under each of 1,000 names, a million
-fields that every learning slice read and rewrote (44 MB of one collection's row)."""
 _LONG = 2.0**63  # a whole number sent as a float is an INTEGER within a 64-bit integer's range
 
 
@@ -189,34 +183,13 @@ class Summary:
             self.fields = {name: self.fields[name] for name in sorted(self.fields)[:MAX_FIELDS]}
             self.truncated = True
 
-    def _paths(self, prefix: tuple = ()) -> Iterator[tuple]:
-        for name, f in self.fields.items():
-            yield (*prefix, name)
-            if f.doc is not None:
-                yield from f.doc._paths((*prefix, name))
-
-    def _trim_paths(self) -> None:
-        """Keeps the `MAX_PATHS` smallest paths of this summary, at every depth: order-free as `_trim`
-        (a path kept in the end is among the smallest of every subset), and a field whose own fields
-        are kept is kept (it sorts before them)."""
-        if sum(1 for _ in self._paths()) > MAX_PATHS:
-            self._keep(set(heapq.nsmallest(MAX_PATHS, self._paths())), ())
-
-    def _keep(self, paths: set[tuple], prefix: tuple) -> None:
-        kept = {name: f for name, f in self.fields.items() if (*prefix, name) in paths}
-        if len(kept) < len(self.fields):
-            self.fields, self.truncated = kept, True
-        for name, f in kept.items():
-            if f.doc is not None:
-                f.doc._keep(paths, (*prefix, name))
-
     def _settle(self) -> None:
-        """Trims every level as a merge does (`observe` trims lazily): equal observations, equal summaries."""
+        """Trims every level as a merge does (`observe` trims lazily, the level it walks only): equal
+        observations, equal summaries, and the same learned type."""
         for f in self.fields.values():
             if f.doc is not None:
                 f.doc._settle()
         self._trim()
-        self._trim_paths()
 
     @classmethod
     def of(cls, docs) -> Summary:
@@ -265,7 +238,6 @@ class Summary:
             else:
                 mine.merge(f)
         self._trim()
-        self._trim_paths()
         return self
 
     def to_dict(self) -> dict:
@@ -302,7 +274,6 @@ class Summary:
             s.fields[name] = _Field.from_dict(fd, f"{where}.fields.{name}")
         s.truncated = d.get("truncated") is True
         s._trim()
-        s._trim_paths()
         return s
 
     def __eq__(self, other: object) -> bool:
