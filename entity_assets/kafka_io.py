@@ -265,10 +265,8 @@ def _expired(consumer: Consumer, r: OffsetRange, offset: int, config: dict | Non
 
 def _written_end(config: dict, r: OffsetRange) -> int:
     """The partition's high watermark, the records of open transactions counted."""
-    tp, admin = TopicPartition(r.topic, r.partition), AdminClient(config)  # held until it answers: freed, it ends its requests
-    futures = admin.list_offsets({tp: OffsetSpec.latest()}, isolation_level=IsolationLevel.READ_UNCOMMITTED,
-                                 request_timeout=10.0)
-    return futures[tp].result(11.0).offset
+    marks = watermarks({**config, "isolation.level": "read_uncommitted"}, [r.topic], 10.0, [])  # only its own answer counts
+    return marks[(r.topic, r.partition)][1]
 
 
 def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeout: float = 30.0,
@@ -334,7 +332,7 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
                 if at_end or stalled:  # the partition may end before the range does
                     try:
                         gone = _expired(consumer, r, position, config)
-                    except (KafkaException, TimeoutError):  # no answer: its end is not known, and a stall stays one
+                    except (KafkaException, KafkaUnreachable, KeyError):  # no answer: its end unknown, a stall stays one
                         gone = None
                     if gone is None and stalled:
                         raise TimeoutError(f"{r.topic}[{r.partition}] stalled at {position} before {r.end}")
