@@ -110,15 +110,14 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     firsts = {tp: low for tp, (low, _) in marks.items()}
     ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
     positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds
-    planned, ends, restarted, went_back = _went_back(context, engine, slicing, positions, ends, marks)
+    planned, ends, still_held, went_back = _went_back(context, engine, slicing, positions, ends, marks, firsts)
     latest_closed = closed_at  # of the newest slice before this tick's
     new = plan_slices(planned, ends, policy=slicing.policy(), next_seq=latest + 1,
                       last_closed_at=closed_at, now=int(time.time() * 1000), firsts=firsts)
     for manifest in new:
         store.write(manifest)
-    if restarted and new:  # a manifest holds their first offsets now; without one, the next tick restarts them
-        engine.write_note(WENT_BACK, json.dumps(_keyed({tp: off for tp, off in went_back_before(engine).items()
-                                                        if tp not in restarted})))
+    if still_held is not None and new:  # a manifest holds the restarted offsets now; without one, the next tick restarts
+        engine.write_note(WENT_BACK, json.dumps(_keyed(still_held)))
     if new:
         positions, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
@@ -158,7 +157,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     )
 
 
-def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends: dict, marks: dict):
+def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends: dict, marks: dict, firsts: dict):
     """Partitions whose offsets went back (`behind`), with every partition of their topic: a topic
     created again, whose partitions with new records past the slices' offsets before a tick looked
     cannot be told from their old selves (nor can a log an unclean election cut short from a topic
@@ -167,7 +166,8 @@ def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends:
     slices' offsets once each partition's end is past them.
 
     Returns the offsets to plan from, the ends to plan to (a held partition's: its offset), the
-    partitions restarted, and what a tick that closes no slice says of them."""
+    note once a slice holds a restart's offsets (None: no restart), and what a tick that closes no
+    slice says of them."""
     held, mode = went_back_before(engine), slicing.offsets_went_back
     topics = {t for t, _ in behind(positions, ends)}
     back = sorted({*(tp for tp in marks if tp[0] in topics), *(tp for tp in held if tp in marks)})
@@ -177,7 +177,7 @@ def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends:
         if back:
             context.log.warning(f"offsets went back: {', '.join(f'{t}[{p}]' for t, p in back)}; read on from the "
                                 "slices' offsets once each partition's end is past them")
-        return positions, ends, [], ""
+        return positions, ends, None, ""
     if not held.keys() >= set(back):  # held until the user decides: the topic growing past says nothing
         held = {**{tp: positions[tp] for tp in back}, **held}
         engine.write_note(WENT_BACK, json.dumps(_keyed(held)))
@@ -185,12 +185,12 @@ def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends:
     said = ", ".join([*(f"{t}[{p}] ends at {ends[(t, p)]}, next {held[(t, p)]}" for t, p in back),
                       *(f"{t}[{p}] gives no offsets, next {held[(t, p)]}" for t, p in unheard)])
     if not said:
-        return positions, ends, [], ""
+        return positions, ends, None, ""
     if back and mode == "restart":
-        firsts = {tp: low for tp, (low, _) in marks.items()}
         context.log.warning(f"offsets went back: {said}; read again from their first offsets"
                             + (", but those Kafka gives no offsets of stay held" if unheard else ""))
-        return {**positions, **{tp: firsts[tp] for tp in back}}, ends, back, ""
+        return ({**positions, **{tp: firsts[tp] for tp in back}}, ends,
+                {tp: off for tp, off in held.items() if tp not in back}, "")
     note = engine.uri(f"{NOTES_FOLDER}/{WENT_BACK}")
     said = f"offsets went back: {said}. " + (
         "Held until Kafka gives offsets of them, then read again from their first offsets" if mode == "restart" else
@@ -199,7 +199,7 @@ def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends:
         "offsets_went_back is restart (read from their first offsets: a topic created again) or continue (read on "
         "from the slices' offsets: the same cluster again, a log cut short)") + f" (the note {note}; docs/slices.md)"
     context.log.error(said)
-    return ({**positions, **{tp: held[tp] for tp in back}}, {**ends, **{tp: held[tp] for tp in back}}, [], said)
+    return ({**positions, **{tp: held[tp] for tp in back}}, {**ends, **{tp: held[tp] for tp in back}}, None, said)
 
 
 WENT_BACK = "offsets-went-back"
