@@ -150,16 +150,18 @@ def plan_slices(
     live = {tp: max(current[tp], min((firsts or {}).get(tp, 0), ends[tp])) for tp in ends}
     backlog = {tp: max(0, ends[tp] - live[tp]) for tp in ends}
     pending = sum(backlog.values())
-    gone = any(live[tp] > current[tp] for tp in ends)
-    if pending == 0 and not gone:
+
+    def gone() -> bool:  # spans gone before the offsets a slice reads from: the next slice takes them
+        return any(live[tp] > current[tp] for tp in ends)
+
+    if pending == 0 and not gone():
         return []
     due = last_closed_at is None or (now - last_closed_at) >= policy.min_interval_seconds * 1000
     if not due and pending < policy.max_messages:
         return []
     slices: list[Manifest] = []
     seq = next_seq
-    while pending >= policy.max_messages or (due and (pending > 0 or gone)):
-        gone = False  # the first slice takes every span gone
+    while pending >= policy.max_messages or (due and (pending > 0 or gone())):
         budget = policy.max_messages
         share = min(1.0, budget / pending) if pending else 1.0
         ranges = []
