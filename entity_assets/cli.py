@@ -68,7 +68,7 @@ COPIED = "# entity-assets copies dagster.yaml here, over this copy: edit that fi
 """The first line of the project's copy of its `dagster.yaml` in the project home's instance."""
 
 
-def _settings(yaml: str) -> str:
+def _settings_digest(yaml: str) -> str:
     """A digest of a YAML file's lines without its comments: an older release's copy, whose
     comments said other things, is known by its settings."""
     lines = [line for line in yaml.splitlines() if line.strip() and not line.lstrip().startswith("#")]
@@ -77,7 +77,7 @@ def _settings(yaml: str) -> str:
 
 RELEASED_CONFIGS = frozenset({"50c954233971f729", "02b98b1798a76ed1", "ba481c488953f1f1", "e666a02873e67027",
                               "514bb853331f38a9", "60dde406703740db"})
-"""`_settings` of each `dagster.yaml` the project released before its copies said so on their first
+"""`_settings_digest` of each `dagster.yaml` the project released before its copies said so on their first
 line (`git log -- dagster.yaml`): a home's copy of one is the project's, and takes this one's."""
 
 
@@ -91,7 +91,7 @@ def instance_config(dagster_home: Path) -> None:
         return
     config = source.read_text()
     if target.exists() and not (held := target.read_text()).startswith(COPIED):
-        if _settings(held) not in {*RELEASED_CONFIGS, _settings(config)}:  # the user's (none had that first line)
+        if _settings_digest(held) not in {*RELEASED_CONFIGS, _settings_digest(config)}:  # the user's (none had that first line)
             print(f"entity-assets: {target} is not the copy of {source}, and is kept: delete it to take that "
                   "file's settings", file=sys.stderr)
             return
