@@ -137,13 +137,15 @@ class LocalRunLauncher(DefaultRunLauncher):
         the lake pool."""
         run = self._instance.get_run_by_id(run_id)
         worker = run_worker(self._instance, run) if run is not None and WORKER_TAG in run.tags else None
-        if worker is None or not process_alive(*worker):
+        if worker is None or run.is_finished or not process_alive(*worker):
             return super().terminate(run_id)
+        # canceling before the signal: the interrupted process reads the status to tell a
+        # termination from a crash, and a signal first failed the run when it read sooner
+        self._instance.report_run_canceling(run)
         try:
             os.kill(worker[0], signal.SIGINT)
         except OSError:  # another user's process, or gone meanwhile
             return super().terminate(run_id)
-        self._instance.report_run_canceling(run)
         return True
 
 
