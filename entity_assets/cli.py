@@ -297,7 +297,7 @@ def _instance_for_runs():
         print(f"entity-assets: no dagster.yaml in DAGSTER_HOME ({home}): runs are recorded in a default instance, "
               "without the lake pool or run monitoring, which a deployment's daemon does not see; set DAGSTER_HOME "
               "to your instance's folder", file=sys.stderr)
-    elif os.environ.get("ENTITY_ASSETS_LAKE") and home == _home() / "dagster":
+    elif os.environ.get("ENTITY_ASSETS_LAKE", "").strip() and home == _home() / "dagster":
         print(f"entity-assets: runs of the lake {os.environ['ENTITY_ASSETS_LAKE']} are recorded in the project's own "
               f"instance ({home}), and only its runs in flight are waited for: if a daemon runs this lake's slices, "
               "set DAGSTER_HOME to its instance", file=sys.stderr)
@@ -675,7 +675,7 @@ def _an_entity_of_many_versions() -> str | None:
 
 
 def cmd_demo(args) -> int:
-    lake = os.environ.get("ENTITY_ASSETS_LAKE")
+    lake = os.environ.get("ENTITY_ASSETS_LAKE", "").strip()
     if lake and Path(lake).resolve() != (_home() / "lake").resolve():
         raise UsageError(f"ENTITY_ASSETS_LAKE names {lake}: the demo's sample traffic goes to the home's own lake "
                          f"({_home() / 'lake'}); unset it, or give the demo another ENTITY_ASSETS_HOME")
@@ -721,7 +721,7 @@ def _port_of(variable: str, default: int) -> dict:
             raise argparse.ArgumentTypeError(f"{text!r} is not a port (the default comes from {variable})")
         return int(text)
 
-    return {"type": port, "default": os.environ.get(variable) or str(default)}
+    return {"type": port, "default": os.environ.get(variable, "").strip() or str(default)}
 
 
 def _at_least(minimum: int):

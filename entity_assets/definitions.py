@@ -99,9 +99,9 @@ def _no_unknown_variables() -> None:
 
 
 def _number(field: str, default: str, kind: type = int):
-    """The variable of `field` as an int (or `kind`), its default when unset or empty."""
+    """The variable of `field` as an int (or `kind`), its default when unset, empty or blank."""
     name = VARIABLES[field]
-    text = os.environ.get(name) or default
+    text = _env(field, default)
     try:
         return kind(text)
     except ValueError:
@@ -280,7 +280,7 @@ def drifted(resource) -> list[str]:
     name, deployed = next((name, r) for name, r in build_resources().items() if type(r) is type(resource))
     out = []
     for field, variable in [*VARIABLES.items(), ("publish", VARIABLES["published_streams"])]:
-        if field not in type(resource).model_fields or not os.environ.get(variable):
+        if field not in type(resource).model_fields or not os.environ.get(variable, "").strip():
             continue
         given, value = (v.get_value() if isinstance(v, EnvVar) else v for v in (getattr(deployed, field),
                                                                                getattr(resource, field)))

@@ -21,7 +21,7 @@ from entity_assets.manifests import ManifestStore
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
 from entity_assets.trace import parse_record
-from resources import KafkaResource, LakeResource
+from resources import KafkaResource, LakeResource, SlicingResource
 
 
 def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables(make_pipeline, lake_rows, tmp_path,
@@ -660,10 +660,12 @@ def test_a_variable_set_empty_counts_as_unset(monkeypatch):
     from entity_assets.definitions import VARIABLES, build_resources
     from resources.lake import default_home
 
-    for name in {*VARIABLES.values(), "ENTITY_ASSETS_HOME", "ENTITY_ASSETS_STEP_RETRIES"} - {"ENTITY_ASSETS_INGESTION"}:
-        monkeypatch.setenv(name, " " if name in ("ENTITY_ASSETS_LAKE", "ENTITY_ASSETS_PUBLISH", "ENTITY_ASSETS_HOME",
-                                                 "ENTITY_ASSETS_STEP_RETRIES") else "")  # blank too
+    names = {*VARIABLES.values(), "ENTITY_ASSETS_HOME", "ENTITY_ASSETS_STEP_RETRIES", "ENTITY_ASSETS_BROKER_PORT"}
+    for i, name in enumerate(sorted(names - {"ENTITY_ASSETS_INGESTION"})):
+        monkeypatch.setenv(name, " " if i % 2 else "")  # blank too: numbers and ports as well
     resources = build_resources()
+    assert resources["slicing"] == SlicingResource()
+    assert cli._port_of("ENTITY_ASSETS_BROKER_PORT", 9092)["default"] == "9092"
     assert resources["kafka"].publishes("device-notifications") and resources["kafka"].sasl_password is None
     assert resources["spark"].master == "local[*]" and resources["slicing"].offsets_went_back == "report"
     assert resources["kafka"].bootstrap_servers == KafkaResource().bootstrap_servers
