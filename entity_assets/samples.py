@@ -223,7 +223,7 @@ class CdcTraffic:
             fmt = CDC_STREAMS[stream]
             rng = random.Random(f"{self.seed}/{stream}")
             rows = [{"ID": i, "NAME": f"Name{i}", "SCORE": rng.randrange(1000)} for i in range(self.rows)]
-            made = 0
+            made, metadata_after = 0, min(5, self.rows * (self.changes + 1))  # after some data, however few rows
             for version in range(self.changes + 1):
                 for row in rows:
                     before = dict(row)
@@ -231,7 +231,7 @@ class CdcTraffic:
                         row["SCORE"] = rng.randrange(1000)
                     yield stream, *_cdc(fmt, row["ID"], before if version else None, dict(row))
                     made += 1
-                    if fmt == "qlik" and made == 5:
+                    if fmt == "qlik" and made == metadata_after:
                         yield stream, "metadata", qlik.metadata_envelope(QLIK_SCHEMA_ID, "EMPLOYEES", _QLIK_COLUMNS,
                                                                          ["ID"])
             for row in rows[::10]:

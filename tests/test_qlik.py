@@ -278,3 +278,13 @@ def test_a_decimal_past_308_digits_is_a_dead_letter_not_minutes_of_a_task():
     with pytest.raises(InvalidMessage, match=f"a decimal of 100000 bytes, past {qlik.MAX_DECIMAL_BYTES}") as caught:
         insert(b"\x7f" * 100_000)
     assert caught.value.code is DeadLetterCode.BAD_FORMAT
+
+
+@pytest.mark.parametrize("rows", [1, 2, 30])
+def test_the_cdc_sample_sends_the_qlik_metadata_message_after_some_data_however_few_rows(rows):
+    """`produce cdc --rows 1` sent no metadata message: its data waited, then became dead letters."""
+    from entity_assets import samples
+
+    for stream in (s for s, fmt in samples.CDC_STREAMS.items() if fmt == "qlik"):
+        keys = [key for s, key, _ in samples.CdcTraffic(rows=rows).records() if s == stream]
+        assert keys.count("metadata") == 1 and 0 < keys.index("metadata") <= 5
