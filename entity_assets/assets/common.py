@@ -673,7 +673,7 @@ def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) 
         return True
     context.log.warning(f"slice {slice_key} publishes nothing: slice {later} has published {table}'s stream, "
                         f"whose newer values of the same keys its messages would overtake (tag the run "
-                        f"{REPUBLISH_TAG}=true, or `entity-assets run --republish`, to publish them anyway)")
+                        f"{REPUBLISH_TAG}=true, or `entity-assets run --slices {slice_key} --republish`, to publish them anyway)")
     return False
 
 
