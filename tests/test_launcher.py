@@ -3,6 +3,7 @@ keeps `entity-assets run` from applying slices beside the daemon (the daemon its
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -130,3 +131,23 @@ def test_terminating_a_run_of_the_cli_interrupts_its_process(project_instance):
         child.kill()
     assert out.strip() == "False"
     assert instance.get_run_by_id(runs[0].run_id).status == DagsterRunStatus.CANCELED
+
+
+def test_a_run_of_the_cli_is_canceling_before_its_process_is_interrupted(project_instance, monkeypatch):
+    """The interrupted process reads the run's status to tell a termination from a crash: read
+    before the launcher marked it canceling, the run failed."""
+    from entity_assets import launcher
+
+    instance = project_instance
+    run = create_run_for_test(instance, status=DagsterRunStatus.STARTED, tags=launcher.worker_tag())
+    seen, kill = [], os.kill
+
+    def interrupt(pid, sig):  # the signal only: whether the process lives (0) is asked for real
+        if sig:
+            seen.append((pid, sig, instance.get_run_by_id(run.run_id).status))
+        else:
+            kill(pid, sig)
+
+    monkeypatch.setattr(launcher.os, "kill", interrupt)
+    assert instance.run_launcher.terminate(run.run_id)
+    assert seen == [(os.getpid(), signal.SIGINT, DagsterRunStatus.CANCELING)]
