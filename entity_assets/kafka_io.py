@@ -128,7 +128,8 @@ def cluster_metadata(config: dict, timeout: float = 10.0, client: Consumer | Adm
 
 
 def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool], timeout: float = 10.0,
-               unanswered: list[str] | None = None) -> dict[tuple[str, int], tuple[int, int]]:
+               unanswered: list[str] | None = None,
+               expected: Iterable[str] = ()) -> dict[tuple[str, int], tuple[int, int]]:
     """(first offset held, end offset) of every partition of `topics` (names, or a test of the
     broker's names).
 
@@ -141,20 +142,23 @@ def watermarks(config: dict, topics: Iterable[str] | Callable[[str], bool], time
     `unanswered` is left out and named there, so that one partition of one topic does not hold
     back every other; no partition answering raises still. One the metadata says has no leader
     is not asked (librdkafka would wait out `timeout` for it), and all the asking shares one
-    `timeout`: a sensor's tick has 60 s. A topic of `topics` given as names that the metadata
-    lacks or gives an error for (not created; no Describe right) raises nothing, and is named in
-    `unanswered` unless no partition answered: an empty answer with nothing unanswered says the
-    cluster has none of them (a mistyped prefix, another cluster)."""
+    `timeout`: a sensor's tick has 60 s. A topic given by name (in `topics`, or `expected` beside
+    a test) that the metadata lacks or gives an error for (not created; no Describe right: Kafka
+    leaves those out) raises nothing, and is named in `unanswered` unless no partition answered:
+    an empty answer with nothing unanswered says the cluster has none of them (a mistyped
+    prefix, another cluster)."""
     cause, logger = _LastError.logger("entity_assets.kafka_offsets")
     admin = AdminClient({**config, "logger": logger})  # held until the answers are in: freed, it ends its requests
     metadata = cluster_metadata(config, timeout, admin, cause)
     deadline = time.monotonic() + timeout
     failed, lacking, by_leader = [], [], {}
-    for topic in [t for t in metadata.topics if topics(t)] if callable(topics) else dict.fromkeys(topics):
+    named = dict.fromkeys(expected if callable(topics) else topics)
+    for topic in dict.fromkeys([*(t for t in metadata.topics if topics(t)), *named] if callable(topics) else named):
         meta = metadata.topics.get(topic)
         if meta is None or meta.error is not None:
-            if not callable(topics):
-                reason = "not in the cluster's metadata" if meta is None else meta.error.str()
+            if topic in named:
+                reason = ("not in the cluster's metadata: not created, or not Describe-able" if meta is None
+                          else meta.error.str())
                 lacking.append(f"{topic} ({reason})")
             continue
         for p, partition in meta.partitions.items():

@@ -213,16 +213,10 @@ class KafkaResource(Deployed, ConfigurableResource):
     def input_watermarks(self, timeout: float = 10.0,
                          unanswered: list[str] | None = None) -> dict[tuple[str, int], tuple[int, int]]:
         """(first offset held, end offset) of every partition of every input topic on the broker:
-        the seed's and the ingestion topics (`unanswered`: see `kafka_io.watermarks`). With
-        `unanswered`, a seed input topic the broker does not list (never created, or not
-        Describe-able by the principal: Kafka leaves those out) is named there too, unless no
-        input topic answered: the sensor then says the cluster has none (`no_input_topic`)."""
+        the seed's and the ingestion topics. With `unanswered`, a seed input topic the broker
+        does not list is named there too, unless no input topic answered: the sensor then says
+        the cluster has none (`no_input_topic`; see `kafka_io.watermarks`)."""
         from entity_assets.kafka_io import watermarks
 
-        marks = watermarks(self.config(), lambda topic: self.input_stream(topic) is not None, timeout, unanswered)
-        if marks and unanswered is not None:
-            found = {topic for topic, _ in marks}
-            unanswered.extend(f"{topic} (not in the cluster's metadata: not created, or not Describe-able)"
-                              for topic in map(self.topic, INPUT_STREAMS) if topic not in found
-                              and not any(said.startswith(f"{topic} partition ") for said in unanswered))
-        return marks
+        return watermarks(self.config(), lambda topic: self.input_stream(topic) is not None, timeout, unanswered,
+                          expected=map(self.topic, INPUT_STREAMS))

@@ -431,7 +431,7 @@ def test_run_s_lag_report_gives_librdkafka_the_sasl_credentials_not_the_names_of
     monkeypatch.setenv("KAFKA_SASL_PASSWORD", "s3cret")
     asked, said = [], []
 
-    def watermarks(config, topics, timeout, unanswered=None):
+    def watermarks(config, topics, timeout, unanswered=None, expected=()):
         asked.append(config)
         raise kafka_io.KafkaUnreachable("no answer")
 

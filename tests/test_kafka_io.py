@@ -48,18 +48,19 @@ def test_a_cluster_that_takes_nothing_fails_the_send_once_its_queue_is_full():
 def test_topics_are_created_once_the_cluster_lists_their_partitions(broker, monkeypatch):
     """A broker's metadata may lack a topic just created: the publish after it counted no
     partitions of it, a KeyError."""
-    real, looks = kafka_io.cluster_metadata, []
+    real, looks, hidden = kafka_io.cluster_metadata, [], []
 
     def lagging(*args, **kwargs):
         metadata = real(*args, **kwargs)
         looks.append(1)
-        if len(looks) in (2, 3):  # the two looks after the creation
-            metadata.topics.pop("kafka-io-lagging", None)
+        if "kafka-io-lagging" in metadata.topics and len(hidden) < 2:  # the first two looks that list it
+            metadata.topics.pop("kafka-io-lagging")
+            hidden.append(1)
         return metadata
 
     monkeypatch.setattr(kafka_io, "cluster_metadata", lagging)
     config = {"bootstrap.servers": broker.bootstrap}
-    assert ensure_topics(config, ["kafka-io-lagging"], 2) == ["kafka-io-lagging"] and len(looks) == 4
+    assert ensure_topics(config, ["kafka-io-lagging"], 2) == ["kafka-io-lagging"] and len(hidden) == 2
     assert kafka_io.partition_counts(config, ["kafka-io-lagging"]) == {"kafka-io-lagging": 2}
 
 
@@ -399,11 +400,11 @@ def test_a_slice_ends_at_the_last_stable_offset_unless_the_client_config_reads_u
     ensure_topics(config, [topic], 1)
     produce(config, topic, [(f"k{i}", f"v{i}") for i in range(10)])
     producer = Producer({**config, "transactional.id": "kafka-io-open-transaction"})
-    producer.init_transactions(10)
+    producer.init_transactions(30)
     producer.begin_transaction()
     for i in range(5):
         producer.produce(topic, b"uncommitted", b"k", 0)
-    producer.flush(10)
+    assert producer.flush(30) == 0
     try:
         assert end_offsets(config, [topic]) == {(topic, 0): 10}
         assert end_offsets({**config, "isolation.level": "read_uncommitted"}, [topic]) == {(topic, 0): 15}
@@ -414,7 +415,7 @@ def test_a_slice_ends_at_the_last_stable_offset_unless_the_client_config_reads_u
             list(read_range(config, OffsetRange(topic, 0, 0, 15), idle_timeout=2, expired=gone.append))
         assert gone == []
     finally:
-        producer.abort_transaction(10)
+        producer.abort_transaction(30)
 
 
 def test_a_topic_named_that_the_cluster_lacks_is_unanswered_and_raises_nothing(broker):
@@ -424,7 +425,7 @@ def test_a_topic_named_that_the_cluster_lacks_is_unanswered_and_raises_nothing(b
     unanswered: list[str] = []
     marks = kafka_io.watermarks(config, ["kafka-io-named", "kafka-io-never-created"], unanswered=unanswered)
     assert list(marks) == [("kafka-io-named", 0)]
-    assert unanswered == ["kafka-io-never-created (not in the cluster's metadata)"]
+    assert unanswered == ["kafka-io-never-created (not in the cluster's metadata: not created, or not Describe-able)"]
     assert list(end_offsets(config, ["kafka-io-named", "kafka-io-never-created"])) == [("kafka-io-named", 0)]
     # none of them there: an empty answer says so (the sensor names a cluster without an input topic)
     assert kafka_io.watermarks(config, ["kafka-io-never-created"], unanswered=unanswered) == {}
