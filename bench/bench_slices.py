@@ -33,7 +33,9 @@ import subprocess
 import sys
 
 from bench_pipeline import CORE_STEPS, produce
-from common import BenchEnv, Timer, driver_peak_mb, free_port, kv_line, log, step_seconds
+from common import BenchEnv, Timer, driver_peak_mb, kv_line, log, step_seconds
+
+from entity_assets.local_service import free_port
 
 
 def main(argv=None) -> int:

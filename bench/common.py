@@ -25,7 +25,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -95,12 +94,6 @@ def kv_line(**values) -> str:
         return str(v).replace(" ", "_")
 
     return " ".join(f"{k}={fmt(v)}" for k, v in values.items())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- memory
@@ -323,6 +316,7 @@ class BenchEnv:
 
     def __enter__(self) -> "BenchEnv":
         from entity_assets.broker import LocalBroker
+        from entity_assets.local_service import free_port
 
         self.port = self.port or free_port()
         self.home = Path(tempfile.mkdtemp(prefix="entity-assets-bench-"))
@@ -376,8 +370,9 @@ class BenchEnv:
         """The run's topics on the cluster (those of its prefix)."""
         from confluent_kafka.admin import AdminClient
 
-        from entity_assets.kafka_io import cluster_metadata
+        from entity_assets.kafka_io import cluster_metadata, release_producers
 
+        release_producers()  # an idle producer's metadata refresh would create a deleted topic again
         config = self.client_config()
         admin = AdminClient(config)
         topics = [t for t in cluster_metadata(config, 30, admin).topics if t.startswith(self.topic_prefix)]

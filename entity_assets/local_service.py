@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,6 +24,26 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
+
+
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range (32768 on), for a local server started
+    later: one the kernel gave out could be taken by an outgoing connection (a Kafka client's,
+    Spark's) before the server binds it, and one handed out already is not again."""
+    for port in random.sample(range(20_000, 32_000), 200):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 class PortInUse(RuntimeError):

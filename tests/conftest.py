@@ -17,8 +17,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import uuid
@@ -36,6 +34,7 @@ from entity_assets.assets.retries import RETRIES_VARIABLE
 from entity_assets.broker import LocalBroker
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.kafka_io import ensure_topics, produce
+from entity_assets.local_service import free_port as free_port_on_loopback
 from entity_assets.manifests import ManifestStore
 from entity_assets.slices import Manifest
 from entity_assets.tables import SCHEMAS
@@ -89,7 +88,8 @@ def _isolated_home(tmp_path_factory, _reaper):
 def _no_deployment_settings(monkeypatch):
     """A setting exported in the developer's shell, or set by a command an earlier test ran
     (`cli.prepare_environment`), would differ from a test's own resources, which runs refuse
-    (`resources.deployed`): each test starts without them and sets its own."""
+    (`resources.deployed`): each test starts without them and sets its own, and leaves the
+    environment as it found it (a variable a command set, never one monkeypatch knew of, too)."""
     from entity_assets.definitions import VARIABLES
 
     for variable in VARIABLES.values():
@@ -97,19 +97,10 @@ def _no_deployment_settings(monkeypatch):
     # pyspark's mark of a process whose sessions are Spark Connect's (`spark_connect.connect`):
     # left by one test, the next one's local session would be taken for a Connect one
     monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED", raising=False)
-
-
-def _free_port() -> int:
-    """A port below the kernel's ephemeral range (32768 on): one the kernel gave out could be taken
-    by an outgoing connection (a Kafka client's, Spark's) before the server binds it."""
-    for port in random.sample(range(20_000, 32_000), 200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-31999")
+    found = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(found)
 
 
 def _delete_records_before(config: dict, offsets: dict[tuple[str, int], int]) -> None:
@@ -130,7 +121,7 @@ def delete_records_before() -> Callable[[dict, dict[tuple[str, int], int]], None
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Gives TCP ports on 127.0.0.1 that nothing listens on, for servers a test starts."""
-    return _free_port
+    return free_port_on_loopback
 
 
 def _lake_rows(lake: LakeResource) -> dict[str, list[str]]:
@@ -160,7 +151,7 @@ def project_instance(tmp_path, monkeypatch) -> Iterable[DagsterInstance]:
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory) -> Iterable[LocalBroker]:
     """A real local broker for the whole session; stopped by its pid (LocalBroker.stop) at the end."""
-    local = LocalBroker(tmp_path_factory.mktemp("broker"), port=_free_port())
+    local = LocalBroker(tmp_path_factory.mktemp("broker"), port=free_port_on_loopback())
     try:
         local.start(timeout=60)
     except Exception:
