@@ -74,7 +74,7 @@ def _rows(lake: Path) -> dict[str, int]:
     return {t: DeltaTable(str(lake / t)).to_pyarrow_dataset().count_rows() for t in TABLES}
 
 
-@pytest.mark.timeout(900)  # its waits add up to 840 s (it takes ~100 s), so one that runs out fails naming what it waited for
+@pytest.mark.timeout(1100)  # its waits add up to 1,020 s (it takes ~100 s), so one that runs out fails naming what it waited for
 def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(broker, free_port, tmp_path, monkeypatch,
                                                                                worker_daemons,
                                                                                lake_rows):
@@ -122,7 +122,7 @@ def test_sensor_runs_and_an_asset_backfill_apply_slices_one_at_a_time_in_order(b
             except OSError:
                 assert ui.poll() is None, (tmp_path / "ui.log").read_text()[-3000:]
                 return False
-        _wait(serving, 120, "the webserver")
+        _wait(serving, 300, "the webserver")  # after set-up, a Spark Connect JVM (180 s allowed) and dagster dev
 
         def location_loaded():  # the webserver serves before its code server has loaded the location
             entries = _graphql(port, "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus "

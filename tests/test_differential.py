@@ -323,7 +323,8 @@ class SubscriptionTraffic:
             kind = rng.random()
             if kind < 0.6:
                 ids = sorted(pending[device])
-                ack["notifications"] = rng.sample(ids, rng.randrange(0, len(ids) + 1)) + [str(uuid.uuid4())]
+                unknown = str(uuid.UUID(int=rng.getrandbits(128), version=4))  # seeded: a failing seed replays
+                ack["notifications"] = rng.sample(ids, rng.randrange(0, len(ids) + 1)) + [unknown]
             elif kind < 0.85:
                 ack["upTo"] = samples.ACK_ALL
             else:

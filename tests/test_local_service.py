@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -92,7 +93,15 @@ def test_a_start_is_ready_only_while_its_own_server_runs(tmp_path, free_port, mo
     """A probe that another server answered while this start's own exited is no start."""
     monkeypatch.setattr(Listener, "command",
                         lambda self: [sys.executable, "-c", "import sys; sys.exit(3)", self.program])
-    monkeypatch.setattr(Listener, "ready", lambda self: time.sleep(1) or True)
+
+    def answered_once_it_exited(self) -> bool:  # another server's answer, given after the start's own exited
+        stat = Path(f"/proc/{self.pid_file.read_text()}/stat")
+        deadline = time.monotonic() + 30
+        while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return True
+
+    monkeypatch.setattr(Listener, "ready", answered_once_it_exited)
     server = Listener(tmp_path, port=free_port())
     with pytest.raises(NotReady, match="exited with 3"):
         server.start(timeout=30)

@@ -4,6 +4,7 @@ classic local session writes, and leave one pool of Python workers on the server
 serves only clients with its token, and a run refuses a server started on other code. The token's
 test and the slow test start a Spark Connect server (a JVM) of their own."""
 
+import gc
 import os
 import socket
 import stat
@@ -157,7 +158,9 @@ def _ipv6_decoy(port: int) -> socket.socket | None:
     except grpc.FutureTimeoutError:
         pass
     control.close()
-    sock.settimeout(1)
+    del control
+    gc.collect()  # gRPC's own threads end with the channel: a try they make late would pass for the run's
+    sock.settimeout(2)
     came = 0
     while True:  # the control's connections: so would a run's over `localhost` come
         try:
@@ -165,7 +168,6 @@ def _ipv6_decoy(port: int) -> socket.socket | None:
         except TimeoutError:
             break
         came += 1
-        sock.settimeout(0.5)
     if not came:
         sock.close()
         return None
