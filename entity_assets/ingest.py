@@ -194,13 +194,19 @@ def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, to
                record_size(key, value))
 
 
+STAMPS_MODULUS = 2 ** 62
+"""Tasks' sums of timestamps are taken modulo this (a long on the way to the driver), and so is the slice's."""
+
+
 def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic: dict[str, InputStream | IngestionStream],
                  slice_key: str, table_uris: dict[str, str], storage_options: dict | None,
                  max_rows_per_file: int = 250_000) -> Iterator[dict]:
     """mapPartitions body: yields one dict per data file written (see storage.DataFile), the
     count of spans of offsets that Kafka no longer held (`COUNTER + "expired"`): each is an
-    EA-EXPIRED dead letter, never a silent gap; and of the records read (`COUNTER + "read"`),
-    fewer than a compacted topic held at the slice's first run."""
+    EA-EXPIRED dead letter, never a silent gap; of the records read (`COUNTER + "read"`),
+    fewer than a compacted topic held at the slice's first run; and the sum of their Kafka
+    timestamps (`COUNTER + "stamps"`), which tells other records at the same offsets (a topic
+    created again and refilled as far) from those the slice read."""
     from entity_assets.fold import COUNTER
 
     writers: dict[str, FileWriter] = {}
@@ -213,7 +219,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
                                         storage_options=storage_options, max_rows=max_rows_per_file)
         return writers[table]
 
-    expired = read = 0
+    expired = read = stamps = 0
 
     def lost(stream: str, gone: RecordsExpired) -> None:
         """One dead letter per span of offsets gone, at its first offset (no key, value or timestamp)."""
@@ -229,6 +235,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
         routed: dict[str, _Rows] = {}
         for msg in read_range(kafka_config, r, expired=partial(lost, stream.name)):
             read += 1
+            stamps += msg.timestamp()[1]
             try:
                 values = stream.read(msg)
             except Exception as exc:  # InvalidMessage: its code; anything else (a bug) must not lose the record either
@@ -248,6 +255,7 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
             yield f.to_dict()
     yield {"table": COUNTER + "expired", "path": "", "size": 0, "rows": expired, "stats": ""}
     yield {"table": COUNTER + "read", "path": "", "size": 0, "rows": read, "stats": ""}
+    yield {"table": COUNTER + "stamps", "path": "", "size": 0, "rows": stamps % STAMPS_MODULUS, "stats": ""}
 
 
 # --------------------------------------------------------------------------- Qlik data waiting for its schema

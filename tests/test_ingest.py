@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
+import time
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -18,7 +19,7 @@ from dagster import AssetCheckSeverity, AssetKey, DagsterRunStatus, Definitions,
 from confluent_kafka.admin import AdminClient
 
 from entity_assets import samples, trace
-from entity_assets.kafka_io import ensure_topics, release_producers
+from entity_assets.kafka_io import cluster_metadata, ensure_topics, release_producers
 from entity_assets.ingest import INPUT_STREAMS
 from entity_assets.messages import parse_message
 from entity_assets.publish import STREAMS
@@ -520,7 +521,12 @@ def create_again(pipeline, stream: str) -> str:
     admin = AdminClient(pipeline.kafka.config())
     for future in admin.delete_topics([topic]).values():
         future.result()
-    ensure_topics(pipeline.kafka.config(), [topic], sum(r.topic == topic for r in pipeline.manifest(K1).ranges))
+    deadline = time.monotonic() + 30  # a topic still listed would not be created again
+    while topic in cluster_metadata(pipeline.kafka.config()).topics:
+        assert time.monotonic() < deadline, f"{topic} is still listed 30 s after its deletion"
+        time.sleep(0.1)
+    assert ensure_topics(pipeline.kafka.config(), [topic],
+                         sum(r.topic == topic for r in pipeline.manifest(K1).ranges)) == [topic]
     release_producers()  # an idempotent producer's sequence numbers belong to the old topic
     return topic
 
@@ -766,6 +772,25 @@ def test_a_re_run_after_a_failed_commit_keeps_the_tables_committed_and_fills_the
     dead = pipeline.read("dead_letters").to_pylist()
     assert sorted((d["kafka_partition"], d["code"]) for d in dead) == sorted((r.partition, "EA-EXPIRED") for r in batches)
     assert meta["dead_letters"]["rows"] == len(batches)
+
+
+def test_a_re_run_that_finds_other_records_at_the_slice_s_offsets_keeps_the_lake_rows(pipeline):
+    """A topic deleted, created again and refilled past a slice's offsets: a re-run of the slice
+    read as many records as its first run, but others, which would have replaced the lake's rows
+    (and been read again by the next slices). Their Kafka timestamps tell them apart."""
+    pipeline.produce(traffic(12, seed=21))
+    [r1] = pipeline.tick()
+    assert pipeline.run_request(r1).success
+    before = sorted(pipeline.read("entity_batches").column("kafka_timestamp").to_pylist())
+    create_again(pipeline, STREAM)
+    time.sleep(0.01)  # other timestamps, as any later producer's
+    pipeline.produce(traffic(12, seed=21))  # the same keys: as many records to each partition
+    assert pipeline.end_offsets(STREAM) == {tp: end for tp, end in pipeline.manifest(K1).positions().items()
+                                            if tp[0] == pipeline.topic(STREAM)}
+    again = pipeline.run(K1, assets=ingest_only(pipeline))
+    meta = pipeline.materializations(again)
+    assert "Kafka holds other records at its offsets than the 12 it read" in meta["entity_batches"]["kept"]
+    assert sorted(pipeline.read("entity_batches").column("kafka_timestamp").to_pylist()) == before
 
 
 def test_a_re_run_that_reads_fewer_records_than_the_first_keeps_the_lake_rows(make_pipeline, monkeypatch):

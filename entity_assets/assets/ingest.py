@@ -13,7 +13,7 @@ from entity_assets.assets.common import (RECENT_COMMITS, OutOfOrder, commit_slic
                                          run_tasks, slice_of, table_metadata, task_slots)
 from entity_assets.assets import topics
 from entity_assets.assets.retries import retried_when_transient
-from entity_assets.ingest import (HELD, INPUT_STREAMS, IngestionStream, ingest_tasks, lake_table,
+from entity_assets.ingest import (HELD, INPUT_STREAMS, STAMPS_MODULUS, IngestionStream, ingest_tasks, lake_table,
                                   new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
 from entity_assets.kafka_io import KafkaUnreachable, read_range, warm_producer, watermarks
 from entity_assets.manifests import ManifestStore
@@ -95,15 +95,17 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     files = run_tasks(spark, tasks, fn, manifest.messages)
     counts = pop_counts(files)
     highest = _highest_ingested(engine)
-    fewer = _fewer_than_before(engine, manifest.key, counts["read"], highest)
+    stamps = str(counts["stamps"] % STAMPS_MODULUS)
+    changed = _changed_since(engine, manifest.key, counts["read"], stamps, highest)
     highest = max(highest, manifest.key)
-    if (counts["expired"] or fewer) and (kept := _committed(engine, manifest.key)):
-        yield from _keep(context, engine, manifest.key, files, kept, fewer, highest)
+    if (counts["expired"] or changed) and (kept := _committed(engine, manifest.key)):
+        yield from _keep(context, engine, manifest.key, files, kept, changed, highest)
         return
     resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing, due)
     if resolved:
         context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
-    summary = commit_slice(engine, TABLES, files, manifest.key, metadata={READ: str(counts["read"]), HIGHEST: highest})
+    summary = commit_slice(engine, TABLES, files, manifest.key,
+                           metadata={READ: str(counts["read"]), STAMPS: stamps, HIGHEST: highest})
     context.log.info(f"slice {manifest.key}: {manifest.messages} records in {len(tasks)} tasks -> "
                      + ", ".join(f"{t}={s['rows']}" for t, s in summary.items()))
     offsets: dict[str, dict[str, str]] = {}
@@ -225,6 +227,10 @@ def _discard(engine, files: dict) -> None:
 READ = "records"
 """Commit info of an ingest commit: the slice's records that Kafka held, which a re-run compares."""
 
+STAMPS = "timestamps"
+"""Commit info of an ingest commit: the sum of the records' Kafka timestamps (`STAMPS_MODULUS`), which a
+re-run that reads as many compares."""
+
 
 HIGHEST = "highest_ingested"
 """Commit info of an ingest commit: the highest slice ingested so far, this one included. Slices are
@@ -243,18 +249,25 @@ def _highest_ingested(engine) -> str:
     return highest
 
 
-def _fewer_than_before(engine, slice_key: str, read: int, highest: str) -> str | None:
-    """Why a re-run read fewer of the slice's records than the run that committed it (a compacted
-    topic dropped some since, or records were deleted); None if it did not, or on its first run,
-    which `highest` (`_highest_ingested`) tells, so that a first run lists no table's files for it.
-    Only a slice with rows has a commit to look for."""
+def _changed_since(engine, slice_key: str, read: int, stamps: str, highest: str) -> str | None:
+    """Why a re-run's records are not those the run that committed the slice read: fewer (a
+    compacted topic dropped some since, or records were deleted), or as many with other
+    timestamps (a topic deleted, created again and refilled past the slice's offsets: its new
+    records would replace the lake's rows, and be read again by the next slices). None if they
+    are, or on its first run, which `highest` (`_highest_ingested`) tells, so that a first run
+    lists no table's files for it. Only a slice with rows has a commit to look for."""
     if highest < slice_key:
         return None
     for table in TABLES:
         if engine.slice_files(table, [slice_key]):
             entry = engine.commit_after(table, slice_key, "replace_slice") or {}
             before = int(entry.get(READ, -1))  # an older release's commit records none
-            return f"Kafka now holds {read} of its {before} records" if read < before else None
+            if read < before:
+                return f"Kafka now holds {read} of its {before} records"
+            if read == before and entry.get(STAMPS, stamps) != stamps:
+                return (f"Kafka holds other records at its offsets than the {read} it read (their timestamps "
+                        "differ: a topic deleted and created again?)")
+            return None
     return None
 
 
@@ -264,21 +277,21 @@ def _committed(engine, slice_key: str) -> list[str]:
     return [table for table in TABLES if engine.reached(table, slice_key, "replace_slice")]
 
 
-def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, kept: list[str], fewer: str | None,
+def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, kept: list[str], changed: str | None,
           highest: str):
     """A re-run of an ingested slice whose records Kafka no longer all holds (retention, or
-    compaction: `fewer`): the rows of `kept`, the tables a run committed before, are their only
-    copy, so they stay as they are and the steps after this one run on them. The other tables (a
+    compaction or a topic created again: `changed`): the rows of `kept`, the tables a run
+    committed before, are their only copy, so they stay as they are and the steps after this one run on them. The other tables (a
     run that failed between its commits) take what Kafka still holds, and a dead letter for each
     span gone."""
     letters = [reason for f in files.get("dead_letters", []) for reason in read_table(
         f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options, columns=["code", "reason"],
         filters=[("code", "=", DeadLetterCode.EXPIRED.value)]).column("reason").to_pylist()]
-    said = letters[:3] + (["..."] if len(letters) > 3 else []) + ([fewer] if fewer else [])
+    said = letters[:3] + (["..."] if len(letters) > 3 else []) + ([changed] if changed else [])
     files.setdefault("schema_waits", []).extend(files.pop(HELD, []))  # they wait, as in a slice with no new schema
     _discard(engine, {table: files.pop(table, []) for table in kept})
     summary = commit_slice(engine, [t for t in TABLES if t not in kept], files, slice_key, metadata={HIGHEST: highest})
-    context.log.warning(f"slice {slice_key} was ingested before, and Kafka no longer holds all of its records "
+    context.log.warning(f"slice {slice_key} was ingested before, and Kafka no longer holds the records it read "
                         f"({'; '.join(said)}): its rows in "
                         f"{', '.join(kept)}, their only copy, are kept as they are"
                         + (f"; {', '.join(summary)} had no commit of the slice and take what Kafka still holds"
@@ -289,7 +302,7 @@ def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, k
     for table in TABLES:
         meta = table_metadata(engine, table, summary[table])
         if table in kept:
-            meta["kept"] = MetadataValue.text(f"Kafka no longer holds all of the slice's records: the rows ingested "
+            meta["kept"] = MetadataValue.text(f"Kafka no longer holds the slice's records as read: the rows ingested "
                                               f"before are kept ({'; '.join(said)})")
         yield MaterializeResult(asset_key=table, metadata=meta)
     yield _dead_letters_check(_letters(engine, slice_key, summary["dead_letters"]["rows"]))
