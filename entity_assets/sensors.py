@@ -124,7 +124,8 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     requested = {m.seq: m.run_key for m in new}
     healed: dict[int, int] = {}
     if latest and latest_closed is not None and stopped(context.instance, latest, latest_closed):
-        healed = held_back(context.instance, store, latest, lake_holds(lake.open(), newest=min))
+        engine = lake.open()
+        healed = held_back(context.instance, engine, store, latest, lake_holds(engine, newest=min))
     if healed:
         context.log.info(f"slices {', '.join(map(slice_key, healed))}: their runs stopped while a slice before them "
                          "was missing, which is done now: requested again")
@@ -448,7 +449,7 @@ def stopped(instance: DagsterInstance, seq: int, closed_at: int) -> bool:
     return newest is not None and newest.dagster_run.status in STOPPED
 
 
-def held_back(instance: DagsterInstance, store: ManifestStore, last: int, holds: int) -> dict[int, int]:
+def held_back(instance: DagsterInstance, engine, store: ManifestStore, last: int, holds: int) -> dict[int, int]:
     """The slices after the last one every state table holds (`holds`) whose newest whole runs
     stopped (`STOPPED`) before it was done, up to `last` and the first that did not stop: a
     slice's run refuses (OutOfOrder) while a slice before it is missing, so one slice that failed
@@ -462,7 +463,7 @@ def held_back(instance: DagsterInstance, store: ManifestStore, last: int, holds:
     if not holds or holds >= last:
         return {}
     closed = {seq: store.get(seq).closed_at for seq in (holds, holds + 1)}
-    done_at = _done_at(instance, holds, closed[holds])
+    done_at = _done_at(instance, engine, holds, closed[holds])
     first = newest_whole_records(instance, {holds + 1: closed[holds + 1]}).get(holds + 1)
     if done_at is None or first is None or first.dagster_run.status not in STOPPED \
             or (first.end_time or 0) > done_at:
@@ -477,9 +478,15 @@ def held_back(instance: DagsterInstance, store: ManifestStore, last: int, holds:
     return out  # slice -> its closing time
 
 
-def _done_at(instance: DagsterInstance, seq: int, closed_at: int) -> float | None:
-    """When the newest successful run of the slice since it closed, of any selection (a re-run
-    of only the failed assets too), ended; None: none did."""
+def _done_at(instance: DagsterInstance, engine, seq: int, closed_at: int) -> float | None:
+    """When the lake's state came to hold the slice (since it closed): its state tables' last
+    apply commit. A successful run's end (of any selection: a re-run of only the failed assets
+    too) stands in where the log no longer holds one; a replay of the slice's assets since (the
+    UI) ends later, and would make the next slice, failed on its own, look held back. None: not done."""
+    times = [c["timestamp"] if c else None for t in APPLIED_IN_ORDER if engine.exists(t)
+             for c in [engine.commit_after(t, slice_key(seq), "apply")]]
+    if times and None not in times and min(times) >= closed_at:
+        return max(times) / 1000
     for record in instance.get_run_records(RunsFilter(tags={PARTITION_TAG: slice_key(seq)},
                                                       statuses=[DagsterRunStatus.SUCCESS],
                                                       created_after=_first_closing({seq: closed_at})), limit=5):

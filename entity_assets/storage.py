@@ -925,12 +925,13 @@ class DeltaRsEngine:
 
     def commits(self, table: str, operation: str) -> Iterator[dict]:
         """The commit infos of `operation`'s slice commits that the log holds, newest first: `version`,
-        and the metadata as `commit` took it (names without their "entity_assets." prefix: `slice`,
+        `timestamp` (ms), and the metadata as `commit` took it (names without their "entity_assets." prefix: `slice`,
         `operation` and the rest)."""
         for entry in self._history(table):
             if entry.get("entity_assets.operation") == operation and "entity_assets.slice" in entry:
-                yield {"version": entry["version"], **{name[len(COMMIT_PREFIX):]: value for name, value in entry.items()
-                                                       if name.startswith(COMMIT_PREFIX)}}
+                yield {"version": entry["version"], "timestamp": entry.get("timestamp"),
+                       **{name[len(COMMIT_PREFIX):]: value for name, value in entry.items()
+                          if name.startswith(COMMIT_PREFIX)}}
 
     def reached(self, table: str, slice_key: str, operation: str) -> bool:
         """Whether `operation` was done for `slice_key`: the log holds its commit, or the slices

@@ -356,6 +356,9 @@ def test_slices_that_failed_behind_a_failed_slice_are_asked_for_again_once_it_is
         refuse_commits(patched)
         assert not pipeline.run_request(again, raise_on_error=False).success
     assert pipeline.tick() == []
+    # nor once slice 1 is looked into since (a replay of one of its assets, from the UI)
+    assert pipeline.run(K1, assets=pipeline.asset_keys_of("learned_schemas")).success
+    assert pipeline.tick() == []
     assert pipeline.run_request(again).success
     assert pipeline.tick() == []
     assert {r["slice"] for r in rows(pipeline, "entity_updates")} == {K1, K2}
@@ -452,6 +455,11 @@ def test_a_message_too_large_for_its_topic_stays_in_the_lake_and_the_slices_go_o
     assert all(e.passed for e in pipeline.run_request(r2).get_asset_check_evaluations()
                if e.check_name == "messages_fit_their_topics")
     assert [m["value"]["request"] for m in messages(pipeline, "entity-updates", entity=SALLY)] == [2, 3]
+    # run again untagged, slice 1 publishes nothing: a bare pass would read as its message delivered
+    again = pipeline.run_request(r1)
+    said = [e for e in again.get_asset_check_evaluations() if e.check_name == "messages_fit_their_topics"]
+    assert said and all(e.metadata["published"].value is False and "published nothing" in e.description
+                        for e in said)
 
 
 def test_only_the_streams_named_are_published_and_every_table_is_written(make_pipeline):
@@ -630,6 +638,11 @@ def test_a_slice_run_again_after_a_later_one_publishes_only_when_told(pipeline):
     assert told.success and {s: len(messages(pipeline, s)) for s in streams} == {s: n + 1 for s, n in counts.items()}
     # the same message, byte for byte (outputs are deterministic: no wall-clock time)
     assert [r["value"] for r in pipeline.consume("entity-updates")] == first_run + first_run[:1]
+    # the UI's re-execution keeps its parent's tags: the tag was given before slices since published
+    reexecuted = pipeline.run(k1, tags={common.REPUBLISH_TAG: "true", "dagster/parent_run_id": told.run_id})
+    assert reexecuted.success and len(messages(pipeline, "entity-updates")) == counts["entity-updates"] + 1
+    assert any(f"this run re-executes run {told.run_id}" in entry.user_message
+               for entry in pipeline.instance.all_logs(reexecuted.run_id))
     # the newest slice run again publishes as any run; the next slice follows it
     assert pipeline.run(k2).success and len(messages(pipeline, "entity-updates")) == counts["entity-updates"] + 2
     assert pipeline.run(k3).success
@@ -697,6 +710,10 @@ def test_a_state_step_refuses_a_slice_whose_input_is_not_written_yet(pipeline):
     slice's later runs would only replay it. It refuses, and the slice applies once its input is there."""
     pipeline.produce([record(samples.SEED_ENTITY_BATCH)])
     [request] = pipeline.tick()
+    # entity_patches written empty would count as the slice's: apply_patches would then apply nothing
+    early = pipeline.run(K1, assets=pipeline.asset_keys_of("entity_patches"), raise_on_error=False)
+    [failure] = [e for e in early.all_events if e.is_step_failure]
+    assert f"slice {K1}: entity_batches holds no rows of it yet" in pipeline.failure_text(failure)
     assert pipeline.run(K1, assets=pipeline.asset_keys_of("entity_batches")).success
     early = pipeline.run(K1, assets=pipeline.asset_keys_of("entity_updates"), raise_on_error=False)
     [failure] = [e for e in early.all_events if e.is_step_failure]
@@ -765,7 +782,7 @@ def test_apply_patches_refuses_a_slice_whose_slice_before_it_has_not_applied(pip
     assert pipeline.run(K1, assets=pipeline.asset_keys_of("entity_batches") + ["entity_patches"]).success
     refused = pipeline.run_request(r2, raise_on_error=False)
     [failure] = [e for e in refused.all_events if e.is_step_failure and e.step_key == "apply_patches"]
-    assert f"cannot be applied to entities: it holds slices up to" in pipeline.failure_text(failure)
+    assert "cannot be applied to entities: it holds slices up to" in pipeline.failure_text(failure)
     assert f"slice {K1} is missing" in pipeline.failure_text(failure)
     assert pipeline.engine.applied("entities", "entity-assets") is None
 
@@ -896,9 +913,12 @@ def test_slices_apply_in_order_dedupe_straddle_and_replay_identically(make_pipel
     again1 = pipeline.run(K1)
     again2 = pipeline.run(K2)
     assert again1.success and again2.success
-    for result in (again1, again2):
+    for result, key in ((again1, K1), (again2, K2)):
         meta = pipeline.materializations(result)
         assert meta["entities"]["replayed"] is True and meta["schemas"]["replayed"] is True
+        # the version the slice made, not the newest, which holds the later slices' state too
+        for table in ("entities", "schemas", "learned_schemas", "devices"):
+            assert meta[table]["delta_version"] == pipeline.engine.version_after(table, key, "apply"), table
     after = snapshot(pipeline)
     changed = [k for k in before if before[k] != after[k]]
     assert not changed, changed

@@ -103,6 +103,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, ["entity_patches"], reads=["entity_batches"])
+    require_inputs(engine, key, ("entity_batches",), "entity_patches")
     window = dedupe_window(context, engine, key, slicing)
     found = redeliveries(spark, engine, "entity_batches", key, BATCH_IDENTITY, window)
     summary, counts = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("entity_batches", [key]),
@@ -268,7 +269,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     yield one_row_per_key(engine, "schemas", key, counts, schemas, asset_key="schemas",
                           check_name="one_row_per_database")
     yield reused_check("schema_updates", SCHEMA_PATCH_IDENTITY, schema_found)
-    yield undeliverable_check("entity_updates", counts, undeliverable)
+    yield undeliverable_check("entity_updates", counts, undeliverable, publish_to is not None)
 
 
 def _preview(engine, key: str, n: int = 5) -> str:

@@ -76,7 +76,7 @@ def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: Lak
         engine, "zone_changes", summary, zone_count=MetadataValue.int(len(zones)),
         zones_uncounted=MetadataValue.int(counts.get(fold.ZONES_UNCOUNTED, 0)),
         zones=MetadataValue.json(dict(shown_zones))),
-        check_results=[undeliverable_check("zone_changes", counts, summary["undeliverable"])])
+        check_results=[undeliverable_check("zone_changes", counts, summary["undeliverable"], summary["publishing"])])
 
 
 INVALID_SHOWN = 20
@@ -196,4 +196,4 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
         replayed=MetadataValue.bool(inboxes["replayed"])), check_results=[one_row_per_key(
             engine, "device_inboxes", key, counts, inboxes, asset_key="device_notifications",
             check_name="one_inbox_per_device"),
-            undeliverable_check("device_notifications", counts, summary["undeliverable"])])
+            undeliverable_check("device_notifications", counts, summary["undeliverable"], summary["publishing"])])
