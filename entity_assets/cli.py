@@ -56,7 +56,7 @@ def prepare_environment(port: int = DEFAULT_PORT) -> None:
     """Points Dagster and the resources at the project home unless the caller chose otherwise."""
     home = _home()
     for name, value in (("ENTITY_ASSETS_HOME", str(home)), ("ENTITY_ASSETS_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}")):
-        if not os.environ.get(name):  # set empty counts as unset
+        if not os.environ.get(name, "").strip():  # set empty or blank counts as unset
             os.environ[name] = value
     if not os.environ.get("DAGSTER_HOME"):  # set and empty is unset to Dagster
         dagster_home = home / "dagster"

@@ -33,7 +33,7 @@ def free_port() -> int:
     """A free port below the kernel's ephemeral range (32768 on), for a local server started
     later: one the kernel gave out could be taken by an outgoing connection (a Kafka client's,
     Spark's) before the server binds it, and one handed out already is not again."""
-    for port in random.sample(range(20_000, 32_000), 200):
+    for port in random.SystemRandom().sample(range(20_000, 32_000), 200):  # not the seeded global one
         if port in _HANDED_OUT:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -479,20 +479,22 @@ def held_back(instance: DagsterInstance, engine, store: ManifestStore, last: int
 
 
 def _done_at(instance: DagsterInstance, engine, seq: int, closed_at: int) -> float | None:
-    """When the lake's state came to hold the slice (since it closed): its state tables' last
-    apply commit. A successful run's end (of any selection: a re-run of only the failed assets
-    too) stands in where the log no longer holds one; a replay of the slice's assets since (the
-    UI) ends later, and would make the next slice, failed on its own, look held back. None: not done."""
+    """When the slice was done: the end of its first successful run (of any selection: a re-run of
+    only the failed assets too) since its state tables' last apply commit, the one that finished
+    it (a run may apply and then fail to publish); None: none. Not the newest successful run's:
+    a replay of the slice's assets since (the UI) would make the next slice, failed on its own
+    after the slice was done, look held back. Where the log no longer holds an apply commit, the
+    newest successful run since the slice closed stands in."""
     times = [c["timestamp"] if c else None for t in APPLIED_IN_ORDER if engine.exists(t)
              for c in [engine.commit_after(t, slice_key(seq), "apply")]]
-    if times and None not in times and min(times) >= closed_at:
-        return max(times) / 1000
-    for record in instance.get_run_records(RunsFilter(tags={PARTITION_TAG: slice_key(seq)},
-                                                      statuses=[DagsterRunStatus.SUCCESS],
-                                                      created_after=_first_closing({seq: closed_at})), limit=5):
-        if _started_since(record.start_time or record.end_time, closed_at):
-            return record.end_time or time.time()
-    return None
+    applied = max(times) / 1000 if times and None not in times and min(times) >= closed_at else None
+    ends = [record.end_time or time.time() for record in instance.get_run_records(
+        RunsFilter(tags={PARTITION_TAG: slice_key(seq)}, statuses=[DagsterRunStatus.SUCCESS],
+                   created_after=_first_closing({seq: closed_at})), limit=50)
+        if _started_since(record.start_time or record.end_time, closed_at)]
+    if applied is None:
+        return max(ends, default=None)
+    return min((end for end in ends if end >= applied), default=None)
 
 
 _KEYS_PER_QUERY = 1000

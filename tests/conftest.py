@@ -99,8 +99,11 @@ def _no_deployment_settings(monkeypatch):
     monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED", raising=False)
     found = dict(os.environ)
     yield
-    os.environ.clear()
-    os.environ.update(found)
+    for name in [n for n in os.environ if n not in found]:  # only what changed: other threads read it
+        del os.environ[name]
+    for name, value in found.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def _delete_records_before(config: dict, offsets: dict[tuple[str, int], int]) -> None:

@@ -592,8 +592,8 @@ def undeliverable_check(asset_key: str, counts: Counter, examples: list[dict], p
                  if name.startswith(UNDELIVERABLE) and n}
     return AssetCheckResult(asset_key=asset_key, check_name="messages_fit_their_topics", passed=not by_stream,
                             severity=AssetCheckSeverity.WARN, description=None if publishing else (
-                                "this run published nothing, so checked nothing: the run that published the "
-                                "slice's messages checked them"),
+                                "this run published none of the step's streams (a later slice has published, or "
+                                "the Kafka resource publishes none of them): it checked no message"),
                             metadata={"published": MetadataValue.bool(publishing),
                                       "undeliverable": MetadataValue.int(sum(by_stream.values())),
                                       "by_stream": MetadataValue.json(by_stream),

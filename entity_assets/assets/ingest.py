@@ -258,15 +258,15 @@ def _changed_since(engine, slice_key: str, read: int, stamps: str, highest: str)
     lists no table's files for it. Only a slice with rows has a commit to look for."""
     if highest < slice_key:
         return None
-    for table in TABLES:
-        if engine.slice_files(table, [slice_key]):
-            entry = engine.commit_after(table, slice_key, "replace_slice") or {}
-            before = int(entry.get(READ, -1))  # an older release's commit records none
+    for table in TABLES:  # the first commit that records what it read (not `_keep`'s, nor an older release's)
+        if engine.slice_files(table, [slice_key]) and READ in (entry := engine.commit_after(
+                table, slice_key, "replace_slice") or {}):
+            before = int(entry[READ])
             if read < before:
                 return f"Kafka now holds {read} of its {before} records"
-            if read == before and entry.get(STAMPS, stamps) != stamps:
-                return (f"Kafka holds other records at its offsets than the {read} it read (their timestamps "
-                        "differ: a topic deleted and created again?)")
+            if read > before or entry.get(STAMPS, stamps) != stamps:
+                return (f"Kafka holds other records at its offsets ({read}) than the {before} it read (a topic "
+                        "deleted and created again?)")
             return None
     return None
 

@@ -84,8 +84,10 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
                      "declared": None if decl is None else json.dumps(decl, sort_keys=True),
                      "learned": json.dumps(infer(summary, decl), sort_keys=True), "summary": summary.to_json(),
                      "disagreements": json.dumps(issues)})
-    result = {"rows": len(rows), "files": 0, "version": engine.version_after("learned_schemas", key, "apply")}
-    if apply:  # a replay recomputes the check but leaves the state as it is
+    result = {"rows": len(rows), "files": 0}
+    if not apply:  # a replay recomputes the check but leaves the state as it is (its slice's version)
+        result["version"] = engine.version_after("learned_schemas", key, "apply")
+    else:
         writer = FileWriter("learned_schemas", engine.uri("learned_schemas"), SCHEMAS["learned_schemas"], key,
                             storage_options=engine.storage_options)
         for row in rows:
@@ -109,9 +111,9 @@ def _unchanged(engine, key: str, apply: bool, version: int | None):
     reading nor inferring the summaries, which grow with every field name learned (to
     `learning.MAX_FIELDS` a level)."""
     stored = engine.read("learned_schemas", version, columns=["dbid"])
-    result = {"rows": stored.num_rows, "files": 0, "version": engine.version_after("learned_schemas", key, "apply")}
-    if apply:
-        result["version"] = commit_state(engine, "learned_schemas", key, [], [])
+    result = {"rows": stored.num_rows, "files": 0,
+              "version": commit_state(engine, "learned_schemas", key, [], []) if apply
+              else engine.version_after("learned_schemas", key, "apply")}
     meta = table_metadata(engine, "learned_schemas", result)
     meta.update(collections=MetadataValue.int(stored.num_rows), observed_this_slice=MetadataValue.int(0),
                 replayed=MetadataValue.bool(not apply))
