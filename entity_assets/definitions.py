@@ -108,15 +108,17 @@ def _number(field: str, default: str, kind: type = int):
         raise SettingError(f"{name}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
 
 
-SECRET_KEYS = re.compile(r"(password|passphrase|secret|token|secret\.key|access_key|account_key|master_key|sas_key|jaas\.config"
-                         r"|oauthbearer\.config|key\.pem|private\.key|encryption\.key)$"
+SECRET_KEYS = re.compile(r"(password|passphrase|secret|token|secret\.key|secret_key|secretkey|secretaccesskey|access_key"
+                         r"|account_key|master_key|sas_key|jaas\.config|oauthbearer\.config|key\.pem|private\.key"
+                         r"|encryption\.key|credential|connection_string)$"
                          r"|account\.key(\.|$)|client\.secret\.|fs\.azure\.sas\.(?!token\.(provider\.type|renew\.period\.for\.streams)$)")
 """Keys of librdkafka and Spark (Hadoop) settings that hold a secret (`ssl.keystore.password`,
 `sasl.oauthbearer.client.secret`, `ssl.key.pem`, `spark.hadoop.fs.s3a.secret.key`,
 `fs.s3a.session.token`, `fs.azure.account.key.<account>`, `fs.azure.sas.fixed.token`,
 `fs.azure.account.oauth2.client.secret.<account>`, `fs.gs.auth.service.account.private.key`),
 and executors' variables that do (`spark.executorEnv.AWS_SECRET_ACCESS_KEY`,
-`…AZURE_STORAGE_SAS_KEY`, `…AZURE_STORAGE_MASTER_KEY`); not `fs.azure.account.keyprovider.<account>`,
+`…AZURE_STORAGE_SAS_KEY`, `…AZURE_STORAGE_MASTER_KEY`, `…AZURE_STORAGE_CONNECTION_STRING`,
+`fs.s3n.awsSecretAccessKey`, `fs.adl.oauth2.credential`, `fs.cosn.userinfo.secretKey`); not `fs.azure.account.keyprovider.<account>`,
 which names a class: a resource's plain
 setting is shown in the UI and stored with the code location's snapshot, so a secret comes
 through the environment (`ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV`; Spark's object stores read
@@ -134,18 +136,28 @@ def _settings(field: str, *, secrets_refused: bool = False) -> dict[str, str]:
                     for key, value in _json_object(name, text, flat=True).items()}
     else:
         settings = _pairs(name, text)
-    if secrets_refused and (secret := next((k for k in settings if SECRET_KEYS.search(k.lower())), None)):
+    if secrets_refused and (secret := next((k for k, v in settings.items() if SECRET_KEYS.search(k.lower().strip())
+                                            or any(SECRET_KEYS.search(d.lower()) for d in JAVA_OPTION.findall(v))),
+                                           None)):
         raise SettingError(f"{name}: {secret} holds a secret, which the UI would show: name the variable that holds "
                            f"it in ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV ({secret}=VARIABLE), or for Spark use the "
                            "object store's own variables (docs/operations.md)")
     return settings
 
 
+JAVA_OPTION = re.compile(r"-D([^=\s]+)=")
+"""A JVM system property set in a value (`spark.driver.extraJavaOptions=-Dfs.s3a.secret.key=…`)."""
+
+ECHOED = frozenset(VARIABLES) - {"client_config", "client_secret_env", "conf", "sasl_password", "ssl_key_password"}
+"""The settings whose text an error may repeat: the others may hold a secret, or a secret given
+where a variable's name goes."""
+
+
 def _pairs(name: str, text: str) -> dict[str, str]:
     """`key=value,key=value` of variable `name`; an item without `=` continues the value before it."""
     settings: dict[str, str] = {}
     key = None
-    for item in filter(str.strip, text.split(",")):
+    for n, item in enumerate(filter(str.strip, text.split(",")), 1):
         name_part, equals, value = item.partition("=")
         if equals and name_part.strip():
             key = name_part.strip()
@@ -153,7 +165,9 @@ def _pairs(name: str, text: str) -> dict[str, str]:
         elif key is not None and not equals:
             settings[key] += "," + item.strip()
         else:
-            raise SettingError(f"{name}: {item.strip()!r} is not KEY=VALUE")
+            if name in {VARIABLES[f] for f in ECHOED}:
+                raise SettingError(f"{name}: {item.strip()!r} is not KEY=VALUE")
+            raise SettingError(f"{name}: item {n} is not KEY=VALUE (not repeated: it may hold a secret)")
     return settings
 
 
@@ -188,9 +202,11 @@ def _json_object(name: str, text: str, *, flat: bool = False) -> dict:
     except json.JSONDecodeError as exc:
         raise SettingError(f"{name} is not JSON: {exc}") from exc
     kinds = (str, int, float, bool) if flat else dict
-    if not isinstance(value, dict) or not all(isinstance(v, kinds) for v in value.values()):
-        raise SettingError(f"{name} must be a JSON object of {'strings' if flat else 'objects'}, "
-                           f"not {text.strip()[:80]!r}")
+    what = f"a JSON object of {'strings' if flat else 'objects'}"
+    if not isinstance(value, dict):  # named by its kind and its keys alone: the values may hold secrets
+        raise SettingError(f"{name} must be {what}, not a JSON {type(value).__name__}")
+    if wrong := next((k for k, v in value.items() if not isinstance(v, kinds)), None):
+        raise SettingError(f"{name} must be {what}: {wrong!r} holds a JSON {type(value[wrong]).__name__}")
     return value
 
 
@@ -297,8 +313,9 @@ def _resource(cls, settings: dict):
     except ValidationError as exc:
         def variable(error) -> str:
             field = str(error["loc"][0]) if error["loc"] else ""
-            return f"{VARIABLES[field]}={os.environ.get(VARIABLES[field], '')!r}" if field in VARIABLES else \
-                field or cls.__name__
+            if field not in VARIABLES:
+                return field or cls.__name__
+            return f"{VARIABLES[field]}={os.environ.get(VARIABLES[field], '')!r}" if field in ECHOED else VARIABLES[field]
 
         said = "; ".join(f"{variable(e)}: {e['msg']}" for e in exc.errors())
         raise SettingError(said) from None

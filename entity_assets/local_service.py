@@ -180,7 +180,7 @@ class LocalService:
     @contextmanager
     def _turn(self) -> Iterator[None]:
         """This folder's server to this process alone until the block ends: other starts and stops wait."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # its log may name what a failure said
         with open(self.data_dir / f"{self.name}.lock", "a") as lock:  # not inherited by the server
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
@@ -201,7 +201,8 @@ class LocalService:
                 raise PortInUse(f"{self.address} is in use by a process that {self.pid_file} does not name: "
                                 f"stop it, or give this {self.name} another port")
             self.prepare()
-            with open(self.log_file, "ab") as log:  # the child keeps its own descriptor
+            # the child keeps its own descriptor; the log is the user's alone, as its folder
+            with open(os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
                 proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         start_new_session=True, env=self.environment())
             try:

@@ -169,10 +169,10 @@ class Publishing:
     and the folder marker pyarrow writes back).
     """
 
-    kafka_config: dict
+    kafka_config: dict = field(repr=False)  # its secrets, resolved: never in a message
     topics: dict[str, tuple[str, int]]
     outbox: str
-    storage_options: dict | None = None
+    storage_options: dict | None = field(default=None, repr=False)
     held_by: str | None = None
     """`process()` of the step's driver."""
     limits: dict[str, int] = field(default_factory=dict)

@@ -588,8 +588,9 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_SLICE_MAX_MESSAGES", "lots", "ENTITY_ASSETS_SLICE_MAX_MESSAGES='lots' is not an integer"),
     ("ENTITY_ASSETS_STREAM_TOPIC_CONFIG", "{", "ENTITY_ASSETS_STREAM_TOPIC_CONFIG is not JSON"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "/etc/kafka/client.pem, ssl.key.location=/k",
-     "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: '/etc/kafka/client.pem' is not KEY=VALUE"),
-    ("ENTITY_ASSETS_SPARK_CONF", "spark.ui.enabled=false, =true", "ENTITY_ASSETS_SPARK_CONF: '=true' is not KEY=VALUE"),
+     "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: item 1 is not KEY=VALUE (not repeated"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.ui.enabled=false, =true", "ENTITY_ASSETS_SPARK_CONF: item 2 is not KEY=VALUE"),
+    ("ENTITY_ASSETS_NEW_TOPIC_CONFIG", "retention.ms", "ENTITY_ASSETS_NEW_TOPIC_CONFIG: 'retention.ms' is not KEY=VALUE"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.key.password=hunter2",
      "ENTITY_ASSETS_KAFKA_CLIENT_CONFIG: ssl.key.password holds a secret"),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "sasl.oauthbearer.assertion.private.key.passphrase=hunter2",
@@ -610,6 +611,10 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.gs.auth.service.account.private.key=k", "private.key holds"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.azure.account.oauth2.client.secret.acct.dfs.core.windows.net=s",
      "client.secret.acct.dfs.core.windows.net holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.hadoop.fs.s3n.awsSecretAccessKey=k", "awsSecretAccessKey holds a secret"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.executorEnv.AZURE_STORAGE_CONNECTION_STRING=k", "CONNECTION_STRING holds"),
+    ("ENTITY_ASSETS_SPARK_CONF", "spark.driver.extraJavaOptions=-Xss4m -Dfs.s3a.secret.key=k",
+     "spark.driver.extraJavaOptions holds a secret"),
     ("ENTITY_ASSETS_SPARK_CONF", "spark.executorEnv.AZURE_STORAGE_MASTER_KEY=k", "AZURE_STORAGE_MASTER_KEY holds"),
     ("ENTITY_ASSETS_SPARK_MASTER", "sc://spark:15002/;token=abc", "SPARK_CONNECT_AUTHENTICATE_TOKEN"),
     ("ENTITY_ASSETS_STEP_RETRIES", "many", "ENTITY_ASSETS_STEP_RETRIES='many' is not a count of retries"),
@@ -652,6 +657,23 @@ def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceb
     assert cli.main(["topics", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("entity-assets topics: a setting is not valid") and said in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("name, value", [
+    ("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "sasl.oauthbearer.client.secret=s3cr3t-Value!"),  # a value, not a name
+    ("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "s3cr3t-Value!"),
+    ("ENTITY_ASSETS_SPARK_CONF", '{"spark.hadoop.fs.s3a.secret.key": "s3cr3t-Value!", "spark.executor.cores": null}'),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", '["s3cr3t-Value!"]'),
+    ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "s3cr3t-Value!, ssl.key.location=/k"),
+])
+def test_a_setting_refused_is_not_repeated_where_it_may_hold_a_secret(name, value, monkeypatch, tmp_path, capsys):
+    """The error reaches the CLI's stderr, the UI's load error and the daemon's logs."""
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv(name, value)
+    assert cli.main(["topics", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("entity-assets topics: a setting is not valid") and name in err and "s3cr3t" not in err
 
 
 def test_a_variable_set_empty_counts_as_unset(monkeypatch):

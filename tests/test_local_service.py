@@ -49,12 +49,14 @@ def _alive(pid: int) -> bool:
 def test_two_starts_at_once_launch_one_server_and_both_return_it(tmp_path, free_port):
     """Two `scripts/ui.sh` at once: without taking turns, both would launch, and the one whose
     server could not bind would stop the pid file's, the other's."""
-    server = Listener(tmp_path, port=free_port(), delay=1.0)
+    server = Listener(tmp_path / "home", port=free_port(), delay=1.0)
     try:
         with ThreadPoolExecutor(2) as pool:
             pids = [f.result() for f in [pool.submit(server.start, 30) for _ in range(2)]]
         assert pids[0] == pids[1] == server.pid() and _alive(pids[0])
         assert server.log_file.read_text().count("started") == 1
+        # what a failure said may be in the log: the user's alone, as its folder
+        assert (server.data_dir.stat().st_mode & 0o777, server.log_file.stat().st_mode & 0o777) == (0o700, 0o600)
     finally:
         server.stop()
 
