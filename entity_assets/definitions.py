@@ -118,8 +118,8 @@ SECRET_KEYS = re.compile(r"(password|passphrase|secret|token|secret\.key|secret_
 `fs.azure.account.oauth2.client.secret.<account>`, `fs.gs.auth.service.account.private.key`),
 and executors' variables that do (`spark.executorEnv.AWS_SECRET_ACCESS_KEY`,
 `…AZURE_STORAGE_SAS_KEY`, `…AZURE_STORAGE_MASTER_KEY`, `…AZURE_STORAGE_CONNECTION_STRING`,
-`fs.s3n.awsSecretAccessKey`, `fs.adl.oauth2.credential`, `fs.cosn.userinfo.secretKey`); not `fs.azure.account.keyprovider.<account>`,
-which names a class: a resource's plain
+`fs.s3n.awsSecretAccessKey`, `fs.adl.oauth2.credential`, `fs.cosn.userinfo.secretKey`); not
+`fs.azure.account.keyprovider.<account>`, which names a class: a resource's plain
 setting is shown in the UI and stored with the code location's snapshot, so a secret comes
 through the environment (`ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV`; Spark's object stores read
 their own variables)."""

@@ -281,9 +281,9 @@ def _keep(context: AssetExecutionContext, engine, slice_key: str, files: dict, k
           highest: str):
     """A re-run of an ingested slice whose records Kafka no longer all holds (retention, or
     compaction or a topic created again: `changed`): the rows of `kept`, the tables a run
-    committed before, are their only copy, so they stay as they are and the steps after this one run on them. The other tables (a
-    run that failed between its commits) take what Kafka still holds, and a dead letter for each
-    span gone."""
+    committed before, are their only copy, so they stay as they are and the steps after this
+    one run on them. The other tables (a run that failed between its commits) take what Kafka
+    still holds, and a dead letter for each span gone."""
     letters = [reason for f in files.get("dead_letters", []) for reason in read_table(
         f"{engine.uri('dead_letters')}/{f.path}", engine.storage_options, columns=["code", "reason"],
         filters=[("code", "=", DeadLetterCode.EXPIRED.value)]).column("reason").to_pylist()]
