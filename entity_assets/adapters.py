@@ -190,7 +190,7 @@ UPSERT, DELETE = "upsert", "delete"
 def _json(raw: bytes, what: str) -> Any:
     m.check_size(raw, what)
     try:
-        return _unwrapped(from_json(raw, allow_inf_nan=False))
+        return _unwrapped(m.json_value(raw))
     except ValueError as exc:
         raise m.malformed_json(f"{what}: {exc}") from None
 
@@ -204,15 +204,19 @@ def _unwrapped(value: Any) -> Any:
     return value
 
 
+DEBEZIUM_FIELDS = ("before", "after", "source")
+"""Debezium's envelope holds one of these beside `op` (a truncate or message event: `source`)."""
+
+
 def detect(value: Any) -> str:
-    """`auto`'s format of a record value. An `op` beside `before` or `after` is Debezium's
-    envelope whatever the op says, so a bad one is a dead letter, not a row of a DB2 table
-    holding the whole envelope."""
+    """`auto`'s format of a record value. An `op` beside an envelope's field is Debezium's
+    whatever the op says, so a bad one is a dead letter, not a row of a DB2 table holding the
+    whole envelope; an `op` or `op_type` alone is a DB2 row's column: taking `{"op": "d"}` for
+    a delete would delete the row it upserts."""
     if isinstance(value, dict):
-        if value.get("op") in ("c", "r", "u", "d", *_ROWLESS_DEBEZIUM_OPS) or (
-                "op" in value and ("before" in value or "after" in value)):
+        if "op" in value and any(field in value for field in DEBEZIUM_FIELDS):
             return "debezium"
-        if "op_type" in value:
+        if "op_type" in value and any(field in value for field in GOLDENGATE_FIELDS):
             return "goldengate"
     return "db2"
 
@@ -220,6 +224,8 @@ def detect(value: Any) -> str:
 GOLDENGATE_METADATA = ("table", "op_type", "op_ts", "current_ts", "pos", "primary_keys", "tokens")
 """The JSON formatter's fields of an operation; its row-modeled messages (`format=json_row`) hold
 the columns beside them."""
+GOLDENGATE_FIELDS = ("before", "after", *(f for f in GOLDENGATE_METADATA if f != "op_type"))
+"""What marks GoldenGate's message beside `op_type`: an image, or the formatter's metadata."""
 
 
 def _row_modeled(value: Any) -> Any:
@@ -294,7 +300,7 @@ def mongo_document(text: str | dict | None) -> dict | None:
     if text is None:
         return None
     try:
-        doc = plain(from_json(text, allow_inf_nan=False) if isinstance(text, str) else text)
+        doc = plain(m.json_value(text) if isinstance(text, str) else text)
     except ValueError as exc:
         raise m.malformed_json(f"after: {exc}") from None
     if not isinstance(doc, dict):
@@ -311,7 +317,7 @@ def mongo_id(raw: bytes) -> str:
     if not isinstance(text, str):
         return entity_id(raw)[0]
     try:
-        value = plain(from_json(text, allow_inf_nan=False))
+        value = plain(m.json_value(text))
     except ValueError:
         return _plain_key(text.encode())  # an _id written bare (older connectors' strings)
     if isinstance(value, dict | list):
@@ -339,7 +345,11 @@ def plain(value: Any) -> Any:
 
 
 _UNTYPED = object()
-_NUMBERS = {"$numberInt": int, "$numberLong": int, "$numberDouble": float}
+_INTEGER = re.compile(r"-?[0-9]+")
+_DOUBLE = re.compile(r"-?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+_NUMBERS = {"$numberInt": (_INTEGER, int, 2**31), "$numberLong": (_INTEGER, int, 2**63), "$numberDouble": (_DOUBLE, float, None)}
+"""Extended JSON's number texts, by the spec's grammar and range: Python's `int` and `float` also
+take `1_000`, ` 7 ` and other scripts' digits, which no MongoDB writes."""
 
 
 def _typed(value: dict) -> Any:
@@ -348,11 +358,13 @@ def _typed(value: dict) -> Any:
         if name in ("$oid", "$numberDecimal", "$symbol", "$uuid") and isinstance(inner, str):
             return inner
         if name in _NUMBERS and isinstance(inner, str):
-            try:
-                number = _NUMBERS[name](inner)
-            except ValueError:
+            grammar, kind, bound = _NUMBERS[name]
+            if not grammar.fullmatch(inner):
+                return inner if inner in ("NaN", "Infinity", "-Infinity") and kind is float else _UNTYPED
+            number = kind(inner)
+            if bound is not None and not -bound <= number < bound:
                 return _UNTYPED
-            return number if number == number and number not in (float("inf"), float("-inf")) else inner
+            return number if number not in (float("inf"), float("-inf")) else inner
         if name == "$date":
             return _date(inner)
         if name == "$undefined" and inner is True:

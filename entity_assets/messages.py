@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args, get_type_hints
 
 from typing_extensions import TypedDict
 
+import jiter
 import pydantic_core
 from pydantic import (
     AliasChoices,
@@ -581,11 +582,37 @@ def parse_message(model: type[T], raw: bytes | bytearray | memoryview | str | No
     if b"NaN" in raw or b"Infinity" in raw:
         _json_constants(raw)
     try:
-        return model.__pydantic_validator__.validate_json(raw)  # type: ignore[return-value]
+        message = model.__pydantic_validator__.validate_json(raw)
     except ValidationError as exc:
         raise _classify(exc) from None
     except Exception as exc:  # never let one record kill a slice
         raise InvalidMessage(DeadLetterCode.UNEXPECTED, f"{type(exc).__name__}: {exc}"[:300]) from exc
+    try:
+        json_value(raw, allow_inf_nan=True)  # the validator keeps a repeated name's last value
+    except InvalidMessage:
+        raise
+    except ValueError:
+        pass  # well formed by the validator's limits, which the model's own checks hold
+    return message  # type: ignore[return-value]
+
+
+REPEATED_NAME = "Detected duplicate key"
+"""jiter's words for a name repeated in one object."""
+
+
+def json_value(raw: bytes | bytearray | str, *, allow_inf_nan: bool = False) -> Any:
+    """An input's JSON, whose objects name each member once: GENERR001 otherwise. JSON leaves a
+    repeated name's meaning open (RFC 8259) and parsers keep the last value, so an op written
+    `{"op": "add", ..., "op": "remove"}` would delete what it was sent to add (RFC 6902, A.13)."""
+    try:
+        return jiter.from_json(raw if type(raw) is bytes else raw.encode() if isinstance(raw, str) else bytes(raw),
+                               allow_inf_nan=allow_inf_nan,
+                               catch_duplicate_keys=True, cache_mode="keys")
+    except ValueError as exc:
+        if str(exc).startswith(REPEATED_NAME):
+            raise InvalidMessage(DeadLetterCode.BAD_FORMAT, f"a name repeated in one object ({exc}): "
+                                 "which value is meant cannot be told") from None
+        raise
 
 
 def _json_constants(raw: bytes) -> None:
@@ -603,8 +630,12 @@ def _json_constants(raw: bytes) -> None:
 
 def value_json(value: Any) -> str:
     """An input's JSON values as text for the lake: GENERR001 for a number past a double
-    (`1e400`), which parses as Infinity and would be written as that bare word, no JSON."""
-    text = pydantic_core.to_json(value).decode()
+    (`1e400`), which parses as Infinity and would be written as that bare word, no JSON, and for
+    a lone surrogate (a name in an Avro schema's JSON text may be one), which UTF-8 cannot hold."""
+    try:
+        text = pydantic_core.to_json(value).decode()
+    except pydantic_core.PydanticSerializationError as exc:
+        raise InvalidMessage(DeadLetterCode.BAD_FORMAT, f"text that is no Unicode ({exc})"[:300]) from None
     if "NaN" in text or "Infinity" in text:
         try:
             pydantic_core.from_json(text, allow_inf_nan=False)

@@ -34,6 +34,13 @@ def test_db2_seed_examples(fmt):
     assert delete["entity"] == "123_ABCDEF12B02M100O" and delete["ops"] == [{"op": "remove", "path": ""}]
 
 
+@pytest.mark.parametrize("row", [{"ID": 5, "op": "d"}, {"ID": 5, "op": "c", "NAME": "x"}, {"ID": 5, "op_type": "D"}])
+def test_auto_takes_a_row_with_an_op_column_but_no_envelope_for_a_db2_row(row):
+    """Not Debezium's or GoldenGate's delete: the row's upsert, as `db2` reads it."""
+    assert patch_of(batch(adapters.Source("crm", "auto"), enc({"ID": 5}), enc(row)))["ops"] == \
+        [{"op": "add", "path": "", "value": row}]
+
+
 @pytest.mark.parametrize("fmt", ["goldengate", "auto"])
 def test_goldengate_seed_examples(fmt):
     source = adapters.Source("erp", fmt)
@@ -164,12 +171,25 @@ def test_debezium_mongodb_records_hold_the_document_as_extended_json(fmt):
     (MONGO_KEY, enc({"op": "c", "after": '{"_id": 1', "source": {"connector": "mongodb"}}),
      DeadLetterCode.MALFORMED_JSON, "after:"),
     (enc({"id": "null"}), mongo("d"), DeadLetterCode.BAD_FORMAT, "names no _id"),
+    (MONGO_KEY, enc({"op": "c", "after": '{"_id": 1, "a": 1, "a": 2}', "source": {"connector": "mongodb"}}),
+     DeadLetterCode.BAD_FORMAT, "a name repeated in one object"),
+    (enc({"id": '{"$oid": "a", "$oid": "b"}'}), mongo("d"), DeadLetterCode.BAD_FORMAT, "a name repeated"),
     (enc({"id": ""}), mongo("d"), DeadLetterCode.BAD_FORMAT, "key.id: a key value must be"),
 ])
 def test_bad_debezium_mongodb_records(key, value, code, reason):
     with pytest.raises(InvalidMessage) as caught:
         batch(adapters.Source("catalog", "debezium"), key, value)
     assert caught.value.code is code and reason in caught.value.reason, caught.value.reason
+
+
+@pytest.mark.parametrize("written", [{"$numberInt": "1_000"}, {"$numberInt": " 7 "}, {"$numberInt": "\u0661\u0662"},
+                                     {"$numberInt": "2147483648"}, {"$numberLong": "9223372036854775808"},
+                                     {"$numberDouble": "1_0.5"}, {"$numberDouble": "nan"}])
+def test_a_mongodb_number_outside_extended_json_s_grammar_or_range_stays_as_written(written):
+    """Python's int() and float() would read these; no MongoDB writes them."""
+    assert adapters.plain({"n": written}) == {"n": written}
+    assert adapters.plain({"n": {"$numberInt": "-2147483648"}, "m": {"$numberDouble": "-1.0e+10"}}) == \
+        {"n": -2147483648, "m": -1e10}
 
 
 def test_mutated_mongodb_documents_are_values_or_invalid_messages():
@@ -350,6 +370,11 @@ def test_topic_names():
     # an op of another type than text is a bad op, not an error no check foresaw
     ("debezium", b"1", enc({"op": ["c"], "after": ROW}), DeadLetterCode.BAD_FORMAT, "op: input should be"),
     ("auto", b"1", enc({"op": {"x": 1}, "before": None}), DeadLetterCode.BAD_FORMAT, "op: input should be"),
+    # a name repeated in one object: which value is meant cannot be told (the op, a column, a key field)
+    ("debezium", b"1", b'{"op": "c", "after": {"A": 1}, "op": "d"}', DeadLetterCode.BAD_FORMAT,
+     'a name repeated in one object (Detected duplicate key "op"'),
+    ("db2", b"1", b'{"A": 1, "A": 2}', DeadLetterCode.BAD_FORMAT, "a name repeated in one object"),
+    ("db2", b'{"ID": 1, "ID": 2}', enc(ROW), DeadLetterCode.BAD_FORMAT, "a name repeated in one object"),
     # a key nested past the parser's limit is JSON, not a plain key's text
     ("db2", b"[" * 5000 + b"]" * 5000, enc(ROW), DeadLetterCode.BAD_FORMAT, "nested deeper than a document"),
 ])

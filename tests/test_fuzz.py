@@ -58,7 +58,7 @@ def _parent(doc, path):
 def mutate(rng: random.Random, key, value: bytes, *, json_value: bool = True):
     """One seeded mutation of a record: (key, value, the kind of mutation). Not `json_value` (Avro):
     only the mutations of bytes and keys."""
-    kind = rng.randrange(11 if json_value else 5)
+    kind = rng.randrange(12 if json_value else 5)
     if kind == 0:
         return key, value[: rng.randrange(len(value))], "truncated"
     if kind == 1:
@@ -72,6 +72,10 @@ def mutate(rng: random.Random, key, value: bytes, *, json_value: bool = True):
     if kind == 4:
         return rng.choice([None, b"", b"\xff" * 8, b"k" * 500]), value, "odd key"
     doc = json.loads(value)
+    if kind == 11 and isinstance(doc, dict) and doc:  # the last value is the one a parser keeps
+        name = json.dumps(rng.choice(list(doc))).encode()
+        return key, value.rstrip()[:-1] + b", " + name + b": " + json.dumps(rng.choice(ODD_VALUES)).encode() + b"}", \
+            "repeated a name"
     nodes = list(_nodes(doc))[1:]
     path, _ = rng.choice(nodes)
     if kind in (5, 6):
@@ -102,7 +106,7 @@ def test_mutated_records_of_every_input_stream_land_once_as_rows_or_dead_letters
         else:
             intact.add((stream, None if key is None else key.encode() if isinstance(key, str) else key, value))
         mixed.append((stream, key, value))
-    assert len(mutations) == 9, mutations  # every kind of mutation
+    assert len(mutations) == 10, mutations  # every kind of mutation
 
     for half in (mixed[: len(mixed) // 2], mixed[len(mixed) // 2:]):
         pipeline.produce(half)
@@ -150,7 +154,7 @@ def test_mutated_cdc_records_land_once_as_rows_or_dead_letters(pipeline):
             key, value, what = mutate(rng, key, value, json_value=samples.CDC_STREAMS[stream] != "qlik")
             mutations[what] += 1
         mixed.append((stream, key, value))
-    assert len(mutations) == 9, mutations
+    assert len(mutations) == 10, mutations
 
     for half in (mixed[: len(mixed) // 2], mixed[len(mixed) // 2:]):
         pipeline.produce(half)

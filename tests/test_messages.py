@@ -783,3 +783,17 @@ def test_a_list_of_bad_items_stops_at_its_first(model, value):
     with pytest.raises(InvalidMessage) as caught:
         parse_message(model, json.dumps(value).encode())
     assert caught.value.code is DeadLetterCode.BAD_FORMAT and "more)" not in caught.value.reason.replace("+1 more)", "")
+
+
+@pytest.mark.parametrize("model, raw, name", [
+    (EntityBatch, ENTITY_BATCH.replace('"op": "add"', '"op": "add", "op": "remove"', 1), "op"),
+    (EntityBatch, ENTITY_BATCH.replace('"user": "jsmith"', '"user": "jsmith", "user": "admin"'), "user"),
+    (SchemaPatch, SCHEMA_PATCH.replace('"optional" : false', '"optional" : false, "optional": true'), "optional"),
+])
+def test_a_name_repeated_in_one_object_is_a_dead_letter(model, raw, name):
+    """A validator keeps the last value: the add below would have been a remove."""
+    assert raw.count(f'"{name}"') > 1
+    err = _invalid(model, raw.encode())
+    assert err.code is DeadLetterCode.BAD_FORMAT and f'Detected duplicate key "{name}"' in err.reason, err.reason
+    assert parse_message(model, raw.replace(f', "{name}": "remove"', "").replace(', "user": "admin"', "")
+                         .replace(', "optional": true', "").encode())

@@ -288,3 +288,14 @@ def test_the_cdc_sample_sends_the_qlik_metadata_message_after_some_data_however_
     for stream in (s for s, fmt in samples.CDC_STREAMS.items() if fmt == "qlik"):
         keys = [key for s, key, _ in samples.CdcTraffic(rows=rows).records() if s == stream]
         assert keys.count("metadata") == 1 and 0 < keys.index("metadata") <= 5
+
+
+def test_a_column_named_by_a_lone_surrogate_is_the_producer_s_error_not_ours():
+    """The schema's JSON text may escape one (`\\ud800`), which no UTF-8 message can hold: GENERR001,
+    not the GENERR009 of an error no check foresaw."""
+    schema = qlik.data_schema("ODD", {"\ud800": "long"})
+    decoder = qlik.Decoder({"e" * 32: qlik.Registered("e" * 32, json.dumps(schema), "ODD")})
+    with pytest.raises(InvalidMessage) as caught:
+        adapters.batch_values(SOURCE, "odd", "hr.odd.ingestion", 0, 1, 1000, b"k",
+                              qlik.data_envelope("e" * 32, schema, "INSERT", {"\ud800": 1}), decoder)
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "no Unicode" in caught.value.reason, caught.value
