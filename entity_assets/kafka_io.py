@@ -231,8 +231,8 @@ class OffsetsNotCommitted(RuntimeError):
 
 class RecordsExpired(Exception):
     """Offsets of a range that its partition no longer holds: Kafka's retention (or a delete of
-    records) removed them before they were read, the topic was deleted and created again, or an
-    unclean leader election cut its log short."""
+    records) removed them before they were read, the topic was deleted (and maybe created again,
+    or with fewer partitions), or an unclean leader election cut its log short."""
 
     def __init__(self, topic: str, partition: int, start: int, stop: int):
         super().__init__(topic, partition, start, stop)  # picklable across Spark workers
@@ -240,7 +240,8 @@ class RecordsExpired(Exception):
 
     def __str__(self) -> str:
         return (f"{self.topic}[{self.partition}] no longer holds offsets [{self.start}, {self.stop}): Kafka's "
-                "retention deleted them before they were read, or the topic was created again (or its log cut short)")
+                "retention deleted them before they were read, or the topic was deleted (or created again, or "
+                "its log cut short)")
 
     @staticmethod
     def span(reason: str) -> range | None:
@@ -267,6 +268,23 @@ def _expired(consumer: Consumer, r: OffsetRange, offset: int, config: dict | Non
     return None
 
 
+ABSENT_AFTER = 5.0
+"""Seconds without a record after which a reader asks whether its partition is still there."""
+
+
+def _absent(consumer: Consumer, r: OffsetRange) -> bool:
+    """Whether the cluster says `r`'s partition is not there: its topic unknown by name (deleted;
+    its records with it) or with fewer partitions. librdkafka reports neither to a reader of an
+    assigned partition, which waits; a topic the client may not describe is no absent one."""
+    try:
+        meta = consumer.list_topics(topic=r.topic, timeout=10.0).topics.get(r.topic)
+    except KafkaException:
+        return False  # no answer: nothing said
+    if meta is None or meta.error is not None:
+        return meta is None or meta.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+    return r.partition not in meta.partitions
+
+
 def _written_end(config: dict, r: OffsetRange) -> int:
     """The partition's high watermark, the records of open transactions counted."""
     marks = watermarks({**config, "isolation.level": "read_uncommitted"}, [r.topic], 10.0, [])  # only its own answer counts
@@ -283,7 +301,8 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
     skipped: never silently, as librdkafka's offset reset would. So do those past a partition
     that now ends before the range does (a topic created again with fewer records, a log cut
     short by an unclean leader election), told when the read reaches its end, not after
-    `idle_timeout`: that stall raises TimeoutError only while the partition holds more.
+    `idle_timeout`: that stall raises TimeoutError only while the partition holds more, and
+    the offsets of a partition that is no longer there (a topic deleted; fewer partitions).
     """
     if r.count <= 0:
         return
@@ -340,6 +359,8 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
                         gone = None
                     if gone is None and stalled:
                         raise TimeoutError(f"{r.topic}[{r.partition}] stalled at {position} before {r.end}")
+                elif not messages and time.monotonic() - last_progress > ABSENT_AFTER and _absent(consumer, r):
+                    gone = RecordsExpired(r.topic, r.partition, position, r.end)
             if messages:
                 last_progress = time.monotonic()
             if gone is not None:

@@ -515,8 +515,8 @@ def test_a_sensor_whose_lake_has_no_slice_closes_none_until_its_cursor_is_delete
     assert again.partition_key == K1 and pipeline.manifest(K1).messages == 28
 
 
-def create_again(pipeline, stream: str) -> str:
-    """Deletes a stream's topic and creates it again, empty: its offsets start again at 0."""
+def delete_topic(pipeline, stream: str) -> str:
+    """Deletes a stream's topic, and waits until the cluster no longer lists it."""
     topic = pipeline.topic(stream)
     admin = AdminClient(pipeline.kafka.config())
     for future in admin.delete_topics([topic]).values():
@@ -525,6 +525,12 @@ def create_again(pipeline, stream: str) -> str:
     while topic in cluster_metadata(pipeline.kafka.config()).topics:
         assert time.monotonic() < deadline, f"{topic} is still listed 30 s after its deletion"
         time.sleep(0.1)
+    return topic
+
+
+def create_again(pipeline, stream: str) -> str:
+    """Deletes a stream's topic and creates it again, empty: its offsets start again at 0."""
+    topic = delete_topic(pipeline, stream)
     assert ensure_topics(pipeline.kafka.config(), [topic],
                          sum(r.topic == topic for r in pipeline.manifest(K1).ranges)) == [topic]
     release_producers()  # an idempotent producer's sequence numbers belong to the old topic
@@ -730,6 +736,22 @@ def test_records_kafka_no_longer_holds_are_dead_letters_and_a_re_run_keeps_the_l
     assert pipeline.read("entity_batches").num_rows == rows.num_rows
     assert pipeline.read("dead_letters").num_rows == len(ranges)
     assert "complete_responses" in meta and pipeline.read("entity_updates").num_rows == updates
+
+
+def test_the_ranges_of_a_topic_deleted_before_the_slice_s_run_are_dead_letters(pipeline):
+    """librdkafka tells a reader nothing of a partition that is no longer there: the read waited
+    out its idle timeout, the run failed after its retries, and every later slice was refused."""
+    pipeline.produce(traffic(40, seed=10))
+    [r1] = pipeline.tick()
+    topic = delete_topic(pipeline, STREAM)
+    ranges = [r for r in pipeline.manifest(K1).ranges if r.topic == topic and r.count]
+    run = pipeline.run_request(r1)
+    assert run.success
+    dead = pipeline.read("dead_letters").to_pylist()
+    assert sorted((d["kafka_topic"], d["kafka_partition"], d["kafka_offset"], d["code"]) for d in dead) == sorted(
+        (r.topic, r.partition, r.start, "EA-EXPIRED") for r in ranges)
+    assert all(f"no longer holds offsets [{d['kafka_offset']}, " in d["reason"] for d in dead)
+    assert pipeline.read("entity_batches").num_rows == 0
 
 
 def test_a_span_gone_that_would_take_several_tasks_is_one_dead_letter(make_pipeline, delete_records_before):

@@ -1,14 +1,16 @@
 """The producer that tasks publish through, against the real local broker."""
 
 import json
+import time
 import weakref
 
 import pyarrow as pa
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from entity_assets import kafka_io
-from entity_assets.kafka_io import (BatchProducer, RecordsExpired, Spool, ensure_topics, end_offsets, produce, read_range,
-                                   replay_into)
+from entity_assets.kafka_io import (BatchProducer, RecordsExpired, Spool, cluster_metadata, ensure_topics, end_offsets,
+                                   produce, read_range, replay_into)
 from entity_assets.publish import partition_for
 from entity_assets.slices import OffsetRange
 
@@ -171,6 +173,28 @@ def test_offsets_a_partition_no_longer_holds_are_never_skipped_silently(broker, 
     gone.clear()  # past the partition's end: fewer records than when the range was planned (a topic created again)
     assert list(read_range(config, OffsetRange(topic, 0, 12, 14), expired=gone.append)) == []
     assert [(g.start, g.stop) for g in gone] == [(12, 14)]
+
+
+def test_the_offsets_of_a_partition_no_longer_there_are_gone_not_a_stall(broker):
+    """A topic deleted (or created again with fewer partitions) after a slice closed: librdkafka
+    reports nothing to a reader of the partition, which waited out its idle timeout, failing the
+    run, whose retries failed alike, and every later slice was refused."""
+    config = {"bootstrap.servers": broker.bootstrap}
+    topic = "kafka-io-deleted"
+    ensure_topics(config, [topic], 2)
+    produce(config, topic, [(b"k%d" % i, b"%d" % i) for i in range(20)])
+    gone = []
+    assert list(read_range(config, OffsetRange(topic, 5, 0, 10), idle_timeout=600, expired=gone.append)) == []
+    assert [(g.partition, g.start, g.stop) for g in gone] == [(5, 0, 10)]
+    admin = AdminClient(config)  # held until its answer is in: freed, it ends its requests
+    for future in admin.delete_topics([topic]).values():
+        future.result()
+    deadline = time.monotonic() + 30
+    while topic in cluster_metadata(config).topics:
+        assert time.monotonic() < deadline, f"{topic} is still listed 30 s after its deletion"
+        time.sleep(0.1)
+    with pytest.raises(RecordsExpired, match=r"kafka-io-deleted\[0\] no longer holds offsets \[0, 10\)"):
+        list(read_range(config, OffsetRange(topic, 0, 0, 10), idle_timeout=600))
 
 
 def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch, tmp_path):
