@@ -117,7 +117,7 @@ def messages(args, share: int) -> tuple[list[tuple[str, str, str, int]], list[tu
     batch whose index modulo PRODUCERS is `share`, made with the pipeline's encoders; and the
     (key, value) of this share of every input record, for the store part."""
     from entity_assets import core
-    from entity_assets.publish import STREAMS, partition_for, request_key
+    from entity_assets.publish import STREAMS, partition_for, request_key_of
 
     partitions = args.topic_partitions
     sample = traffic(args.n, args.entities, args.devices, args.graph, args.seed)
@@ -148,7 +148,7 @@ def messages(args, share: int) -> tuple[list[tuple[str, str, str, int]], list[tu
             results.append(result)
             if index % PRODUCERS != share:
                 continue
-            request, by_client = request_key(row), partition_for(row["clientid"], partitions)
+            request, by_client = request_key_of(row), partition_for(row["clientid"], partitions)
             out.append((STREAMS["entity_patches"].name, row["entity"], core.patch_json(row), -1))
             out.append((STREAMS["partial_responses"].name, request, core.result_json(result), by_client))
             if result["status"] != 1:
@@ -169,7 +169,7 @@ def messages(args, share: int) -> tuple[list[tuple[str, str, str, int]], list[tu
                                 -1))
         if index % PRODUCERS == share:
             complete = core.complete_row(results, "0000000001")
-            out.append((STREAMS["complete_responses"].name, request_key(complete), core.complete_json(complete),
+            out.append((STREAMS["complete_responses"].name, request_key_of(complete), core.complete_json(complete),
                         partition_for(complete["clientid"], partitions)))
     return out, inputs
 

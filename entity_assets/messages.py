@@ -61,7 +61,7 @@ __all__ = [
     "PartialResponse",
     "CompleteResponse",
     "Connection",
-    "DeviceChange",
+    "ChangeByDevice",
     "DeviceNotification",
     "NotificationAck",
     "ZoneSubscription",
@@ -238,6 +238,11 @@ class PatchSpec(TypedDict):
 # --------------------------------------------------------------------------- entity streams
 
 
+def request_key(clientid: str, request: int) -> str:
+    """A request's id, unique per client: the key of its entity-batches record and its responses."""
+    return f"{clientid}/{request}"
+
+
 class EntityBatch(_DbModel):
     """entity-batches: a client's request over several entities, keyed by request id."""
 
@@ -377,7 +382,7 @@ class Connection(_DbModel):
     begun: Long
 
 
-class DeviceChange(_DbModel):
+class ChangeByDevice(_DbModel):
     """changes-by-device: one change summary for one device (the device is the Kafka key)."""
 
     dbid: Name = _dbid()
@@ -473,7 +478,7 @@ TOPIC_MODELS: dict[str, type[BaseModel]] = {
     "partial-responses": PartialResponse,
     "complete-responses": CompleteResponse,
     "connections": Connection,
-    "changes-by-device": DeviceChange,
+    "changes-by-device": ChangeByDevice,
     "device-notifications": DeviceNotification,
     "notification-acks": NotificationAck,
 }

@@ -353,34 +353,26 @@ def _leaf_add(parent, key, value, growth: _Growth):
     raise _Fail(f"cannot add {_named(key)} to a {_kind(parent)}")
 
 
-def _leaf_remove(parent, key, _, growth: _Growth):
+_REMOVED = object()
+"""`_leaf_existing`'s value that removes the member (None is JSON's null, a value)."""
+
+
+def _leaf_existing(parent, key, value, growth: _Growth):
+    """`parent` with its member `key`, which must exist, replaced by `value` or `_REMOVED`."""
     if isinstance(parent, dict):
         if key not in parent:
             raise _Fail(f"path not found: {_named(key)}")
-        new = _own(parent, growth)
-        del new[key]
-        return new
-    if isinstance(parent, list):
-        i = _index(key, len(parent), end_ok=False)
-        new = _own(parent, growth)
-        del new[i]
-        return new
-    raise _Fail(f"cannot resolve {_named(key)} inside a {_kind(parent)}")
-
-
-def _leaf_replace(parent, key, value, growth: _Growth):
-    if isinstance(parent, dict):
-        if key not in parent:
-            raise _Fail(f"path not found: {_named(key)}")
-        new = _own(parent, growth)
-        new[key] = value
-        return new
-    if isinstance(parent, list):
-        i = _index(key, len(parent), end_ok=False)
-        new = _own(parent, growth)
-        new[i] = value
-        return new
-    raise _Fail(f"cannot resolve {_named(key)} inside a {_kind(parent)}")
+        at = key
+    elif isinstance(parent, list):
+        at = _index(key, len(parent), end_ok=False)
+    else:
+        raise _Fail(f"cannot resolve {_named(key)} inside a {_kind(parent)}")
+    new = _own(parent, growth)
+    if value is _REMOVED:
+        del new[at]
+    else:
+        new[at] = value
+    return new
 
 
 def _add(doc, tokens, value, growth: _Growth):
@@ -390,7 +382,7 @@ def _add(doc, tokens, value, growth: _Growth):
 def _remove(doc, tokens, growth: _Growth):
     if not tokens:
         raise _Fail("removing the whole document is only allowed as an entity deletion")
-    return _edit(doc, tokens, 0, _leaf_remove, None, False, growth)
+    return _edit(doc, tokens, 0, _leaf_existing, _REMOVED, False, growth)
 
 
 def json_equal(a, b) -> bool:
@@ -453,7 +445,7 @@ def _apply_one(doc, op, growth: _Growth):
     if name == "replace":
         value = _value(op)
         _within_depth(path, value)
-        return value if not path else _edit(doc, path, 0, _leaf_replace, value, False, growth)
+        return value if not path else _edit(doc, path, 0, _leaf_existing, value, False, growth)
     if name == "test":
         value = _value(op)
         if not json_equal(_get(doc, path), value):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from entity_assets import core, encode
+from entity_assets import core, encode, messages
 from entity_assets.kafka_io import BatchProducer, Spool, compressed_size, producer_limit, replay_into
 from entity_assets.storage import filesystem, one_array
 
@@ -80,8 +80,8 @@ def partitions_for(values: list[str], partitions: int) -> list[int]:
             for v in values]
 
 
-def request_key(row: dict) -> str:
-    return f"{row['clientid']}/{row['request']}"
+def request_key_of(row: dict) -> str:
+    return messages.request_key(row["clientid"], row["request"])
 
 
 @dataclass(frozen=True)
@@ -112,17 +112,17 @@ def _by_entity_or_dbid(rows: pa.Table) -> pa.Array:
 
 
 def _by_request(rows: pa.Table) -> pa.Array:
-    """`request_key` of each row."""
+    """`request_key_of` each row."""
     return pc.binary_join_element_wise(rows.column("clientid"), pc.cast(rows.column("request"), pa.string()), "/")
 
 
-DEVICE_CHANGE = ("collection", "zone", "entity", "notification", "action", "ended")
+CHANGE_BY_DEVICE = ("collection", "zone", "entity", "notification", "action", "ended")
 """changes-by-device: the device is the key, not part of the message (the seed)."""
 DEVICE_NOTIFICATION = ("user", "device", "count", "begun", "ended")
 
 
-def _device_change(row: dict) -> str:
-    return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in DEVICE_CHANGE}})
+def _change_by_device(row: dict) -> str:
+    return core.dumps({"dbid": row["dbid"], "db": row["dbid"], **{k: row[k] for k in CHANGE_BY_DEVICE}})
 
 
 def _device_notification(row: dict) -> str:
@@ -138,14 +138,14 @@ STREAMS: dict[str, Stream] = {
                              encode.result_texts),
     "schema_learning": Stream("schema-learning", lambda r: r["entity"] or r["dbid"], "collection", core.result_json,
                               _by_entity_or_dbid, encode.result_texts),
-    "partial_responses": Stream("partial-responses", request_key, "clientid", core.result_json, _by_request,
+    "partial_responses": Stream("partial-responses", request_key_of, "clientid", core.result_json, _by_request,
                                 encode.result_texts),
-    "complete_responses": Stream("complete-responses", request_key, "clientid", core.complete_json, _by_request,
+    "complete_responses": Stream("complete-responses", request_key_of, "clientid", core.complete_json, _by_request,
                                  encode.complete_texts),
     "zone_changes": Stream("zone-changes", lambda r: r["entity"], "subjectZone", core.result_json, _column("entity"),
                            encode.result_texts),
-    "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _device_change, _column("device"),
-                                lambda rows: encode.object_texts(rows, DEVICE_CHANGE, database=True)),
+    "changes_by_device": Stream("changes-by-device", lambda r: r["device"], None, _change_by_device, _column("device"),
+                                lambda rows: encode.object_texts(rows, CHANGE_BY_DEVICE, database=True)),
     "device_notifications": Stream("device-notifications", lambda r: r["device"], None, _device_notification,
                                    _column("device"),
                                    lambda rows: encode.object_texts(rows, DEVICE_NOTIFICATION, database=True)),

@@ -289,7 +289,7 @@ class Decoder:
         self.registry = registry
         self._parsed: dict[str, Any] = {}
 
-    def decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None, str | None]:
+    def decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None, str | None, tuple | None]:
         """A metadata message's `Registered`, or a data message's (row after the change, None for
         a delete; its primary key values, None when its schema names no key; its table, None
         when no registered schema names it; the key values before an update that changed them,
@@ -300,7 +300,7 @@ class Decoder:
             raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "a schema or value nested deeper than a document "
                                                                 "may be") from None
 
-    def _decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None, str | None]:
+    def _decode(self, raw: bytes) -> Registered | tuple[dict | None, tuple | None, str | None, tuple | None]:
         env = envelope(raw)
         if env.type == "MD":
             if env.messageSchema is None:
@@ -426,12 +426,10 @@ def metadata_envelope(schema_id: str, table: str, columns: dict[str, str], prima
                                      "message": _encode(METADATA_SCHEMA, md)})
 
 
-def data_envelope(schema_id: str, schema: dict, operation: str, data: dict | None, before: dict | None = None,
-                  sequence: int = 0) -> bytes:
+def data_envelope(schema_id: str, schema: dict, operation: str, data: dict | None, before: dict | None = None) -> bytes:
     """A DT envelope of one change, encoded with `schema` (registered under `schema_id`)."""
     message = {"data": data, "beforeData": before,
-               "headers": {"operation": operation, "changeSequence": f"{sequence:035d}",
-                           "timestamp": "2026-01-01T00:00:00", "streamPosition": str(sequence),
-                           "transactionId": f"{sequence:032d}"}}
+               "headers": {"operation": operation, "changeSequence": "0" * 35, "timestamp": "2026-01-01T00:00:00",
+                           "streamPosition": "0", "transactionId": "0" * 32}}
     return _encode(ENVELOPE_SCHEMA, {"magic": MAGIC, "type": "DT", "headers": None, "messageSchemaId": schema_id,
                                      "messageSchema": None, "message": _encode(schema, message)})

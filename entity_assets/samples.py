@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from entity_assets import qlik
+from entity_assets.messages import request_key
 
 Record = tuple[str, str, bytes]  # (stream, key, value)
 
@@ -29,11 +30,6 @@ SEED_ENTITY_BATCH = {
         ],
     }],
 }
-
-
-def request_key(clientid: str, request: int) -> str:
-    """The entity-batches key: the request id is unique per client."""
-    return f"{clientid}/{request}"
 
 
 def encode(message: dict) -> bytes:

@@ -472,22 +472,25 @@ class Repeat(NamedTuple):
     reused: bool  # its `begun` is no earlier delivery's: the id of another request, not a redelivery
 
 
+STAMP = "begun"
+"""The column that tells a redelivery (the same message again) from a reused request id."""
+
+
 def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Sequence[str | TableFile],
                         identity: Sequence[str],
                         coordinates: Sequence[str], storage_options: dict[str, str] | None = None, *,
-                        split_by: str | None = None, part: int = 0, parts: int = 1,
-                        stamp: str = "begun") -> list[Repeat]:
+                        split_by: str | None = None, part: int = 0, parts: int = 1) -> list[Repeat]:
     """The slice's rows whose identity came before: at lower coordinates in the slice, or in the
-    rows of `prior_files`. Reads only identity, coordinate and `stamp` columns, and finds repeats
+    rows of `prior_files`. Reads only identity, coordinate and `STAMP` columns, and finds repeats
     with Arrow's hash aggregates and joins: only the (normally few) repeated rows become Python
-    objects. A redelivery is the same message again, so its `stamp` (the client's `begun`) is one
+    objects. A redelivery is the same message again, so its `STAMP` (the client's `begun`) is one
     an earlier delivery had; a repeat without it is marked `reused`.
 
     `parts` (a power of two) tasks share the work: each keeps the identities whose integer
     column `split_by` has `part` as its low bits, so it holds 1/parts of the slice.
     """
     identity = list(identity)
-    rows = pa.concat_tables(read_tables(slice_files, storage_options, [*identity, *coordinates, stamp]))
+    rows = pa.concat_tables(read_tables(slice_files, storage_options, [*identity, *coordinates, STAMP]))
     if parts > 1:
         rows = rows.filter(pc.equal(pc.bit_wise_and(rows.column(split_by), parts - 1), part))
     if not rows.num_rows:
@@ -498,10 +501,10 @@ def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Seq
     # of a small batch and a task's work stays linear in the window
     keys = rows.select(identity)
     earlier: dict[tuple, set] = {}
-    for batch in read_files(prior_files, storage_options, max(READ_BATCH_ROWS, rows.num_rows), columns=[*identity, stamp]):
+    for batch in read_files(prior_files, storage_options, max(READ_BATCH_ROWS, rows.num_rows), columns=[*identity, STAMP]):
         seen = pa.Table.from_batches([batch]).join(keys, identity, join_type="left semi", use_threads=False)
         for row in seen.to_pylist():
-            earlier.setdefault(tuple(row[c] for c in identity), set()).add(row[stamp])
+            earlier.setdefault(tuple(row[c] for c in identity), set()).add(row[STAMP])
     counts = rows.group_by(identity, use_threads=False).aggregate([([], "count_all")])
     twice = counts.filter(pc.greater(counts.column("count_all"), 1)).select(identity)
     if earlier:
@@ -509,7 +512,7 @@ def repeated_deliveries(slice_files: Sequence[str | TableFile], prior_files: Seq
     deliveries: dict[tuple, list[tuple]] = {}
     for row in rows.join(twice, identity, join_type="left semi", use_threads=False).to_pylist():
         deliveries.setdefault(tuple(row[c] for c in identity), []).append(
-            (tuple(row[c] for c in coordinates), row[stamp]))
+            (tuple(row[c] for c in coordinates), row[STAMP]))
     repeats = []
     for key, ats in deliveries.items():
         stamps = set(earlier.get(key, ()))

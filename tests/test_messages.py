@@ -19,7 +19,7 @@ from entity_assets.messages import (
     CompleteResponse,
     Connection,
     DeadLetterCode,
-    DeviceChange,
+    ChangeByDevice,
     DeviceNotification,
     EntityBatch,
     EntityPatch,
@@ -314,7 +314,7 @@ CONNECTION = """
   }
 """
 
-DEVICE_CHANGE = """
+CHANGE_BY_DEVICE = """
   {
       "db": "my-db",
       "collection": "Contacts",
@@ -349,7 +349,7 @@ SAMPLES = [
     (PartialResponse, SCHEMA_UPDATE),
     (CompleteResponse, COMPLETE_RESPONSE),
     (Connection, CONNECTION),
-    (DeviceChange, DEVICE_CHANGE),
+    (ChangeByDevice, CHANGE_BY_DEVICE),
     (DeviceNotification, DEVICE_NOTIFICATION),
 ]
 

@@ -459,7 +459,7 @@ def test_subscriptions_zone_changes_changes_by_device_and_notifications(make_pip
         assert (value["db"], value["dbid"], value["collection"], value["zone"], value["entity"]) == (
             DB, DB, "Contacts", "A", ENTITY_A)
         assert value["ended"] == FUTURE + request_of[value["action"]] - 3
-        messages.parse_message(messages.DeviceChange, json.dumps(value))
+        messages.parse_message(messages.ChangeByDevice, json.dumps(value))
 
     # 8. device_notifications after slice 2: every notification unacknowledged
     def notifications(key):

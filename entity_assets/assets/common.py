@@ -14,8 +14,15 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
                      MetadataValue, TableColumn, TableColumnConstraints, TableSchema)
 from dagster._core.storage.tags import PARENT_RUN_ID_TAG
 
+from entity_assets import shards
 from entity_assets.assets import topics
-from entity_assets.storage import DataFile, DeltaRsEngine, Repeat, TableFile, repeated_deliveries
+from entity_assets.core import STATE_BUCKETS
+from entity_assets.fold import COUNTER, REPLACED, over_buckets, over_files, released
+from entity_assets.kafka_io import (KafkaUnreachable, ensure_topics, message_limits, partition_counts, producer_limit,
+                                    producer_settings)
+from entity_assets.publish import OUTBOX, STREAMS, UNDELIVERABLE, Publishing, process, replay_task
+from entity_assets.slices import slice_key as key_of, slice_seq
+from entity_assets.storage import DataFile, DeltaRsEngine, Repeat, TableFile, filesystem, is_remote, repeated_deliveries
 from entity_assets.tables import ADDED_IN_PLACE, APPLIED_IN_ORDER, COORDINATES, SCHEMAS
 from resources import SparkResource
 
@@ -39,7 +46,6 @@ def collect_tasks(spark: SparkResource, tasks: list[dict], fn: Callable, rows: i
         return []
     if spark.on_driver(rows):
         return [out for task in tasks for out in fn(iter([task]))]
-    from entity_assets.fold import released
 
     return on_executors(spark, tasks, partial(released, fn))
 
@@ -116,8 +122,6 @@ def write_stream(context, spark, kafka, slicing, engine: DeltaRsEngine, files, t
     these tasks split a key's rows by input file (entity_patches: the fold; changes_by_device:
     the inbox fold). `metadata`: more commit info (see `DeltaRsEngine.commit`).
     """
-    from entity_assets.fold import over_files
-
     publish_to = None
     if published:
         require_published(engine, table, slice_key)
@@ -251,8 +255,6 @@ def redeliveries(spark, engine: DeltaRsEngine, table: str, slice_key: str, ident
     another request: it is left out all the same (its responses would take the first one's keys
     on the compacted response topics), and named by the step's `request_ids_not_reused` check.
     """
-    from entity_assets.slices import slice_key as key_of, slice_seq
-
     seq = slice_seq(slice_key)
     for before in range(seq - 1, max(0, seq - max(window, 1) - 1), -1):
         if not engine.reached(table, key_of(before), "replace_slice"):
@@ -297,15 +299,11 @@ def reused_check(asset_key: str, identity: tuple[str, ...], found: Redeliveries)
 
 def counters(files: dict[str, list[DataFile]]) -> Counter:
     """The tasks' counters in their report, added up (see fold.COUNTER); a missing one is 0."""
-    from entity_assets.fold import COUNTER
-
     return Counter({t[len(COUNTER):]: sum(f.rows for f in fs) for t, fs in files.items() if t.startswith(COUNTER)})
 
 
 def pop_counts(files: dict[str, list[DataFile]]) -> Counter:
     """`counters`, removed from the report."""
-    from entity_assets.fold import COUNTER
-
     counts = counters(files)
     for t in [t for t in files if t.startswith(COUNTER)]:
         del files[t]
@@ -313,6 +311,11 @@ def pop_counts(files: dict[str, list[DataFile]]) -> Counter:
 
 
 # --------------------------------------------------------------------------- state order
+
+KINDS = frozenset({"spark", "delta", "kafka"})
+"""The UI's kinds of a table that a topic feeds or carries."""
+LAKE_KINDS = frozenset({"spark", "delta"})
+"""The UI's kinds of a table no topic carries (a state, the learned schemas)."""
 
 STATE_APP = "entity-assets"
 """App id of the Delta app transactions that record the last slice applied to a state table."""
@@ -328,8 +331,6 @@ class OutOfOrder(Failure):
 def slice_of(context) -> str:
     """The run's slice key: a partition added by hand that is none (`5`) fails the step here,
     before it reads or writes a table under a key no slice has."""
-    from entity_assets.slices import slice_seq
-
     slice_seq(context.partition_key)
     return context.partition_key
 
@@ -352,8 +353,6 @@ def state_version(engine: DeltaRsEngine, table: str, slice_key: str) -> tuple[bo
     State advances strictly in slice order. A slice already applied is replayed against the
     state as of the slice before it (Delta time travel), and the state is left as it is.
     """
-    from entity_assets.slices import slice_key as key_of, slice_seq
-
     seq = slice_seq(slice_key)
     applied = engine.applied(table, STATE_APP) or 0
     if applied < seq - 1:
@@ -390,8 +389,6 @@ def applied_version(engine: DeltaRsEngine, table: str, slice_key: str, step: str
 
 
 def commit_state(engine: DeltaRsEngine, table: str, slice_key: str, add, remove, metadata: dict | None = None) -> int:
-    from entity_assets.slices import slice_seq
-
     return engine.commit(table, SCHEMAS[table], add=add, remove=remove, operation="apply",
                          slice_key=slice_key, app_txn=(STATE_APP, slice_seq(slice_key)), metadata=metadata)
 
@@ -423,8 +420,6 @@ def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: boo
                    files: dict[str, list[DataFile]], metadata: dict[str, str] | None = None) -> dict:
     """Replaces the state files the slice's tasks rewrote (popped from `files`), in one commit
     that records `metadata`; a replayed slice leaves the state as it is."""
-    from entity_assets.fold import REPLACED
-
     new_state, replaced = files.pop(table, []), {f.path for f in files.pop(REPLACED + table, [])}
     if apply:
         removed = [f for f in snapshot if f.uri in replaced]
@@ -440,8 +435,6 @@ def commit_buckets(engine: DeltaRsEngine, table: str, slice_key: str, apply: boo
 def commit_buckets_later(engine: DeltaRsEngine, table: str, slice_key: str, apply: bool, snapshot,
                          files: dict[str, list[DataFile]], metadata: dict[str, str] | None = None) -> Callable[[], dict]:
     """`commit_buckets`, to make later (`commit_at_once`): the state's files leave `files` now."""
-    from entity_assets.fold import REPLACED
-
     state = {name: files.pop(name) for name in (table, REPLACED + table) if name in files}
     return partial(commit_buckets, engine, table, slice_key, apply, snapshot, state, metadata)
 
@@ -452,8 +445,6 @@ def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: C
     file (its task counts those) or across files of a bucket whose shards overlap (a rewrite
     must remove the files it replaces). `state`: the summary of the slice's state commit
     (`commit_buckets`), whose version is the one to check unless the slice was replayed."""
-    from entity_assets import shards
-
     version = engine.version_after(table, slice_key, "apply") if state["replayed"] else state["version"]
     shards_of: dict[int, list] = defaultdict(list)
     for f in engine.files(table, version):
@@ -468,8 +459,6 @@ def one_row_per_key(engine: DeltaRsEngine, table: str, slice_key: str, counts: C
 def bucket_tasks(spark, rows: int) -> list[dict]:
     """Tasks owning whole state buckets ({"buckets"}): enough to use every core on a large slice,
     one for a small one (each task has a fixed cost)."""
-    from entity_assets.core import STATE_BUCKETS
-
     tasks = max(1, min(STATE_BUCKETS, task_slots(spark, rows) * 2, -(-rows // SMALL_TASK_ROWS)))
     return [{"buckets": list(range(i, STATE_BUCKETS, tasks))} for i in range(tasks)]
 
@@ -479,8 +468,6 @@ def run_buckets(spark, sources: dict[str, list], reader: Callable, body: Callabl
     """Runs `body` over the rows of `sources` ({table: files}) by hash buckets of `key_columns`
     (see `fold.over_buckets`); `rows`: how many of the sources' rows the body gets, when fewer
     than they hold. No Spark job without rows."""
-    from entity_assets.fold import over_buckets
-
     rows = sum(f.rows for fs in sources.values() for f in fs) if rows is None else rows
     if not rows:
         return defaultdict(list)
@@ -538,11 +525,6 @@ def publishing(kafka, engine: DeltaRsEngine, tables: Iterable[str]):
     once per table; the tasks then spool their messages as they write (see `publish_outbox`),
     all but those too large for their topic (`undeliverable_check`).
     """
-    from entity_assets.kafka_io import (KafkaUnreachable, ensure_topics, message_limits,
-                                        partition_counts, producer_limit, producer_settings)
-    from entity_assets.publish import STREAMS, Publishing, process
-    from entity_assets.storage import filesystem, is_remote
-
     topics = {table: kafka.topic(STREAMS[table].name) for table in tables if kafka.publishes(STREAMS[table].name)}
     if not topics:
         return None
@@ -575,8 +557,6 @@ UNDELIVERED_SHOWN = 20
 def pop_undeliverable(files: dict[str, list[DataFile]]) -> list[dict]:
     """The messages too large for their topic that the tasks named (publish.UNDELIVERABLE),
     removed from the report."""
-    from entity_assets.publish import UNDELIVERABLE
-
     return [json.loads(f.stats) for f in files.pop(UNDELIVERABLE, [])]
 
 
@@ -586,8 +566,6 @@ def undeliverable_check(asset_key: str, counts: Counter, examples: list[dict], p
     the topic's limit and run the slice again to publish it (with REPUBLISH_TAG once later slices
     have published). A run that publishes nothing (Dagster wants a result all the same) says
     so: a bare pass would read as the slice's messages delivered."""
-    from entity_assets.publish import STREAMS, UNDELIVERABLE
-
     by_stream = {STREAMS[name[len(UNDELIVERABLE):]].name: n for name, n in sorted(counts.items())
                  if name.startswith(UNDELIVERABLE) and n}
     return AssetCheckResult(asset_key=asset_key, check_name="messages_fit_their_topics", passed=not by_stream,
@@ -617,8 +595,6 @@ def require_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None
     publishes, so a slice whose publishing failed is applied: the next one, queued already, would
     put a key's later messages on Kafka first). A slice that an older release wrote, which
     records no publish, or that is older than the log's retention, is taken as published."""
-    from entity_assets.slices import slice_key as key_of, slice_seq
-
     seq = slice_seq(slice_key)
     if seq == 1 or not engine.exists(table):
         return
@@ -702,8 +678,6 @@ def record_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None:
 def observe_topics(context, slice_key: str, publish_to, published: Counter) -> None:
     """The slice's messages on each topic the step published to (`publish_to`, None: none), on the
     topic's asset (`assets.topics`): the graph's last nodes, which a consumer reads."""
-    from entity_assets.publish import STREAMS
-
     for table in sorted(publish_to.topics if publish_to is not None else ()):
         context.log_event(AssetObservation(asset_key=topics.topic_key(STREAMS[table].name), partition=slice_key,
                                            metadata={"messages": MetadataValue.int(published[table])}))
@@ -725,8 +699,6 @@ def publish_outbox(spark, files: dict[str, list[DataFile]], publish_to) -> Count
     lake_maintenance (those in memory go with the step), and a re-run of the slice publishes its
     messages again.
     """
-    from entity_assets.publish import OUTBOX, replay_task
-
     spools = files.pop(OUTBOX, [])
     if not spools or publish_to is None:
         return Counter()

@@ -7,8 +7,8 @@ import pyarrow.compute as pc
 from dagster import AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from entity_assets import fold
-from entity_assets.assets.common import (STATE_APP, ensure_tables, fold_buckets, one_row_per_key, require_inputs,
-                                         slice_of, table_metadata)
+from entity_assets.assets.common import (LAKE_KINDS, STATE_APP, ensure_tables, fold_buckets, one_row_per_key,
+                                         require_inputs, slice_of, table_metadata)
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.notify import DEVICE_KEY
 from entity_assets.partitions import LAKE_POOL, slices_partitions
@@ -22,7 +22,7 @@ APP_VERSIONS = "app_versions"
     partitions_def=slices_partitions, pool=LAKE_POOL,
     deps=["connections"],
     group_name="devices",
-    kinds={"spark", "delta"},
+    kinds=LAKE_KINDS,
     description="State: per user the devices seen, first and last seen, the latest app version and client; "
                 "its metadata counts devices per app version, the seed's reason for the connections stream.",
     check_specs=[AssetCheckSpec("one_row_per_device", asset="devices", description="no (dbid, user, device) appears twice")],

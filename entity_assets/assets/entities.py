@@ -16,6 +16,8 @@ from dagster import (
 
 from entity_assets import fold
 from entity_assets.assets.common import (
+    KINDS,
+    LAKE_KINDS,
     STATE_APP,
     bucket_tasks,
     commit_at_once,
@@ -57,7 +59,6 @@ from entity_assets.slices import slice_seq
 from entity_assets.storage import read_batches
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
-KINDS = {"spark", "delta", "kafka"}
 CORE_GROUP = "entity_core"
 """A group per step: a step writes its tables together (`can_subset=False`), so the UI's
 Materialize of a group must select all of them."""
@@ -131,14 +132,14 @@ APPLY_TABLES = STREAM_TABLES + STATE_TABLES + ("complete_responses",)
     specs=[
         AssetSpec("entity_updates", deps=["entity_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="Successful entity patches only (status 1), with ended and before/after as requested."),
-        AssetSpec("entities", deps=["entity_patches"], group_name=CORE_GROUP, kinds={"spark", "delta"},
+        AssetSpec("entities", deps=["entity_patches"], group_name=CORE_GROUP, kinds=LAKE_KINDS,
                   description="State: current document and version per (dbid, collection, zone, entity); "
                               "Delta versions give the state as of any slice of the last "
                               "vacuum_retention_hours (7 days)."),
         AssetSpec("schema_updates", deps=["schema_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="Every schema patch processed: status 1, or 3 with its error; before/after as "
                               "requested (the seed: a durable record of all schema patch requests)."),
-        AssetSpec("schemas", deps=["schema_patches"], group_name=CORE_GROUP, kinds={"spark", "delta"},
+        AssetSpec("schemas", deps=["schema_patches"], group_name=CORE_GROUP, kinds=LAKE_KINDS,
                   description="State: the declared schema document and version of each database."),
         AssetSpec("schema_learning", deps=["entity_patches", "schema_patches"], group_name=CORE_GROUP, kinds=KINDS,
                   description="Entity updates of learning requests plus one entity-type message per type of "

@@ -9,8 +9,8 @@ from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, Asset
                      MaterializeResult, MetadataValue, multi_asset)
 
 from entity_assets import qlik
-from entity_assets.assets.common import (RECENT_COMMITS, OutOfOrder, commit_slice, ensure_tables, file_tasks, pop_counts,
-                                         run_tasks, slice_of, table_metadata, task_slots)
+from entity_assets.assets.common import (KINDS, RECENT_COMMITS, OutOfOrder, commit_slice, ensure_tables, file_tasks,
+                                         pop_counts, run_tasks, slice_of, table_metadata, task_slots)
 from entity_assets.assets import topics
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.ingest import (HELD, INPUT_STREAMS, STAMPS_MODULUS, IngestionStream, ingest_tasks, lake_table,
@@ -57,7 +57,7 @@ def _firsts(kafka: KafkaResource, ranges, slicing: SlicingResource) -> dict[tupl
     name="ingest",
     specs=[
         AssetSpec(t, deps=topics.read_from(t), description=DESCRIPTIONS[t], group_name="ingest",
-                  kinds={"spark", "delta", "kafka"})
+                  kinds=KINDS)
         for t in TABLES
     ],
     check_specs=[AssetCheckSpec("no_dead_letters", asset="dead_letters",

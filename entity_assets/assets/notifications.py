@@ -17,6 +17,7 @@ from dagster import (
 
 from entity_assets import core, fold, notify
 from entity_assets.assets.common import (
+    KINDS,
     applied_version,
     commit_stream,
     delivery_check_spec,
@@ -40,7 +41,6 @@ from entity_assets.patch import shown
 from entity_assets.storage import read_row_groups, read_tables
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
-KINDS = {"spark", "delta", "kafka"}
 TOP_ZONES = 100
 """zone_changes metadata lists the busiest zones only: a lake may have thousands."""
 

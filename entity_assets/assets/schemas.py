@@ -16,8 +16,8 @@ from dagster import (
 
 from entity_assets import core, fold
 from entity_assets.assets.common import (
-    applied_version, collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, slice_of, state_as_of,
-    table_metadata, task_slots,
+    LAKE_KINDS, applied_version, collect_tasks, commit_state, ensure_tables, file_tasks, require_inputs, slice_of,
+    state_as_of, table_metadata, task_slots,
 )
 from entity_assets.assets.retries import retried_when_transient
 from entity_assets.learning import Summary, disagreements, entity_types, infer
@@ -31,7 +31,7 @@ from resources import LakeResource, SlicingResource, SparkResource
 @multi_asset(
     name="learn_schemas",
     specs=[AssetSpec("learned_schemas", deps=["schema_learning", "schemas"], group_name="schemas",
-                     kinds={"spark", "delta"},
+                     kinds=LAKE_KINDS,
                      description="Per database and collection, the entity-type schema learned from the learning "
                                  "stream, starting from the declared schema; evolves slice by slice.")],
     check_specs=[AssetCheckSpec("entities_match_declared_schema", asset="learned_schemas",
