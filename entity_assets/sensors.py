@@ -80,36 +80,16 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     """
     engine = lake.open(snapshot=True)
     store = ManifestStore(engine)
-    cursor_seq, positions, closed_at, reported, taken = load_cursor(context.cursor)
+    cursor = load_cursor(context.cursor)
     latest = store.latest_seq()
-    if not latest and cursor_seq:
-        said = not_the_lake(engine.root, f"this sensor closed {cursor_seq}") + (
+    if not latest and cursor.seq:
+        said = not_the_lake(engine.root, f"this sensor closed {cursor.seq}") + (
             ", or delete the sensor's cursor: `dagster sensor cursor kafka_offsets_sensor --delete` (docs/slices.md)")
         context.log.error(said)
         return SensorResult(skip_reason=SkipReason(said), cursor=context.cursor)
-    # the same number may be another slice: a lake restored behind the cursor whose lost slices
-    # the CLI closed again (`entity-assets run`), as many as it lost; its newest tells by its close
-    if latest != cursor_seq or (latest and store.closed_at().get(latest) != closed_at):
-        newest = store.get(latest) if latest else None
-        positions = newest.positions() if newest else {}
-        closed_at = newest.closed_at if newest else None
-        if latest < cursor_seq:
-            context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest} (restored from a backup?): "
-                                "resuming from the lake")
-            cursor_seq = latest
-        elif latest == cursor_seq and latest:  # the CLI's slices past what the lake held: not this sensor's requests
-            cursor_seq = min(cursor_seq, lake_holds(lake.open()))
-
-    unanswered: list[str] = []
-    marks = kafka.input_watermarks(unanswered=unanswered)
-    if unanswered:  # their positions stay (`ends` below): they go on at a later tick
-        context.log.warning(f"no offsets from {'; '.join(unanswered)}: this slice leaves those partitions out")
-    unread = "" if marks or unanswered else no_input_topic(kafka)
-    if unread:  # a mistyped prefix or another cluster would look idle
-        context.log.warning(unread)
-    firsts = {tp: low for tp, (low, _) in marks.items()}
-    ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}  # keep topics the broker did not list
-    positions = {**firsts, **positions}  # a partition no slice has read starts at the first offset Kafka holds
+    cursor_seq, positions, closed_at = _resumed(context, store, lake, cursor, latest)
+    reported, taken = cursor.lag, cursor.adopted
+    marks, firsts, positions, ends, unread = _offsets(context, kafka, positions)
     planned, ends, still_held, went_back = _went_back(context, engine, slicing, positions, ends, marks, firsts)
     latest_closed = closed_at  # of the newest slice before this tick's
     new = plan_slices(planned, ends, policy=slicing.policy(), next_seq=latest + 1,
@@ -137,12 +117,12 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         requested.update({seq: key for seq, key in again.items() if seq not in requested})
     keys = [slice_key(seq) for seq in sorted(requested)]
     observations, reported = report_lag(context.log.warning, context.instance, kafka, store, marks, last, reported)
-    cursor = dump_cursor(last, positions, closed_at, reported, taken)
+    next_cursor = dump_cursor(last, positions, closed_at, reported, taken)
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"
                                                     + "".join(f"; {said}" for said in (went_back, unread) if said)),
-                            cursor=cursor,
+                            cursor=next_cursor,
                             asset_events=observations)
     context.log.info(f"requesting slices {keys[0]}..{keys[-1]}")
     if warning := pool_warning(context.instance):
@@ -153,9 +133,45 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         run_requests=[RunRequest(run_key=requested[seq], partition_key=slice_key(seq), tags=slice_tags(manifests[seq]))
                       for seq in sorted(requested)],
         dynamic_partitions_requests=[slices_partitions.build_add_request(keys)],
-        cursor=cursor,
+        cursor=next_cursor,
         asset_events=observations,
     )
+
+
+def _resumed(context, store: ManifestStore, lake: LakeResource, cursor: Cursor,
+             latest: int) -> tuple[int, dict, int | None]:
+    """(last slice requested, next offsets, last close) with the lake's manifests over the cursor.
+
+    The same number may be another slice: a lake restored behind the cursor whose lost slices
+    the CLI closed again (`entity-assets run`), as many as it lost; its newest tells by its close."""
+    cursor_seq, positions, closed_at = cursor.seq, cursor.positions, cursor.closed_at
+    if latest != cursor_seq or (latest and store.closed_at().get(latest) != closed_at):
+        newest = store.get(latest) if latest else None
+        positions = newest.positions() if newest else {}
+        closed_at = newest.closed_at if newest else None
+        if latest < cursor_seq:
+            context.log.warning(f"cursor at slice {cursor_seq} but the lake has {latest} (restored from a backup?): "
+                                "resuming from the lake")
+            cursor_seq = latest
+        elif latest == cursor_seq and latest:  # the CLI's slices past what the lake held: not this sensor's requests
+            cursor_seq = min(cursor_seq, lake_holds(lake.open()))
+    return cursor_seq, positions, closed_at
+
+
+def _offsets(context, kafka: KafkaResource, positions: dict) -> tuple[dict, dict, dict, dict, str]:
+    """Kafka's (first, end) offsets of the input partitions, the first of each, the next
+    positions (a partition no slice has read starts at the first offset Kafka holds), the ends
+    (topics the broker did not list keep their positions) and why none was read, if so."""
+    unanswered: list[str] = []
+    marks = kafka.input_watermarks(unanswered=unanswered)
+    if unanswered:  # their positions stay (`ends` below): they go on at a later tick
+        context.log.warning(f"no offsets from {'; '.join(unanswered)}: this slice leaves those partitions out")
+    unread = "" if marks or unanswered else no_input_topic(kafka)
+    if unread:  # a mistyped prefix or another cluster would look idle
+        context.log.warning(unread)
+    firsts = {tp: low for tp, (low, _) in marks.items()}
+    ends = {**positions, **{tp: high for tp, (_, high) in marks.items()}}
+    return marks, firsts, {**firsts, **positions}, ends, unread
 
 
 def _went_back(context, engine, slicing: SlicingResource, positions: dict, ends: dict, marks: dict, firsts: dict):
