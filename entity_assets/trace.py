@@ -80,7 +80,7 @@ def parse_record(text: str, topic_of) -> tuple[str, int, int]:
     return topic_of(topic), int(partition), int(offset)
 
 
-def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> str | None:
+def slice_holding(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> str | None:
     """The slice whose offset range holds the record; None before the sensor closed one over it.
 
     A partition's offsets only grow from slice to slice, so a binary search over the slices
@@ -118,7 +118,7 @@ def slice_of(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> 
 
 
 def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Trail:
-    trail = Trail(topic, partition, offset, slice_of(engine, topic, partition, offset))
+    trail = Trail(topic, partition, offset, slice_holding(engine, topic, partition, offset))
     if trail.slice is None:
         return trail
     at = [("kafka_topic", "=", topic), ("kafka_partition", "=", partition), ("kafka_offset", "=", offset)]

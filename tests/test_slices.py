@@ -248,11 +248,11 @@ def test_trace_finds_a_record_s_slice_in_log2_manifests_and_where_offsets_went_b
     from entity_assets import trace
     from entity_assets.manifests import ManifestStore
     from entity_assets.storage import DeltaRsEngine
-    from entity_assets.trace import slice_of
+    from entity_assets.trace import slice_holding
 
     engine = DeltaRsEngine(str(tmp_path / "lake"))
     store = ManifestStore(engine)
-    assert slice_of(engine, "t", 0, 0) is None  # no slice yet
+    assert slice_holding(engine, "t", 0, 0) is None  # no slice yet
     for seq in range(1, 65):  # partition 0 grows by 10 a slice, partition 1 stays idle; topic "u" from slice 40 on
         ranges = [OffsetRange("t", 0, (seq - 1) * 10, seq * 10), OffsetRange("t", 1, 0, 0)]
         if seq >= 40:
@@ -263,20 +263,20 @@ def test_trace_finds_a_record_s_slice_in_log2_manifests_and_where_offsets_went_b
     monkeypatch.setattr(ManifestStore, "get", lambda self, seq: reads.append(seq) or get(self, seq))
     scan = trace.read_tables
     monkeypatch.setattr(trace, "read_tables", lambda *a, **k: pytest.fail("read every manifest"))
-    assert slice_of(engine, "t", 0, 0) == slice_key(1) and slice_of(engine, "t", 0, 639) == slice_key(64)
+    assert slice_holding(engine, "t", 0, 0) == slice_key(1) and slice_holding(engine, "t", 0, 639) == slice_key(64)
     reads.clear()
-    assert slice_of(engine, "t", 0, 415) == slice_key(42) and len(reads) <= 8  # 1 + log2(64) + 1, of 64
-    assert slice_of(engine, "u", 0, 4) == slice_key(41)
-    assert slice_of(engine, "t", 0, 640) is None and slice_of(engine, "t", 1, 0) is None  # past every slice
+    assert slice_holding(engine, "t", 0, 415) == slice_key(42) and len(reads) <= 8  # 1 + log2(64) + 1, of 64
+    assert slice_holding(engine, "u", 0, 4) == slice_key(41)
+    assert slice_holding(engine, "t", 0, 640) is None and slice_holding(engine, "t", 1, 0) is None  # past every slice
     monkeypatch.setattr(trace, "read_tables", scan)
-    assert slice_of(engine, "v", 0, 0) is None  # a partition no slice names
+    assert slice_holding(engine, "v", 0, 0) is None  # a partition no slice names
     # the topic deleted and created again, read from its first offset (offsets_went_back="restart"):
     # an offset of both lives is found in a slice of either; past the new life's end, in none
     store.write(Manifest(65, (OffsetRange("t", 0, 0, 5), OffsetRange("t", 1, 0, 0)), NOW + 65))
     store.write(Manifest(66, (OffsetRange("t", 0, 5, 20), OffsetRange("t", 1, 0, 0)), NOW + 66))
-    assert slice_of(engine, "u", 0, 4) == slice_key(41)  # a topic the newest slices no longer name (deleted)
-    assert slice_of(engine, "t", 0, 12) in (slice_key(2), slice_key(66))
-    assert slice_of(engine, "t", 0, 415) is None
+    assert slice_holding(engine, "u", 0, 4) == slice_key(41)  # a topic the newest slices no longer name (deleted)
+    assert slice_holding(engine, "t", 0, 12) in (slice_key(2), slice_key(66))
+    assert slice_holding(engine, "t", 0, 415) is None
 
 
 def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
