@@ -216,11 +216,12 @@ class DeviceInbox:
     def add(self, notification: str, ended: int) -> bool:
         """Record a notification; re-adding a pending id keeps its first ``ended`` (idempotent).
         Whether it was not pending: an inbox that gets only ids it holds has not changed."""
-        new = notification not in self.pending
-        self.pending.setdefault(notification, ended)
+        if notification in self.pending:
+            return False
+        self.pending[notification] = ended
         if self.last is None or ended > self.last:
             self.last = ended
-        return new
+        return True
 
     def ack(self, notifications: Iterable[str] | None = None, up_to: int | None = None) -> tuple[int, int]:
         """Remove the named notifications and every one with ``ended <= up_to``: how many went, and
@@ -228,8 +229,8 @@ class DeviceInbox:
         id is matched in any case: the ids are lowercase UUIDs, which some apps' UUID types give
         back in capitals (Swift's `uuidString`)."""
         removed = missed = 0
-        for notification in notifications or ():
-            if self.pending.pop(notification.lower(), None) is not None:
+        for notification in dict.fromkeys(n.lower() for n in notifications or ()):  # an id named twice, once
+            if self.pending.pop(notification, None) is not None:
                 removed += 1
             else:
                 missed += 1
@@ -318,14 +319,17 @@ def seen(device: dict[str, Any] | None, connection: dict[str, Any]) -> dict[str,
     """A device's state after one more connection (None: its first).
 
     The latest connection (by `begun`) gives the app version and client; ties go to the
-    greater (appVersion, clientid), so the state does not depend on arrival order.
+    greater (appVersion, clientid), so the state does not depend on arrival order. Kafka
+    delivers at least once: the newest connection again is not counted again.
     """
     begun = connection["begun"]
     if device is None:
         return {**{k: connection[k] for k in DEVICE_KEY}, "clientid": connection["clientid"],
                 "appVersion": connection["appVersion"], "firstSeen": begun, "lastSeen": begun, "connections": 1}
-    latest = max((device["lastSeen"], device["appVersion"], device["clientid"]),
-                  (begun, connection["appVersion"], connection["clientid"]))
+    newest = (device["lastSeen"], device["appVersion"], device["clientid"])
+    if (begun, connection["appVersion"], connection["clientid"]) == newest:
+        return device  # its newest connection delivered again (a producer's retry): counted once
+    latest = max(newest, (begun, connection["appVersion"], connection["clientid"]))
     return {**{k: device[k] for k in DEVICE_KEY}, "clientid": latest[2], "appVersion": latest[1],
             "firstSeen": min(device["firstSeen"], begun), "lastSeen": latest[0],
             "connections": device["connections"] + 1}

@@ -271,6 +271,22 @@ def test_inbox_ack_by_id_and_up_to():
     assert inbox.count == 0 and inbox.begun is None
 
 
+def test_an_id_an_ack_names_twice_is_acknowledged_once_and_not_missed():
+    """The second copy was counted as not pending: an app's bug where there is none."""
+    pending = "0b5f1c9e-6d1a-5c2e-9f3b-7a8d4e2c1b00"
+    inbox = DeviceInbox(DB, "jsmith", "device1", {pending: 100, "n2": 200})
+    assert inbox.ack([pending, pending.upper(), pending]) == (1, 0) and inbox.count == 1
+
+
+def test_a_pending_id_added_again_leaves_the_inbox_as_it_was():
+    """Its `ended` was kept and the inbox not saved, yet the newest time moved: what an emptied
+    inbox then said depended on whether another notification came in the same slice."""
+    inbox = DeviceInbox(DB, "jsmith", "device1", {"n1": 100})
+    assert inbox.add("n1", 500) is False and (inbox.pending, inbox.last) == ({"n1": 100}, 100)
+    inbox.ack(["n1"])
+    assert inbox.message()["ended"] == 100
+
+
 def test_an_ack_names_an_id_in_any_case():
     """Ids are lowercase UUIDs; an app's UUID type may give one back in capitals (Swift's uuidString)."""
     pending = "0b5f1c9e-6d1a-5c2e-9f3b-7a8d4e2c1b00"
@@ -334,6 +350,7 @@ def test_a_device_keeps_its_first_sight_and_the_app_version_of_its_latest_connec
     assert (device["firstSeen"], device["lastSeen"], device["appVersion"], device["clientid"]) == (100, 200, "1.0", CLIENT)
     device = seen(device, connection(300, "1.1"))
     assert (device["firstSeen"], device["lastSeen"], device["appVersion"], device["connections"]) == (100, 300, "1.1", 3)
+    assert seen(device, connection(300, "1.1")) == device  # the latest again (a producer's retry): counted once
     # a tie on begun: the greater app version, whatever the order of arrival
     assert seen(seen(None, connection(5, "2.0")), connection(5, "1.9"))["appVersion"] == "2.0"
     assert seen(seen(None, connection(5, "1.9")), connection(5, "2.0"))["appVersion"] == "2.0"
