@@ -32,7 +32,7 @@ import json
 from collections import Counter
 from typing import Any
 
-from entity_assets.patch import escape_token
+from entity_assets.patch import escape_token, shown
 
 __all__ = [
     "TYPES",
@@ -58,6 +58,11 @@ _SYNONYMS = {
     "OBJECT": DOCUMENT,
     "MAP": DOCUMENT,
     "LIST": ARRAY,
+    # Kafka Connect's schema types
+    **dict.fromkeys(("INT8", "INT16", "INT32", "INT64"), INTEGER),
+    "FLOAT32": DOUBLE,
+    "FLOAT64": DOUBLE,
+    "STRUCT": DOCUMENT,
 }
 
 _FORMAT = 1  # version of the to_json layout, checked by from_json
@@ -320,31 +325,31 @@ def _declared_type(spec: dict) -> str | None:
     return DOCUMENT if t is None and isinstance(spec.get("fields"), dict) else t
 
 
-def _declaration_errors(schema_doc: Any) -> list[tuple[str | None, str]]:
+def _declaration_errors(schema_doc: Any) -> list[tuple[str | None, str, str]]:
     """What makes a database schema document not the seed's style: learning would read
     `"optional": "false"` as a field that may be missing, and skip a field spec that is not an
-    object. A null `type` or `optional` counts as absent. Each error as (entity type, error
-    within it: its path from the type's `fields` on)."""
+    object. A null `type` or `optional` counts as absent. Each error as (entity type, its path
+    from the type's `fields` on, what is wrong there)."""
     if not isinstance(schema_doc, dict):
-        return [(None, "a database schema must be an object of entity types")]
+        return [(None, "", "a database schema must be an object of entity types")]
     errors, todo = [], [(n, "fields", et.get("fields")) for n, et in schema_doc.items() if isinstance(et, dict)]
     while todo:
         type_name, path, fields = todo.pop()
         if fields is None:
             continue
         if not isinstance(fields, dict):
-            errors.append((type_name, f"{path}: must be an object of field specs"))
+            errors.append((type_name, path, "must be an object of field specs"))
             continue
         for name, spec in fields.items():
             where = f"{path}/{escape_token(name)}"
             if not isinstance(spec, dict):
-                errors.append((type_name, f"{where}: a field spec must be an object, such as "
-                                          "{\"type\": \"STRING\", \"optional\": true}"))
+                errors.append((type_name, where, "a field spec must be an object, such as "
+                                                 "{\"type\": \"STRING\", \"optional\": true}"))
                 continue
             if spec.get("type") is not None and normalize_type(spec["type"]) is None:
-                errors.append((type_name, f"{where}/type: must be a type name, such as \"STRING\""))
+                errors.append((type_name, f"{where}/type", "must be a type name, such as \"STRING\""))
             if spec.get("optional") is not None and not isinstance(spec["optional"], bool):
-                errors.append((type_name, f"{where}/optional: must be true or false"))
+                errors.append((type_name, f"{where}/optional", "must be true or false"))
             todo.append((type_name, f"{where}/fields", spec.get("fields")))
     return errors
 
@@ -352,26 +357,25 @@ def _declaration_errors(schema_doc: Any) -> list[tuple[str | None, str]]:
 def new_declaration_error(before: Any, after: Any) -> str | None:
     """The first of `after`'s declaration errors that `before` (None: no schema yet) did not have:
     a schema patch that makes one fails (status 3); one a schema already held, from a release
-    that did not check, neither fails the patches that leave it be (a type renamed by a `move`
-    keeps its errors, counted in any type) nor hides a new one."""
+    that did not check, neither fails the patches that leave it be (a type renamed by a `move`,
+    unchanged, keeps its errors) nor hides a new one."""
     held = Counter(_declaration_errors(before)) if before is not None else Counter()
-    fresh = []
-    for found in _declaration_errors(after):  # held by its own type: not new
+    if isinstance(before, dict) and isinstance(after, dict):
+        removed = [spec for name, spec in before.items() if name not in after]
+        for name, spec in after.items():
+            if name not in before and spec in removed:
+                held.update((name, where, what) for _, where, what in _declaration_errors({name: spec}))
+    for found in _declaration_errors(after):
         if held[found] > 0:
             held[found] -= 1
         else:
-            fresh.append(found)
-    types = set(after) if isinstance(after, dict) else set()
-    moved = Counter(error for (type_name, error), n in held.items() if type_name not in types for _ in range(n))
-    for type_name, error in fresh:  # held by a type `after` lacks: the same type, renamed
-        if moved[error] <= 0:
-            return _path(type_name, error)
-        moved[error] -= 1
+            type_name, where, what = found
+            return f"{shown(_path(type_name, where))}: {what}" if where or type_name is not None else what
     return None
 
 
-def _path(type_name: str | None, error: str) -> str:
-    return error if type_name is None else f"{_top(type_name)}/{error}"
+def _path(type_name: str | None, where: str) -> str:
+    return where if type_name is None else f"{_top(type_name)}/{where}"
 
 
 def _top(name: str) -> str:
@@ -397,7 +401,7 @@ def _declared_spec(spec: dict) -> dict:
     out["type"] = NULL if t is None else t  # declared without a type, never seen: as an undeclared one
     out["optional"] = spec.get("optional") is True
     nested = _fields_of(spec)
-    if t == DOCUMENT and nested is not None:
+    if (t == DOCUMENT or t not in _RANK) and nested is not None:  # a type learning does not know keeps what it lists
         out["fields"] = {n: _declared_spec(nested[n]) for n in sorted(nested)}
     return out
 
@@ -431,6 +435,8 @@ def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> di
                 entry["fields"] = _infer_fields(f.doc, nested)
             if f.doc is not None and f.doc.truncated:
                 entry["fieldsTruncated"] = True
+        elif t not in _RANK and (nested := _fields_of(spec)) is not None:
+            entry["fields"] = {n: _declared_spec(nested[n]) for n in sorted(nested)}
         out[name] = entry
     return out
 

@@ -541,3 +541,48 @@ def test_a_declared_field_past_the_names_kept_is_neither_missing_nor_made_option
     assert infer(summary, declared)["fields"]["status"] == {"type": "STRING", "optional": False}
     assert not [d for d in disagreements(summary, declared) if d["path"] == "status"]
     assert infer(summary, declared)["fields"]["attr_0000"]["optional"] is True  # kept: counted, in some documents
+
+
+def test_two_collections_alike_once_cut_stay_two_entries_of_the_check():
+    from entity_assets.assets.schemas import _declared_schema_check
+
+    issue = {"path": "x", "kind": "undeclared", "detail": "observed"}
+    report = {f"db/{'c' * 200}{end}": [issue] for end in "ab"}
+    metadata = _declared_schema_check(report).metadata
+    assert metadata["collections_disagreeing"].value == 2 and len(metadata["disagreements"].data) == 2
+
+
+def test_kafka_connect_s_type_names_are_the_types_they_name():
+    declared = {"fields": {"q": {"type": "INT32", "optional": False}, "r": {"type": "FLOAT64", "optional": False},
+                           "p": {"type": "STRUCT", "optional": False,
+                                 "fields": {"home": {"type": "STRING", "optional": False}}}}}
+    s = Summary.of([{"q": "x", "r": "y", "p": {"home": 1}}])
+    assert {(d["path"], d["kind"]) for d in disagreements(s, declared)} == {
+        ("q", "type_conflict"), ("r", "type_conflict"), ("p/home", "type_conflict")}
+    assert infer(Summary.of([{"q": 1, "r": 1.5, "p": {"home": "x"}}]), declared)["fields"] == {
+        "p": {"type": "DOCUMENT", "optional": False, "fields": {"home": {"type": "STRING", "optional": False}}},
+        "q": {"type": "INTEGER", "optional": False}, "r": {"type": "DOUBLE", "optional": False}}
+
+
+def test_a_type_learning_does_not_know_keeps_the_fields_declared_inside_it():
+    declared = {"fields": {"at": {"type": "GEOPOINT", "optional": False,
+                                  "fields": {"lat": {"type": "DOUBLE", "optional": False}}}}}
+    expected = {"type": "GEOPOINT", "optional": False, "fields": {"lat": {"type": "DOUBLE", "optional": False}}}
+    assert infer(Summary.of([]), declared)["fields"]["at"] == expected
+    assert infer(Summary.of([{"at": {"lat": 1.5}}]), declared)["fields"]["at"] == expected
+
+
+def test_a_declaration_error_cuts_the_names_the_client_sent():
+    """The error rides in three streams' messages: a 200,000-character name made one that size."""
+    name = "f" * 200_000
+    error = new_declaration_error(None, {"Contacts": {"fields": {name: {"type": "STRING", "optional": "yes"}}}})
+    assert len(error) < 300 and error.endswith(": must be true or false"), error[:200]
+
+
+def test_a_removed_type_excuses_only_the_errors_of_the_same_type_moved_unchanged():
+    """An unrelated type added beside a removal was excused by any removed type's error of the same text."""
+    held = {"fields": {"x": {"type": "STRING", "optional": "yes"}}}
+    before = {"Old": held}
+    assert new_declaration_error(before, {"New": held}) is None  # a move: the same type under another name
+    other = {"fields": {"x": {"type": "INTEGER", "optional": "yes"}}}
+    assert new_declaration_error(before, {"Brand": other}) == "Brand/fields/x/optional: must be true or false"

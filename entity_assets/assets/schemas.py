@@ -138,6 +138,14 @@ def _declared_schema_check(report: dict[str, list[dict]]) -> AssetCheckResult:
         metadata={"collections_disagreeing": MetadataValue.int(len(report)),
                   "disagreement_count": MetadataValue.int(sum(len(issues) for issues in report.values())),
                   # names and paths cut, as zone names are: a client's field name may be 900 KB
-                  "disagreements": MetadataValue.json({shown(name): [{**issue, "path": shown(issue["path"])}
-                                                                     for issue in issues[:SHOWN]]
-                                                       for name, issues in sorted(report.items())[:SHOWN]})})
+                  "disagreements": MetadataValue.json(_shown_report(report))})
+
+
+def _shown_report(report: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The first collections' first issues, names cut; two names alike once cut stay two entries."""
+    out: dict[str, list[dict]] = {}
+    for name, issues in sorted(report.items())[:SHOWN]:
+        key = shown(name)
+        out[key if key not in out else f"{key} #{len(out) + 1}"] = [{**issue, "path": shown(issue["path"])}
+                                                                      for issue in issues[:SHOWN]]
+    return out
