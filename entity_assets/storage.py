@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import NamedTuple
@@ -184,9 +184,10 @@ def prefetched(fn: Callable, items: Iterable, ahead: int) -> Iterator:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
-    finally:
-        for future in pending:
+    finally:  # calls not started are dropped; those running are waited for, as a caller's retry
+        for future in pending:  # must see what they did (a commit still in its store's backoff)
             future.cancel()
+        wait(pending)
 
 
 def _settings(storage_options: dict[str, str] | None, names: dict[str, str], *prefixes: str) -> dict[str, str]:

@@ -478,6 +478,24 @@ def test_the_version_the_latest_handle_is_at_is_read_without_opening_the_log_aga
     assert len(engine.files("entity_updates")) == 2
 
 
+def test_a_failed_call_is_raised_after_the_calls_running_beside_it_end():
+    """Sibling commits still in their store's backoff ended after the error reached the step,
+    whose retry then took a snapshot without them and committed the slice's rows again."""
+    import time
+
+    ended = []
+
+    def commit(i):
+        if i == 0:
+            raise OSError("the store refused")
+        time.sleep(0.3)
+        ended.append(i)
+
+    with pytest.raises(OSError, match="refused"):
+        list(prefetched(commit, range(4), 4))
+    assert sorted(ended) == [1, 2, 3]
+
+
 def test_prefetched_calls_run_ahead_in_threads_and_come_back_in_order():
     import threading
     import time
