@@ -813,14 +813,25 @@ def test_a_re_run_that_finds_other_records_at_the_slice_s_offsets_keeps_the_lake
     meta = pipeline.materializations(again)
     assert "Kafka holds other records at its offsets (12) than the 12 it read" in meta["entity_batches"]["kept"]
     assert sorted(pipeline.read("entity_batches").column("kafka_timestamp").to_pylist()) == before
+    # the same once the commit that recorded the sum left the log: the rows' timestamps tell it
+    from entity_assets.assets import ingest as ingest_asset
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(ingest_asset, "READ", "not-recorded")
+        meta = pipeline.materializations(pipeline.run(K1, assets=ingest_only(pipeline)))
+    assert "Kafka holds other records at its offsets (12) than the 12 it read" in meta["entity_batches"]["kept"]
+    assert sorted(pipeline.read("entity_batches").column("kafka_timestamp").to_pylist()) == before
 
 
-def test_a_re_run_that_reads_fewer_records_than_the_first_keeps_the_lake_rows(make_pipeline, monkeypatch):
+@pytest.mark.parametrize("in_the_log", [True, False], ids=["commit-in-the-log", "commit-expired"])
+def test_a_re_run_that_reads_fewer_records_than_the_first_keeps_the_lake_rows(make_pipeline, monkeypatch, in_the_log):
     """A compacted topic drops a key's older records after the slice's first run, without moving
     its first offset: the re-run reads fewer records and no span is gone. The lake's rows are the
-    only copy of those dropped, so they stay. (Compaction is simulated by a read that skips one
-    record: the small slice's tasks run in this process.)"""
+    only copy of those dropped, so they stay, also once lake maintenance expired the commit that
+    recorded what the first run read (its rows replaced then). (Compaction is simulated by a read
+    that skips one record: the small slice's tasks run in this process.)"""
     from entity_assets import ingest
+    from entity_assets.assets import ingest as ingest_asset
 
     pipeline = make_pipeline(production_layout=True)
     pipeline.produce(traffic(30, seed=10))
@@ -835,6 +846,8 @@ def test_a_re_run_that_reads_fewer_records_than_the_first_keeps_the_lake_rows(ma
         return (m for m in reading(config, r, **kwargs) if (m.partition(), m.offset()) != compacted)
 
     monkeypatch.setattr(ingest, "read_range", read_compacted)
+    if not in_the_log:  # no commit says what the first run read: expired from the log, or an older release's
+        monkeypatch.setattr(ingest_asset, "READ", "not-recorded")
     again = pipeline.run(K1, assets=ingest_only(pipeline))
     meta = pipeline.materializations(again)
     assert "Kafka now holds 29 of its 30 records" in meta["entity_batches"]["kept"]

@@ -5,6 +5,7 @@ from collections import Counter
 from dataclasses import replace
 from functools import partial
 
+import pyarrow.compute as pc
 from dagster import (AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetExecutionContext, AssetSpec, Failure,
                      MaterializeResult, MetadataValue, multi_asset)
 
@@ -20,7 +21,7 @@ from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
 from entity_assets.partitions import LAKE_POOL, slices_partitions
 from entity_assets.slices import slice_key as key_of, slice_seq, split_ranges
-from entity_assets.storage import filesystem, read_table
+from entity_assets.storage import filesystem, read_table, read_tables
 from entity_assets.tables import INPUT_TABLES
 from resources import KafkaResource, LakeResource, SlicingResource, SparkResource
 
@@ -255,20 +256,40 @@ def _changed_since(engine, slice_key: str, read: int, stamps: str, highest: str)
     timestamps (a topic deleted, created again and refilled past the slice's offsets: its new
     records would replace the lake's rows, and be read again by the next slices). None if they
     are, or on its first run, which `highest` (`_highest_ingested`) tells, so that a first run
-    lists no table's files for it. Only a slice with rows has a commit to look for."""
+    lists no table's files for it. Only a slice with rows has a commit to look for; once lake
+    maintenance expired that commit from the log (or an older release recorded none), the
+    slice's rows tell what it read."""
     if highest < slice_key:
         return None
-    for table in TABLES:  # the first commit that records what it read (not `_keep`'s, nor an older release's)
-        if engine.slice_files(table, [slice_key]) and READ in (entry := engine.commit_after(
-                table, slice_key, "replace_slice") or {}):
-            before = int(entry[READ])
-            if read < before:
-                return f"Kafka now holds {read} of its {before} records"
-            if read > before or entry.get(STAMPS, stamps) != stamps:
-                return (f"Kafka holds other records at its offsets ({read}) than the {before} it read (a topic "
-                        "deleted and created again?)")
-            return None
+    held = [table for table in TABLES if engine.slice_files(table, [slice_key])]
+    if not held:
+        return None
+    # the first commit that records what it read (not `_keep`'s)
+    entry = next((e for table in held if READ in (e := engine.commit_after(table, slice_key, "replace_slice") or {})),
+                 None)
+    before, was = (int(entry[READ]), entry.get(STAMPS, stamps)) if entry else _rows_read(engine, slice_key, held)
+    if read < before:
+        return f"Kafka now holds {read} of its {before} records"
+    if read > before or was != stamps:
+        return (f"Kafka holds other records at its offsets ({read}) than the {before} it read (a topic "
+                "deleted and created again?)")
     return None
+
+
+def _rows_read(engine, slice_key: str, tables: list[str]) -> tuple[int, str]:
+    """How many records the slice's rows hold and the sum of their Kafka timestamps: a row per
+    record read, in one of `tables` (dead letters of spans gone stand for none). A Qlik data
+    message whose wait a later slice ended counts here no more: such a re-run keeps the rows."""
+    count = total = 0
+    for table in tables:
+        letters = table == "dead_letters"
+        for data in read_tables(engine.slice_files(table, [slice_key]), engine.storage_options,
+                                ["kafka_timestamp", *(["code"] if letters else [])]):
+            if letters:
+                data = data.filter(pc.not_equal(data.column("code"), DeadLetterCode.EXPIRED.value))
+            count += data.num_rows
+            total += pc.sum(data.column("kafka_timestamp")).as_py() or 0
+    return count, str(total % STAMPS_MODULUS)
 
 
 def _committed(engine, slice_key: str) -> list[str]:
