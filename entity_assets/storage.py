@@ -686,7 +686,8 @@ def _post_commit():
 
 
 class LayoutError(RuntimeError):
-    """A table's layout is older than the code's (a column it needs is missing)."""
+    """A table's layout is not the code's: older (a column it needs is missing), or another
+    engine's (a stream table's slices merged into shared files)."""
 
 
 class DeltaRsEngine:
@@ -820,8 +821,14 @@ class DeltaRsEngine:
         if f"min.{SLICE}" not in actions.column_names:
             return []
         low, high = actions[f"min.{SLICE}"], actions[f"max.{SLICE}"]
+        if spanning := pc.sum(pc.not_equal(low, high)).as_py():
+            raise LayoutError(f"table {table}: {spanning} file(s) hold rows of several slices, which this engine writes "
+                               "a file per slice and finds by their files (a compaction by another engine, such as "
+                               "OPTIMIZE?): a re-run would keep their rows and add its own, and a step would read "
+                               "no rows of their slices. Restore the table's version before the compaction "
+                               "(docs/storage.md)")
         keys = pa.array(sorted(set(slice_keys)), low.type)
-        return self._table_files(actions.filter(pc.and_(pc.is_in(low, value_set=keys), pc.equal(low, high))), dt)
+        return self._table_files(actions.filter(pc.is_in(low, value_set=keys)), dt)
 
     def slice_finder(self, table: str) -> Callable[[str], list[TableFile]]:
         """`slice_files` of one slice at a time, for many calls on one snapshot (a history walking

@@ -188,13 +188,32 @@ def test_slice_files_and_reads_pick_files_by_their_statistics(tmp_path):
         return written
 
     a, b, both = write(("0000000001", 1)), write(("0000000002", 3)), write(("0000000001", 1), ("0000000002", 1))
-    engine.commit(table, SCHEMAS[table], add=[a, b, both], operation="test", slice_key=KEY)
-    assert [f.path for f in engine.slice_files(table, ["0000000001"])] == [a.path]  # never a file of two slices
+    engine.commit(table, SCHEMAS[table], add=[a, b], operation="test", slice_key=KEY)
+    assert [f.path for f in engine.slice_files(table, ["0000000001"])] == [a.path]
     assert sorted(f.path for f in engine.slice_files(table, ["0000000001", "0000000002"])) == sorted([a.path, b.path])
     assert engine.slice_files(table, ["0000000003"]) == []
+    engine.commit(table, SCHEMAS[table], add=[both], operation="test", slice_key=KEY)
     assert engine.read(table, where={"slice": "0000000002"}).column("status").to_pylist() in ([3, 1], [1, 3])
     assert engine.read(table, where={"status": 3}).column("slice").to_pylist() == ["0000000002"]
     assert len(engine.files(table)) == 3 and engine.files(table)[0].min.keys() >= {"slice"}
+    with pytest.raises(LayoutError, match="1 file"):  # never a file of two slices: not this engine's layout
+        engine.slice_files(table, ["0000000001"])
+
+
+def test_a_stream_table_another_engine_compacted_is_refused_not_read_as_slices_without_rows(tmp_path):
+    """delta-rs's (or Spark's) OPTIMIZE merges slices' files: a re-run then kept their rows beside
+    its own, and a step read no rows of their slices."""
+    from deltalake import DeltaTable
+
+    engine, table = DeltaRsEngine(str(tmp_path)), "entity_updates"
+    engine.ensure(table, SCHEMAS[table])
+    for key in ("0000000001", "0000000002"):
+        writer = FileWriter(table, engine.uri(table), SCHEMAS[table], key)
+        writer.append({"slice": key, "status": 1})
+        engine.replace_slice(table, SCHEMAS[table], writer.close(), key)
+    DeltaTable(engine.uri(table)).optimize.compact()
+    with pytest.raises(LayoutError, match="several slices"):
+        DeltaRsEngine(str(tmp_path)).slice_files(table, ["0000000001"])
 
 
 def test_the_state_key_check_fails_on_repeated_keys_or_overlapping_shard_files(tmp_path):
