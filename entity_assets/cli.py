@@ -27,6 +27,7 @@ from itertools import groupby
 from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException
+from deltalake.exceptions import DeltaError
 from pydantic import ValidationError
 
 from entity_assets.broker import DEFAULT_PORT, LocalBroker
@@ -38,6 +39,22 @@ from resources import SettingError, with_settings
 from resources.lake import default_home
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class NoLake(Exception):
+    """A lake that holds no slice: nothing run yet, or a root that names another folder."""
+
+
+def _lake():
+    """The deployment's lake, which must hold slices: a mistyped root would read as an empty lake."""
+    from entity_assets.definitions import build_resources
+    from entity_assets.manifests import TABLE as MANIFESTS
+
+    engine = build_resources()["lake"].open()
+    if not engine.exists(MANIFESTS):
+        raise NoLake(f"no lake at {engine.root}: it holds no slice (nothing run yet, or ENTITY_ASSETS_LAKE or "
+                     "ENTITY_ASSETS_HOME names another folder)")
+    return engine
 
 
 class UsageError(Exception):
@@ -217,17 +234,38 @@ def _cdc_topics(partitions: int = 4) -> None:
     ensure_topics(kafka.config(), [kafka.topic(s) for s in samples.CDC_STREAMS], partitions)
 
 
-def _file_records(path: str):
-    """(stream, key, value) of each line of a JSON-lines file of {topic, key, value}."""
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON value")
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float, which one past a double is not: sent again, it would read `Infinity`."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:40]} is beyond a double")
+    return value
+
+
+def _file_records(path: str, kafka=None):
+    """(stream, key, value) of each line of a JSON-lines file of {topic, key, value}: a topic that
+    an input stream or a configured source's ingestion reads (`kafka`: the deployment's)."""
+    kafka = kafka or kafka_resource()
+    lines = 0
     try:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    r = json.loads(line)
+                    r = json.loads(line, parse_constant=_no_constant, parse_float=_finite)
+                    if not isinstance(r, dict):
+                        raise TypeError(f"a JSON {type(r).__name__}, not an object")
                     if not isinstance(r["topic"], str):
                         raise TypeError(f"topic is {json.dumps(r['topic'])[:80]}, not a name")
+                    if kafka.input_stream(kafka.topic_named(r["topic"])) is None:
+                        raise TypeError(f"{r['topic'][:120]} is neither an input stream ({', '.join(INPUT_STREAMS)}) "
+                                        "nor the ingestion topic of a configured source")
+                    lines += 1
                     # JSON text of what is not a string (a CDC key object); a null value is a tombstone
                     value, key = (v if v is None or isinstance(v, str) else json.dumps(v) for v in (r["value"], r.get("key")))
                     yield r["topic"], key, None if value is None else value.encode()
@@ -238,6 +276,8 @@ def _file_records(path: str):
         raise UsageError(f"{path}: not UTF-8 text ({exc.reason})") from None
     except OSError as exc:
         raise UsageError(f"{path}: {exc.strerror}") from None
+    if not lines:
+        raise UsageError(f"{path}: no record (each line: {{topic, key, value}})")
 
 
 def _say_produced(counts: Counter) -> None:
@@ -275,6 +315,10 @@ def cmd_produce(args) -> int:
             counts += produce_records(("entity-batches", f"bad/{i}", v) for i, (_, v) in enumerate(samples.BAD_VALUES))
     _say_produced(counts)
     return 0
+
+
+class RunRefused(UsageError):
+    """Slices or assets to run again that are none: nothing runs."""
 
 
 class RunsInFlight(Exception):
@@ -402,25 +446,24 @@ def run_slices(first: int, last: int, *, assets: list[str] | None = None, republ
     `republish`: publish slices older than the newest published too (`assets.common.publishes_slice`).
     """
     from entity_assets.assets.common import REPUBLISH_TAG
-    from entity_assets.definitions import build_resources
     from entity_assets.manifests import ManifestStore
     from entity_assets.slices import run_key, slice_key
 
-    instance = _instance_for_runs()
-    store = ManifestStore(build_resources()["lake"].open())
-    closed = store.closed_at()
-    latest = max(closed, default=0)
     if first > last:
-        raise ValueError(f"slices {first}..{last}: the first comes after the last")
-    if not 1 <= first <= last <= latest:
-        raise ValueError(f"slices {first}..{last} do not exist: the sensor has closed slices 1..{latest}")
+        raise RunRefused(f"slices {first}..{last}: the first comes after the last")
     steps = None
-    if assets:
+    if assets is not None:
         ops = {key.to_user_string(): op for key, op in _step_of_asset().items()}
         unknown = sorted(set(assets) - set(ops))
-        if unknown:
-            raise ValueError(f"no asset {', '.join(unknown)}; the assets are {', '.join(sorted(ops))}")
+        if unknown or not assets:
+            raise RunRefused(f"no asset {', '.join(unknown) or 'named'}; the assets are {', '.join(sorted(ops))}")
         steps = sorted({ops[a] for a in assets})
+    store = ManifestStore(_lake(), reading=True)
+    closed = store.closed_at()
+    latest = max(closed, default=0)
+    if not 1 <= first <= last <= latest:
+        raise RunRefused(f"slices {first}..{last} do not exist: the sensor has closed slices 1..{latest}")
+    instance = _instance_for_runs()
     runs = [(slice_key(s), run_key(slice_key(s), closed[s])) for s in range(first, last + 1)]
     return _materialize(instance, store, runs, _steps_selection(steps), log,
                         tags={REPUBLISH_TAG: "true"} if republish else {})
@@ -489,7 +532,7 @@ def _run_all(runs=run_pending) -> int:
               "instance, and state applies in slice order:\n  " + "\n  ".join(e.args[0]) + "\nLet them finish "
               "(the daemon: scripts/ui.sh), or terminate them and turn the sensor off in the UI.", file=sys.stderr)
         return 2
-    except ValueError as e:
+    except RunRefused as e:
         print(f"not running: {e}", file=sys.stderr)
         return 2
     return 0 if all(s["success"] for s in summaries) else 1
@@ -497,16 +540,19 @@ def _run_all(runs=run_pending) -> int:
 
 def cmd_run(args) -> int:
     if args.slices is None:
-        if args.assets or args.republish:
-            print(f"{'--assets' if args.assets else '--republish'} needs --slices: pending slices run through "
-                  "the whole graph, and publish", file=sys.stderr)
+        if args.assets is not None or args.republish:
+            print(f"{'--assets' if args.assets is not None else '--republish'} needs --slices: pending slices run "
+                  "through the whole graph, and publish", file=sys.stderr)
             return 2
         return _run_all(lambda: run_pending(max_messages=args.max_messages))
     first, dots, last = args.slices.partition("..")
     if not (_whole(first) and (_whole(last) if dots else True)):
         print(f"--slices {args.slices}: give slice numbers, FIRST or FIRST..LAST", file=sys.stderr)
         return 2
-    assets = [a.strip() for a in args.assets.split(",")] if args.assets else None
+    if args.max_messages is not None:
+        print("--max-messages cuts new slices: slices run again keep the offsets they closed with", file=sys.stderr)
+        return 2
+    assets = None if args.assets is None else [a.strip() for a in args.assets.split(",") if a.strip()]
     return _run_all(lambda: run_slices(int(first), int(last or first), assets=assets, republish=args.republish))
 
 
@@ -539,12 +585,10 @@ def _observations(result) -> list:
 
 
 def lake_summary() -> dict[str, dict]:
-    from entity_assets.definitions import build_resources
-
     from entity_assets.manifests import TABLE as MANIFESTS
     from entity_assets.tables import SCHEMAS
 
-    engine = build_resources()["lake"].open()  # a folder, or a bucket or container: the tables by their names
+    engine = _lake()  # a folder, or a bucket or container: the tables by their names
     out = {}
     for table in sorted(t for t in (*SCHEMAS, MANIFESTS) if engine.exists(t)):
         out[table] = {"rows": engine.row_count(table), "version": engine.version(table)}
@@ -586,7 +630,7 @@ def cmd_trace(args) -> int:
         record = parse_record(args.record, resources["kafka"].topic_named)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    trail = trace(resources["lake"].open(), *record)
+    trail = trace(_lake(), *record)
     print(json.dumps(asdict(trail), indent=2) if args.json else format_trail(trail))
     return 0 if trail.slice else 1
 
@@ -597,12 +641,11 @@ changes since a slice are complete (docs/storage.md)."""
 
 
 def cmd_changes(args) -> int:
-    from entity_assets.definitions import build_resources
     from entity_assets.slices import slice_key
 
     if args.since is not None and not _whole(args.since):
         raise UsageError(f"--since {args.since}: give a slice number")
-    engine = build_resources()["lake"].open()
+    engine = _lake()
     if not engine.exists(args.table):
         raise SystemExit(f"entity-assets changes: the lake has no {args.table} table yet")
     from entity_assets.assets.common import STATE_APP
@@ -619,12 +662,11 @@ def cmd_changes(args) -> int:
 
 
 def cmd_history(args) -> int:
-    from entity_assets.definitions import build_resources
     from entity_assets.history import Diverged, as_of, entity_history
     from entity_assets.trace import printable
 
     try:
-        history = entity_history(build_resources()["lake"].open(), args.dbid, args.collection, args.zone, args.entity)
+        history = entity_history(_lake(), args.dbid, args.collection, args.zone, args.entity)
     except Diverged as exc:
         raise SystemExit(f"entity-assets history: {exc}") from None
     if args.slice is None and args.at is None:
@@ -639,6 +681,10 @@ def cmd_history(args) -> int:
             print(printable(json.dumps(found, ensure_ascii=False) if args.json else
                   json.dumps(found["document"], ensure_ascii=False)))
             return 0
+        if history:  # silence would not tell "not yet" from a key mistyped
+            first, when = history[0], f"after slice {args.slice}" if args.at is None else f"at {args.at}"
+            print(f"entity-assets history: no version {when} (the first: v{first['version']}, slice "
+                  f"{first['slice']}, from {first['valid_from']})", file=sys.stderr)
     if not history:  # silence would not tell a mistyped key from an entity not there yet
         print(f"entity-assets history: no version of {args.dbid}/{args.collection}/{args.zone}/{args.entity} in "
               "entity_updates (the key's four parts are case-sensitive)", file=sys.stderr)
@@ -791,8 +837,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("dbid", "collection", "zone", "entity"):
         history.add_argument(name)
     when = history.add_mutually_exclusive_group()
-    when.add_argument("--slice", type=int, default=None, help="the document after this slice (its number)")
-    when.add_argument("--at", type=int, metavar="MS", default=None,
+    when.add_argument("--slice", type=_at_least(1), default=None, help="the document after this slice (its number)")
+    when.add_argument("--at", type=_at_least(0), metavar="MS", default=None,
                       help="the document at this time (epoch milliseconds, as begun and ended)")
     history.add_argument("--json", action="store_true", help="each version with every field, as JSON lines")
     demo = sub.add_parser("demo", help="broker, sample traffic, every slice, summary")
@@ -817,6 +863,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
         return 2
+    except NoLake as exc:
+        print(f"entity-assets {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except DeltaError as exc:  # a table's log delta-rs cannot read (a file damaged, one of another engine's features)
+        print(f"entity-assets {args.command}: the lake's Delta log: {_cause(exc)}", file=sys.stderr)
+        return 1
     except (ValidationError, SettingError) as exc:  # a resource's setting from the environment (ENTITY_ASSETS_*)
         print(f"entity-assets {args.command}: a setting is not valid: {exc}", file=sys.stderr)
         return 2

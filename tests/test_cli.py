@@ -64,7 +64,9 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
                        (("--assets", "devices"), "--assets needs --slices"),
                        (("--republish",), "--republish needs --slices"),
                        (("--slices", "first"), "give slice numbers"),
-                       (("--slices", "2..1"), "the first comes after the last")):
+                       (("--slices", "2..1"), "the first comes after the last"),
+                       (("--slices", "1", "--assets", ""), "no asset named"),
+                       (("--slices", "1", "--max-messages", "5"), "--max-messages cuts new slices")):
         assert cli.main(["run", *args]) == 2
         assert says in capsys.readouterr().err, args
     with DagsterInstance.get() as instance:  # each run tagged with its slice's size, as the sensor's are
@@ -115,7 +117,8 @@ def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables
     assert cli.main(["history", *key, "--slice", str(slices)]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(entity["document"])
     assert cli.main(["history", *key, "--at", str(versions[0]["valid_from"] - 1)]) == 1
-    assert capsys.readouterr().err == ""  # the entity is there, only not yet then
+    assert capsys.readouterr().err.startswith(  # the entity is there, only not yet then
+        f"entity-assets history: no version at {versions[0]['valid_from'] - 1} (the first: v1, slice ")
     assert cli.main(["history", *key[:3], "no-such-entity"]) == 1
     assert "history: no version of " in capsys.readouterr().err
     # the demo's hint: the entity of the most versions
@@ -320,7 +323,14 @@ def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(br
     path = tmp_path / "records.jsonl"
     for lines, said in ([good, '{"topic": "connections", "key": "k"}'], f"{path}:2: no 'value'"), \
                        ([good, "{not json"], f"{path}:2: "), \
-                       ([good, good.replace('"connections"', '"conections"')], f"no topic {prefix}conections on"):
+                       ([good, good.replace('"connections"', '"conections"')],
+                        f"{path}:2: conections is neither an input stream"), \
+                       ([good, good.replace('"connections"', '"entity-updates"')],  # a derived stream's apps' input
+                        f"{path}:2: entity-updates is neither an input stream"), \
+                       ([good, "[1, 2]"], f"{path}:2: a JSON list, not an object"), \
+                       ([good, good.replace('"jsmith"', "NaN")], f"{path}:2: NaN is no JSON value"), \
+                       ([good, good.replace('"jsmith"', "1e999")], f"{path}:2: 1e999 is beyond a double"), \
+                       (["", "  "], f"{path}: no record"):
         path.write_text("\n".join(lines) + "\n")
         assert cli.main(["produce", "file", str(path)]) == 2
         assert capsys.readouterr().err.startswith(f"entity-assets produce: {said}")
@@ -498,6 +508,37 @@ def test_a_lake_on_a_store_it_cannot_reach_is_a_line_and_status_1(monkeypatch, t
     err = capsys.readouterr().err
     assert err.startswith("entity-assets summary: Kernel error -> Generic S3 error: Connection refused (os error 111) "
                           "(the lake: ENTITY_ASSETS_LAKE") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["summary"], ["trace", "entity-batches:0:17"], ["changes", "entities"],
+                                     ["history", "db", "c", "z", "e"], ["run", "--slices", "1"]])
+def test_a_lake_that_holds_no_slice_is_said_not_read_as_an_empty_one(monkeypatch, tmp_path, capsys, command):
+    """A mistyped ENTITY_ASSETS_LAKE read as an empty lake (a summary of no table, status 0), and
+    `run --slices` made a manifests table there."""
+    lake = tmp_path / "no-such-lake"
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_LAKE", str(lake))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    assert cli.main(command) == 1
+    err = capsys.readouterr().err
+    assert f"no lake at {lake}: it holds no slice" in err and "ENTITY_ASSETS_LAKE" in err, err
+    assert not lake.exists()
+
+
+def test_a_delta_log_delta_rs_cannot_read_is_a_line_and_status_1(monkeypatch, tmp_path, capsys):
+    from deltalake.exceptions import DeltaError
+
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+
+    def damaged(args):
+        raise DeltaError("Failed to parse commit 00000000000000000000.json: EOF while parsing")
+
+    monkeypatch.setattr(cli, "cmd_summary", damaged)
+    assert cli.main(["summary"]) == 1
+    assert capsys.readouterr().err == ("entity-assets summary: the lake's Delta log: Failed to parse commit "
+                                       "00000000000000000000.json: EOF while parsing\n")
 
 
 def test_output_to_a_reader_that_ended_is_status_141_and_no_message(monkeypatch, tmp_path, capfd):
