@@ -226,11 +226,13 @@ def produce_records(records, kafka=None, streams: set[str] | None = None) -> Cou
 
 
 def _cdc_topics(partitions: int = 4) -> None:
-    """The sample's ingestion topics: a connector creates its own; the sample's are made here."""
+    """The sample's ingestion topics: a connector creates its own; the sample's are made here,
+    once Kafka answers (`cluster_metadata` names the cause of a silence in seconds)."""
     from entity_assets import samples
-    from entity_assets.kafka_io import ensure_topics
+    from entity_assets.kafka_io import cluster_metadata, ensure_topics
 
     kafka = kafka_resource()
+    cluster_metadata(kafka.config())
     ensure_topics(kafka.config(), [kafka.topic(s) for s in samples.CDC_STREAMS], partitions)
 
 
