@@ -1,10 +1,12 @@
 """`entity-assets`: the command line for people and scripts.
 
     entity-assets broker start|stop|status     the embedded local Kafka-protocol broker
+    entity-assets topics [--dry-run]           the input and output topics a cluster lacks, created
     entity-assets spark start|stop|status      a local Spark Connect server for the daemon's runs
-    entity-assets produce sample|seed|file|cdc put traffic on the input topics
+    entity-assets produce sample|seed|file|cdc|acks   put traffic on the input topics
     entity-assets run                          one sensor evaluation, then every pending slice in order
     entity-assets run --slices 1..40           those slices again, in order (a rebuild; --assets to pick tables)
+    entity-assets maintenance                  vacuum and log expiry, as the daemon's daily schedule
     entity-assets summary                      rows per table, dead letters per code
     entity-assets trace entity-batches:0:17    one input record's rows in every table, down to device inboxes
     entity-assets changes entities --since 12  a state's rows that the slices after 12 changed, as JSON lines
@@ -784,7 +786,9 @@ def _at_least(minimum: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="entity-assets", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="entity-assets", description=__doc__.split("\n")[0],
+                                     epilog=__doc__.split("\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", **_port_of("ENTITY_ASSETS_BROKER_PORT", DEFAULT_PORT),
                         help="the local broker's port (before the command; ENTITY_ASSETS_BROKER_PORT)")
     sub = parser.add_subparsers(dest="command", required=True)
