@@ -347,7 +347,8 @@ def plain(value: Any) -> Any:
 _UNTYPED = object()
 _INTEGER = re.compile(r"-?[0-9]+")
 _DOUBLE = re.compile(r"-?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
-_NUMBERS = {"$numberInt": (_INTEGER, int, 2**31), "$numberLong": (_INTEGER, int, 2**63), "$numberDouble": (_DOUBLE, float, None)}
+_NUMBERS = {"$numberInt": (_INTEGER, int, 2**31), "$numberLong": (_INTEGER, int, 2**63),
+            "$numberDouble": (_DOUBLE, float, None)}
 """Extended JSON's number texts, by the spec's grammar and range: Python's `int` and `float` also
 take `1_000`, ` 7 ` and other scripts' digits, which no MongoDB writes."""
 

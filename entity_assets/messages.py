@@ -609,10 +609,9 @@ def json_value(raw: bytes | bytearray | str, *, allow_inf_nan: bool = False) -> 
     """An input's JSON, whose objects name each member once: GENERR001 otherwise. JSON leaves a
     repeated name's meaning open (RFC 8259) and parsers keep the last value, so an op written
     `{"op": "add", ..., "op": "remove"}` would delete what it was sent to add (RFC 6902, A.13)."""
+    data = raw if type(raw) is bytes else raw.encode() if isinstance(raw, str) else bytes(raw)
     try:
-        return jiter.from_json(raw if type(raw) is bytes else raw.encode() if isinstance(raw, str) else bytes(raw),
-                               allow_inf_nan=allow_inf_nan,
-                               catch_duplicate_keys=True, cache_mode="keys")
+        return jiter.from_json(data, allow_inf_nan=allow_inf_nan, catch_duplicate_keys=True, cache_mode="keys")
     except ValueError as exc:
         if str(exc).startswith(REPEATED_NAME):
             raise InvalidMessage(DeadLetterCode.BAD_FORMAT, f"a name repeated in one object ({exc}): "
