@@ -181,15 +181,15 @@ ENTITY_TYPE = "entity-type"
 def entity_type_rows(result: dict, schema: dict) -> list[dict]:
     """schema-learning entity-type messages: one per entity type of the updated schema.
 
-    The header of the schema update, no ops, `parts` the number of types, `after` that type only.
-    The row's `collection` names the type, which partitions the topic; the message leaves it out,
-    as the seed's sample does ("the same header fields as the schema-updates messages").
+    The header of the schema update (its flags too), no ops, `parts` the number of types, `after`
+    that type only, and never `before`. The row's `collection` names the type, which partitions
+    the topic; the message leaves it out, as the seed's sample does ("the same header fields as
+    the schema-updates messages").
     """
     types = sorted(name for name, value in schema.items() if isinstance(value, dict))
     return [
         {**result, "collection": name, "zone": None, "entity": None, "ops": None, "before": None,
-         "includeBefore": False, "after": dumps({name: schema[name]}), "parts": len(types), "part": part,
-         "kind": ENTITY_TYPE}
+         "after": dumps({name: schema[name]}), "parts": len(types), "part": part, "kind": ENTITY_TYPE}
         for part, name in enumerate(types, start=1)
     ]
 
@@ -236,7 +236,7 @@ def result_json(row: dict) -> str:
     if row["status"] != STATUS_OK:
         msg["error"] = row["error"]
     else:
-        if row.get("includeBefore"):
+        if row.get("includeBefore") and row.get("kind") != ENTITY_TYPE:  # a type's message: its `after` alone
             documents["before"] = row["before"]
         if row.get("includeAfter") or row.get("kind"):  # schema-learning rows always carry after
             documents["after"] = row["after"]

@@ -96,11 +96,18 @@ def result_texts(rows: pa.Table) -> pa.Array:
     if "error" in names:  # schema_learning has none: its rows are all status 1
         pieces += _member("error", _string(col("error")), pc.invert(ok))
     pieces += [*_optional("ops", col("ops"), [one_array(col("ops"))]),
-               *_member("before", [pc.fill_null(one_array(col("before")), "null")],
-                        pc.and_(ok, pc.fill_null(one_array(col("includeBefore")), False))),
+               *_member("before", [pc.fill_null(one_array(col("before")), "null")], _before_asked(rows, ok)),
                *_member("after", [pc.fill_null(one_array(col("after")), "null")], pc.and_(ok, _after_asked(rows))),
                "}"]
     return pc.binary_join_element_wise(*pieces, "")
+
+
+def _before_asked(rows: pa.Table, ok: pa.Array) -> pa.Array:
+    """Applied, and requested by the request; never in an entity type's schema-learning message."""
+    asked = pc.and_(ok, pc.fill_null(one_array(rows.column("includeBefore")), False))
+    if "kind" not in rows.column_names:
+        return asked
+    return pc.and_(asked, pc.invert(pc.fill_null(pc.equal(one_array(rows.column("kind")), core.ENTITY_TYPE), False)))
 
 
 def _after_asked(rows: pa.Table) -> pa.Array:

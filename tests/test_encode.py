@@ -57,6 +57,19 @@ def test_schema_learning_rows_always_carry_after():
     assert encode.result_texts(table).to_pylist() == [core.result_json(r) for r in table.to_pylist()]
 
 
+def test_an_entity_type_message_keeps_its_update_s_flags_and_never_has_a_before():
+    """It has "the same header fields as the schema-updates messages" (the seed): includeAfter
+    was kept and includeBefore dropped, to leave `before` out."""
+    update = {"dbid": "db", "clientid": "c", "request": 2, "user": "u", "begun": 1, "parts": 1, "part": 1,
+              "status": 1, "ended": 5, "ops": "[]", "before": '{"Old":{}}', "after": "{}", "error": None,
+              "includeBefore": True, "includeAfter": True, "learning": False}
+    rows = core.entity_type_rows(update, {"Contacts": {"fields": {}}, "Groups": {"fields": {}}})
+    texts = [core.result_json(r) for r in rows]
+    assert all('"includeBefore":true' in t and '"includeAfter":true' in t and '"before"' not in t for t in texts)
+    table = pa.Table.from_pylist([{**r, "slice": "s"} for r in rows], schema=SCHEMAS["schema_learning"])
+    assert encode.result_texts(table).to_pylist() == texts
+
+
 def test_an_entity_type_message_leaves_its_collection_out_and_an_entity_message_keeps_it():
     rows = [{**r, "kind": [core.ENTITY_TYPE, "entity", None][i % 3], "status": 1} for i, r in enumerate(_rows())]
     table = pa.Table.from_pylist(rows, schema=SCHEMAS["schema_learning"])
