@@ -250,10 +250,10 @@ def _finite(text: str) -> float:
     return value
 
 
-def _file_records(path: str, kafka=None):
+def _file_records(path: str):
     """(stream, key, value) of each line of a JSON-lines file of {topic, key, value}: a topic that
-    an input stream or a configured source's ingestion reads (`kafka`: the deployment's)."""
-    kafka = kafka or kafka_resource()
+    an input stream or a configured source's ingestion reads."""
+    kafka = kafka_resource()
     lines = 0
     try:
         with open(path, encoding="utf-8") as f:
