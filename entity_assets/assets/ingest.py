@@ -261,13 +261,13 @@ def _changed_since(engine, slice_key: str, read: int, stamps: str, highest: str)
     slice's rows tell what it read."""
     if highest < slice_key:
         return None
-    held = [table for table in TABLES if engine.slice_files(table, [slice_key])]
+    held = {table: files for table in TABLES if (files := engine.slice_files(table, [slice_key]))}
     if not held:
         return None
     # the first commit that records what it read (not `_keep`'s)
     entry = next((e for table in held if READ in (e := engine.commit_after(table, slice_key, "replace_slice") or {})),
                  None)
-    before, was = (int(entry[READ]), entry.get(STAMPS, stamps)) if entry else _rows_read(engine, slice_key, held)
+    before, was = (int(entry[READ]), entry.get(STAMPS, stamps)) if entry else _rows_read(engine, held)
     if read < before:
         return f"Kafka now holds {read} of its {before} records"
     if read > before or was != stamps:
@@ -276,15 +276,15 @@ def _changed_since(engine, slice_key: str, read: int, stamps: str, highest: str)
     return None
 
 
-def _rows_read(engine, slice_key: str, tables: list[str]) -> tuple[int, str]:
+def _rows_read(engine, held: dict[str, list]) -> tuple[int, str]:
     """How many records the slice's rows hold and the sum of their Kafka timestamps: a row per
-    record read, in one of `tables` (dead letters of spans gone stand for none). A Qlik data
-    message whose wait a later slice ended counts here no more: such a re-run keeps the rows."""
+    record read, in one of the tables' `held` files (dead letters of spans gone stand for none).
+    A Qlik data message whose wait a later slice ended counts here no more: such a re-run keeps
+    the rows."""
     count = total = 0
-    for table in tables:
+    for table, files in held.items():
         letters = table == "dead_letters"
-        for data in read_tables(engine.slice_files(table, [slice_key]), engine.storage_options,
-                                ["kafka_timestamp", *(["code"] if letters else [])]):
+        for data in read_tables(files, engine.storage_options, ["kafka_timestamp", *(["code"] if letters else [])]):
             if letters:
                 data = data.filter(pc.not_equal(data.column("code"), DeadLetterCode.EXPIRED.value))
             count += data.num_rows
