@@ -90,9 +90,10 @@ def _no_deployment_settings(monkeypatch):
     (`cli.prepare_environment`), would differ from a test's own resources, which runs refuse
     (`resources.deployed`): each test starts without them and sets its own, and leaves the
     environment as it found it (a variable a command set, never one monkeypatch knew of, too)."""
-    from entity_assets.definitions import VARIABLES
+    from entity_assets.definitions import OTHER_VARIABLES, VARIABLES
 
-    for variable in VARIABLES.values():
+    session_set = {"ENTITY_ASSETS_HOME", RETRIES_VARIABLE}  # by `_isolated_home`, for every test
+    for variable in [*VARIABLES.values(), *(v for v in OTHER_VARIABLES if v not in session_set)]:
         monkeypatch.delenv(variable, raising=False)
     # pyspark's mark of a process whose sessions are Spark Connect's (`spark_connect.connect`):
     # left by one test, the next one's local session would be taken for a Connect one

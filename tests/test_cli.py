@@ -856,6 +856,7 @@ def test_constraints_pin_every_dependency_at_the_version_pyproject_names():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two demos of up to 240 s each
 def test_the_readme_s_demo_command_runs_the_whole_graph_twice_on_one_home(tmp_path, free_port):
     """`bash scripts/demo.sh`, as a user runs it (smaller traffic), and again on the same home:
     the second run goes on from the first's slices. The broker it leaves running is stopped."""
@@ -869,7 +870,7 @@ def test_the_readme_s_demo_command_runs_the_whole_graph_twice_on_one_home(tmp_pa
             with subprocess.Popen(demo, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True) as proc:
                 try:
-                    out, err = proc.communicate(timeout=240)  # under the test's own limit (pyproject.toml)
+                    out, err = proc.communicate(timeout=240)  # under the test's own limit (its mark)
                 except BaseException:  # past it, or the test's limit: the script's `entity-assets run` too
                     os.killpg(proc.pid, signal.SIGKILL)
                     raise
