@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from entity_assets.patch import MAX_DOCUMENT_BYTES, STATUS_FAILED, STATUS_OK, PatchError, apply_patch
+from entity_assets.patch import MAX_DOCUMENT_BYTES, STATUS_FAILED, STATUS_OK, PatchError, apply_patch, is_delete
 
 STATE_BUCKETS = 32
 """Hash buckets of the entity state. Fixed for the life of a lake: changing it needs a rebuild."""
@@ -102,11 +102,15 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
     already (`history`) leaves that out, as a lake written before the limit may hold such ones.
     """
     before, items = state.doc, loads(ops)
-    outcome = apply_patch({} if implicit_empty and before is None else before, items)
+    if implicit_empty:  # a schema is never absent: a tombstone would read as none
+        deleting = next((i for i, op in enumerate(items) if is_delete(op)), None) if isinstance(items, list) else None
+        if deleting is not None:
+            return STATUS_FAILED, str(PatchError(deleting, items[deleting], SCHEMA_KEPT)), None, None, None
+        outcome = apply_patch({} if before is None else before, items, document="a database's schema")
+    else:
+        outcome = apply_patch(before, items)
     if outcome.status != STATUS_OK:
         return outcome.status, outcome.error, None, None, None
-    if implicit_empty and outcome.deleted:  # a schema is never absent: a tombstone would read as none
-        return STATUS_FAILED, str(PatchError(len(items) - 1, items[-1], SCHEMA_KEPT)), None, None, None
     if check is not None and outcome.doc is not None and (error := check(before, outcome.doc)):
         return STATUS_FAILED, error, None, None, None
     size = _bounded_size(state.size, ops, outcome.doc) if sized else 0

@@ -489,7 +489,7 @@ def apply_ops(doc, ops: list[dict]):
 # ---------------------------------------------------------------- entities
 
 
-def _is_delete(op) -> bool:
+def is_delete(op) -> bool:
     return isinstance(op, dict) and op.get("op") == "remove" and op.get("path") == ""
 
 
@@ -497,11 +497,12 @@ def _outcome(status, doc=None, error=None, deleted=False) -> PatchOutcome:
     return PatchOutcome(status, doc, error, deleted)
 
 
-def apply_patch(doc: dict | None, ops: list) -> PatchOutcome:
+def apply_patch(doc: dict | None, ops: list, *, document: str = "an entity document") -> PatchOutcome:
     """Apply a patch to an entity (None = does not exist). Never raises for bad ops.
 
     All-add patches on a missing entity create it; a trailing ``remove ""``
-    deletes it; any failure returns STATUS_FAILED with the original doc.
+    deletes it; any failure returns STATUS_FAILED with the original doc. `document` names
+    what the patch applies to in an error (a schema's client reads of its schema).
     """
     if not isinstance(ops, list):
         return _outcome(STATUS_FAILED, doc, f"a patch must be an array of ops, got {_kind(ops)}")
@@ -513,7 +514,7 @@ def apply_patch(doc: dict | None, ops: list) -> PatchOutcome:
         base = doc
     body, deleted = ops, False
     for index, op in enumerate(ops):
-        if _is_delete(op):
+        if is_delete(op):
             if index != len(ops) - 1:
                 reason = "deleting the entity (remove \"\") must be the last op"
                 return _outcome(STATUS_FAILED, doc, str(PatchError(index, op, reason)))
@@ -526,6 +527,6 @@ def apply_patch(doc: dict | None, ops: list) -> PatchOutcome:
         return _outcome(STATUS_OK, None, deleted=True)
     if not isinstance(result, dict):
         return _outcome(
-            STATUS_FAILED, doc, f"an entity document must be an object, got {_kind(result)}"
+            STATUS_FAILED, doc, f"{document} must be an object, got {_kind(result)}"
         )
     return _outcome(STATUS_OK, result)

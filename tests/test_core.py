@@ -97,6 +97,11 @@ def test_a_schema_patch_that_deletes_the_schema_fails_and_one_that_empties_it_ap
 
     failed = send([{"op": "add", "path": "Groups", "value": {}}, {"op": "remove", "path": ""}])
     assert failed["status"] == 3 and failed["error"] == f'op 1 (remove ""): {core.SCHEMA_KEPT}'
+    # the error a schema's client reads names the schema, and moving the remove last would not help
+    first = send([{"op": "remove", "path": ""}, {"op": "add", "path": "Groups", "value": {}}])
+    assert first["status"] == 3 and first["error"] == f'op 0 (remove ""): {core.SCHEMA_KEPT}'
+    nulled = send([{"op": "replace", "path": "", "value": None}])
+    assert nulled["status"] == 3 and nulled["error"] == "a database's schema must be an object, got null"
     assert state.doc == held and state.version == (0 if held is None else 3)
     emptied = send([{"op": "replace", "path": "", "value": {}}])
     assert emptied["status"] == 1 and emptied["action"] == ("created" if held is None else "updated")
