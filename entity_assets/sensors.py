@@ -87,9 +87,11 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
             ", or delete the sensor's cursor: `dagster sensor cursor kafka_offsets_sensor --delete` (docs/slices.md)")
         context.log.error(said)
         return SensorResult(skip_reason=SkipReason(said), cursor=context.cursor)
-    cursor_seq, positions, closed_at = _resumed(context, store, lake, cursor, latest)
+    cursor_seq, read, closed_at = _resumed(context, store, lake, cursor, latest)
     reported, taken = cursor.lag, cursor.adopted
-    marks, firsts, positions, ends, unread = _offsets(context, kafka, positions)
+    # `read`, the slices' offsets, is what the cursor keeps: a partition no slice has read starts
+    # where Kafka's first offset is when a slice reads it, not when a tick first saw it
+    marks, firsts, positions, ends, unread = _offsets(context, kafka, read)
     planned, ends, still_held, went_back = _went_back(context, engine, slicing, positions, ends, marks, firsts)
     latest_closed = closed_at  # of the newest slice before this tick's
     new = plan_slices(planned, ends, policy=slicing.policy(), next_seq=latest + 1,
@@ -99,7 +101,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
     if still_held is not None and new:  # a manifest holds the restarted offsets now; without one, the next tick restarts
         engine.write_note(WENT_BACK, json.dumps(_keyed(still_held)))
     if new:
-        positions, closed_at = new[-1].positions(), new[-1].closed_at
+        read, closed_at = new[-1].positions(), new[-1].closed_at
     last = new[-1].seq if new else latest
     requested = {m.seq: m.run_key for m in new}
     healed: dict[int, int] = {}
@@ -117,7 +119,7 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
         requested.update({seq: key for seq, key in again.items() if seq not in requested})
     keys = [slice_key(seq) for seq in sorted(requested)]
     observations, reported = report_lag(context.log.warning, context.instance, kafka, store, marks, last, reported)
-    next_cursor = dump_cursor(last, positions, closed_at, reported, taken)
+    next_cursor = dump_cursor(last, read, closed_at, reported, taken)
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)
         return SensorResult(skip_reason=SkipReason(f"no slice closed ({pending} messages pending)"

@@ -615,6 +615,35 @@ def test_a_partition_no_slice_has_read_starts_at_the_first_offset_kafka_holds(pi
     assert pipeline.read("dead_letters").num_rows == 0
 
 
+def test_a_topic_seen_by_ticks_before_a_slice_reads_it_starts_at_the_first_offset_kafka_holds_then(
+        make_pipeline, delete_records_before):
+    """The cursor keeps the slices' offsets, not the first offsets a tick that closed no slice saw:
+    records retention removed before the first slice read the topic are no dead letters (as the
+    manifests plan it, `entity-assets run`)."""
+    from entity_assets.kafka_io import produce
+    from entity_assets.samples import encode
+
+    pipeline = make_pipeline(min_interval_seconds=3600, max_messages=100)
+    pipeline.produce(traffic(1, seed=1))
+    [first] = pipeline.tick_and_run()  # the CDC topic does not exist yet
+    assert first.success
+    topic, config = pipeline.topic("crm.customers.ingestion"), pipeline.kafka.config()
+    ensure_topics(config, [topic], 1)
+
+    def rows(ids):
+        return [(encode({"ID": i}), encode({"ID": i, "NAME": f"n{i}"})) for i in ids]
+
+    produce(config, topic, rows(range(60)))
+    assert pipeline.tick() == []  # not due, under max_messages: a tick saw the topic at offset 0
+    delete_records_before(config, {(topic, 0): 30})
+    produce(config, topic, rows(range(60, 130)))
+    [run] = pipeline.tick_and_run()  # the 100 records Kafka holds: a full slice
+    assert run.success
+    assert [(r.start, r.end) for r in pipeline.manifest(2).ranges if r.topic == topic] == [(30, 130)]
+    assert pipeline.read("dead_letters").num_rows == 0
+    assert pipeline.read("entity_batches").num_rows == 1 + 100
+
+
 def test_a_partition_without_a_leader_waits_and_the_others_are_sliced(pipeline, monkeypatch):
     """One partition that gives no offsets (an election, its broker down) must not hold back
     every topic: the tick leaves it out, says so, and a later tick slices it from where it was."""
