@@ -252,8 +252,11 @@ class Change(NamedTuple):
 
 def change(fmt: str, raw: bytes | None) -> Change:
     """The change one record value makes; InvalidMessage if it is bad."""
-    if not raw:
+    if raw is None:
         return Change(DELETE, None, None)  # a tombstone: its key is gone
+    if not raw:  # compaction keeps it, as a consumer should not take it for a delete: a producer's bug
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, "empty value: a tombstone is a record without a "
+                                                            "value (null), not one of no bytes")
     value = _json(raw, "value")
     if value is None:
         return Change(DELETE, None, None)

@@ -117,6 +117,9 @@ def test_debezium_seed_examples(fmt):
     delete = patch_of(batch(source, enc(DB2_KEY), enc({"op": "d", "before": ROW, "after": None})))
     assert delete["ops"] == [{"op": "remove", "path": ""}]
     assert patch_of(batch(source, enc(DB2_KEY), None))["ops"] == [{"op": "remove", "path": ""}]  # tombstone
+    with pytest.raises(InvalidMessage, match="empty value") as caught:  # compaction keeps it: no tombstone
+        batch(source, enc(DB2_KEY), b"")
+    assert caught.value.code == DeadLetterCode.BAD_FORMAT
 
 
 OID = "65bc9fb6c485f419a7a877fe"
