@@ -10,7 +10,7 @@
     entity-assets summary                      rows per table, dead letters per code
     entity-assets trace entity-batches:0:17    one input record's rows in every table, down to device inboxes
     entity-assets changes entities --since 12  a state's rows that the slices after 12 changed, as JSON lines
-    entity-assets history DB COLLECTION ZONE ENTITY [--slice N | --at MS]   an entity's versions, or one of them
+    entity-assets history DBID COLLECTION ZONE ENTITY [--slice N | --at MS]   an entity's versions, or one of them
     entity-assets demo                         all of the above on the embedded default
 """
 
@@ -291,6 +291,9 @@ def _say_produced(counts: Counter) -> None:
 def cmd_produce(args) -> int:
     from entity_assets import samples
 
+    if args.seed is None and args.source in ("sample", "cdc"):
+        args.seed = int.from_bytes(os.urandom(4), "big") >> 1
+        print(f"seed {args.seed} (--seed {args.seed} produces these records again)")
     if args.source == "cdc":
         _cdc_topics()
         counts = produce_records(samples.CdcTraffic(rows=args.rows, seed=args.seed).records())
@@ -813,7 +816,9 @@ def main(argv: list[str] | None = None) -> int:
     produce.add_argument("--patches", type=_at_least(1), default=10_000)
     produce.add_argument("--entities", type=_at_least(1), default=1_000)
     produce.add_argument("--ops", type=_at_least(1), default=3)
-    produce.add_argument("--seed", type=int, default=7)
+    produce.add_argument("--seed", type=int, default=None,
+                         help="sample, cdc: the traffic's random seed (default: a new one, printed); a seed given "
+                              "again produces the same request ids, which the pipeline drops as redeliveries")
     produce.add_argument("--learning", action="store_true")
     produce.add_argument("--devices", type=_at_least(0), default=0, help="whole-graph traffic: schemas, devices, subscriptions")
     produce.add_argument("--zones", type=_at_least(0), default=0, help="spread entities and subscriptions over this many zones")

@@ -3,7 +3,7 @@
 # (the seed's batch, generated batches and a few bad records, which become dead letters), materializes
 # every slice through the Dagster job and prints a summary of the lake.
 #
-#   bash scripts/demo.sh [--patches N] [--entities N] [--partitions N]
+#   bash scripts/demo.sh [--patches N] [--entities N] [--devices N] [--partitions N] [--cdc-rows N]
 #
 # State lives in $ENTITY_ASSETS_HOME (default ./.entity-assets): broker data, Delta lake, and the
 # Dagster instance that scripts/ui.sh shows. The broker keeps running afterwards.

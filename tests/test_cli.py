@@ -356,6 +356,27 @@ def test_produce_file_checks_the_whole_file_and_its_topics_before_it_produces(br
         == (f"{prefix}connections", 0, 1)
 
 
+def test_produce_sample_is_new_traffic_each_time_unless_its_seed_is_given(broker, monkeypatch, tmp_path, capsys):
+    """The demo's traffic and a later `produce sample` of the same seed share request ids, which the
+    dedupe window drops as redeliveries: a sample's default seed is a new one, printed."""
+    prefix = "cli-seed."
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_BOOTSTRAP", broker.bootstrap)
+    monkeypatch.setenv("ENTITY_ASSETS_TOPIC_PREFIX", prefix)
+    assert cli.main(["topics"]) == 0
+    capsys.readouterr()
+    seeds = []
+    for _ in range(2):
+        assert cli.main(["produce", "sample", "--patches", "3", "--entities", "3"]) == 0
+        said, produced = capsys.readouterr().out.splitlines()
+        seeds.append(int(re.fullmatch(r"seed (\d+) \(--seed \1 produces these records again\)", said)[1]))
+        assert produced == "produced 3 to entity-batches"
+    assert seeds[0] != seeds[1] and seeds[0] != samples.BatchTraffic.seed
+    assert cli.main(["produce", "sample", "--patches", "3", "--entities", "3", "--seed", "7"]) == 0
+    assert capsys.readouterr().out == "produced 3 to entity-batches\n"
+
+
 def test_produce_file_writes_keys_and_values_that_are_no_strings_as_json_and_a_null_value_as_a_tombstone(tmp_path):
     """A CDC topic's keys are objects (Debezium's `{"ID": 1}`), and a delete is followed by a tombstone."""
     path = tmp_path / "cdc.jsonl"
