@@ -324,7 +324,8 @@ def pool_warning(instance: DagsterInstance) -> str | None:
     step unless the instance says `granularity: run`: two slices' runs could then interleave
     their steps, and the later one's state step refuses (OutOfOrder), failing its run. A pool
     without a limit (a shared instance, none set and no `default_limit`) or above 1 lets them
-    start together."""
+    start together, and so does one whose limit is the `default_limit` alone, until a dequeue
+    has created the pool."""
     granularity = instance.get_concurrency_config().pool_config.pool_granularity
     per = getattr(granularity, "value", granularity) or "op"  # Dagster's PoolGranularity; unset: per op
     if per != "run":
@@ -337,6 +338,11 @@ def pool_warning(instance: DagsterInstance) -> str | None:
         return (f"this instance's pool {LAKE_POOL} " + (f"is limited to {limit} runs" if limit else "has no limit")
                 + f": slices' runs may start together and fail with OutOfOrder. Limit it to 1: "
                   f"`dagster instance concurrency set {LAKE_POOL} 1` (docs/operations.md)")
+    if LAKE_POOL not in storage.get_concurrency_keys():
+        return (f"this instance's pool {LAKE_POOL} is limited to 1 only by dagster.yaml's default_limit, which "
+                "Dagster applies after the first dequeue that sees the pool: slices' runs queued before it start "
+                f"together and fail with OutOfOrder. Set it: `dagster instance concurrency set {LAKE_POOL} 1` "
+                "(docs/operations.md)")
     # the queue starts runs in the order they were created, which submit workers make concurrent
     # (the sensor daemon's workers only with its `use_threads`, which is off unless set; the backfill daemon's is on)
     settings = {part: instance.get_settings(part) for part in ("sensors", "backfills")}

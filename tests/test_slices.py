@@ -404,12 +404,14 @@ def test_a_log_cut_short_is_held_until_continue_reads_on_from_the_slices_offsets
 def test_the_sensor_warns_on_an_instance_whose_pools_let_slices_runs_interleave(project_instance, monkeypatch):
     """The project's dagster.yaml counts the lake pool per run, one run at a time; an instance left
     at Dagster's default (per op) would let two slices' steps interleave, and a limit above 1 (or
-    none) would start their runs together."""
+    none, or the default_limit alone before a dequeue made the pool) would start their runs together."""
     from dagster import DagsterInstance
 
     from entity_assets.partitions import LAKE_POOL
     from entity_assets.sensors import pool_warning
 
+    assert "limited to 1 only by dagster.yaml's default_limit" in pool_warning(project_instance)
+    project_instance.event_log_storage.set_concurrency_slots(LAKE_POOL, 1)  # as scripts/ui.sh does
     assert pool_warning(project_instance) is None
     with DagsterInstance.ephemeral() as instance:
         assert "count per op, not per run" in pool_warning(instance)
