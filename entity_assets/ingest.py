@@ -287,11 +287,23 @@ def ingestion_stream(topic: str, prefix: str, sources: Mapping[str, adapters.Sou
     return IngestionStream(replace(source, system=parsed[0]), projection=parsed[1])
 
 
-def waits_ending(slice_key: str, wait_slices: int) -> str | None:
-    """The slice whose waits for a schema end in `slice_key` (itself when they do not wait; None
-    for the first slices)."""
+WaitHistory = list[tuple[int, int]]
+"""(first slice, schema_wait_slices) of each setting a lake's slices were first ingested with, in order."""
+
+
+def wait_at(history: WaitHistory, seq: int) -> int:
+    return next(wait for first, wait in reversed(history) if first <= seq)
+
+
+def waits_ending(slice_key: str, history: WaitHistory) -> list[str]:
+    """The slices whose waits for a schema end in `slice_key`: slice N - W's with the wait W of its
+    time (itself with none; none for the first slices). Where the setting changed, those the slices
+    before left, and none a slice before ended: a shorter wait ends several slices' at once, a
+    longer one none until it has passed."""
     seq = slice_seq(slice_key)
-    return slice_key_of(seq - wait_slices) if seq > wait_slices else None
+    starts = [first for first, _ in history[1:]] + [seq]
+    ended = max((min(end, seq) - 1 - wait for (first, wait), end in zip(history, starts) if first < seq), default=0)
+    return [slice_key_of(k) for k in range(max(ended, 0) + 1, seq - wait_at(history, seq) + 1)]
 
 
 def waits_for(f, schema_ids) -> bool:
@@ -312,7 +324,7 @@ def new_registrations(engine, files: dict[str, list], registry: Mapping[str, qli
 
 
 def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, adapters.Source],
-                  registry: Mapping[str, qlik.Registered], new: frozenset[str], slice_key: str, wait_slices: int,
+                  registry: Mapping[str, qlik.Registered], new: frozenset[str], slice_key: str, due: frozenset[str],
                   table_uris: dict[str, str], storage_options: dict | None) -> Iterator[dict]:
     """mapPartitions body: the Qlik data messages waiting for their schema (`schema_waits` rows).
 
@@ -320,8 +332,8 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
     ones of slices before it. A message whose schema is `new` (the slice registers it) becomes an
     `entity_batches` row of this slice with its own Kafka coordinates (or a dead letter of another
     code if it is bad otherwise); a held one that still waits is a `schema_waits` row of the slice.
-    One read `wait_slices` slices before this one whose schema no slice has registered is an
-    EA-SCHEMA-UNKNOWN dead letter of this slice; it keeps its `schema_waits` row, so the slice that
+    One read in a slice whose waits end in this one (`due`, `waits_ending`) whose schema no slice
+    has registered is an EA-SCHEMA-UNKNOWN dead letter of this slice; it keeps its `schema_waits` row, so the slice that
     registers its schema, whenever it comes, still applies it. `registry`: every schema known,
     `new` ones included. Yields the files written, and one record per message applied under the
     table `COUNTER + "applied"`.
@@ -334,7 +346,6 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
                           stats_columns=file_stats(table))
 
     batches, dead, waits = writer("entity_batches"), writer("dead_letters"), writer("schema_waits")
-    due = waits_ending(slice_key, wait_slices)
     streams: dict[str, IngestionStream | None] = {}
     rows: dict[tuple[str, int], _Rows] = {}  # applied messages by topic and partition, as `ingest_tasks` writes them
     applied = 0
@@ -350,8 +361,9 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
             if stream is None or schema_id not in new:
                 if not task["earlier"]:
                     waits.append(r, record_size(r["kafka_key"], r["value"]))
-                if r["slice"] == due and schema_id not in registry:
-                    reason = (f"no metadata message registered schema {schema_id} in the {wait_slices} slice(s) from "
+                if r["slice"] in due and schema_id not in registry:
+                    waited = slice_seq(slice_key) - slice_seq(r["slice"])
+                    reason = (f"no metadata message registered schema {schema_id} in the {waited} slice(s) from "
                               f"slice {r['slice']}, which read this data message; the slice that registers it applies it")
                     dead.append({**r, "slice": slice_key, "code": m.DeadLetterCode.SCHEMA_UNKNOWN.value,
                                  "reason": reason}, record_size(r["kafka_key"], r["value"]))

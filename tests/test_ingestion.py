@@ -230,6 +230,50 @@ def test_without_a_wait_an_unknown_schema_is_a_dead_letter_at_once(make_pipeline
     assert [(r["code"], r["slice"]) for r in pipeline.read("schema_waits").to_pylist()] == [("EA-SCHEMA-PENDING", K(1))]
 
 
+@pytest.mark.parametrize(("history", "ended"), [
+    ([(1, 4)], {5: [1], 6: [2], 13: [9]}),
+    ([(1, 0)], {1: [1], 2: [2]}),
+    ([(1, 4), (10, 1)], {9: [5], 10: [6, 7, 8, 9], 11: [10]}),
+    ([(1, 1), (10, 4)], {9: [8], 10: [], 12: [], 13: [9], 14: [10]}),
+])
+def test_the_waits_a_slice_ends_leave_none_out_and_none_twice_when_the_wait_changes(history, ended):
+    from entity_assets.ingest import waits_ending
+
+    each = {n: [int(k) for k in waits_ending(K(n), history)] for n in range(1, 20)}
+    assert {n: each[n] for n in ended} == ended
+    assert sorted(k for keys in each.values() for k in keys) == list(range(1, 1 + len(sum(each.values(), []))))
+
+
+def test_a_changed_schema_wait_ends_each_slice_s_waits_once_and_re_runs_keep_their_first_run_s(make_pipeline):
+    """Lowered from 3 to 1 at slice 3, the wait ends both slices' before it at once (slice 3 - 1's
+    alone would leave slice 1's waiting for good), slice 4 ends none of them again, and a re-run of
+    slice 3 under the old setting writes the same dead letters."""
+    patient = make_pipeline(schema_wait_slices=3)
+    topic = patient.topic("hr.employees.ingestion")
+    ensure_topics(patient.kafka.config(), [topic], 1)
+    schema = qlik.data_schema("EMPLOYEES", {"EMP_ID": "long"})
+    for emp in (1, 2):  # slices 1 and 2: a data message whose schema never comes
+        produce(patient.kafka.config(), topic, [(b"%d" % emp, qlik.data_envelope("f" * 32, schema, "INSERT",
+                                                                                  {"EMP_ID": emp}))])
+        [run] = patient.tick_and_run()
+        assert run.success
+    hasty = make_pipeline(prefix=patient.prefix, lake_root=patient.lake.root, instance=patient.instance,
+                          schema_wait_slices=1)
+
+    def letters():
+        return sorted((r["slice"], r["kafka_offset"]) for r in hasty.read("dead_letters").to_pylist()
+                      if r["code"] == "EA-SCHEMA-UNKNOWN")
+
+    for n in (3, 4):
+        hasty.produce(samples.BatchTraffic(patches=1, entities=1, seed=n).records())
+        [run] = hasty.tick_and_run()
+        assert run.success
+        assert letters() == [(K(3), 0), (K(3), 1)]
+    assert patient.run(K(3)).success  # the setting of its first run, 1, not 3 (which would end none)
+    assert letters() == [(K(3), 0), (K(3), 1)]
+    assert any(f"in the 2 slice(s) from slice {K(1)}" in r["reason"] for r in hasty.read("dead_letters").to_pylist())
+
+
 def test_slices_that_read_qlik_schemas_are_ingested_in_order(make_pipeline):
     """A slice decodes with the schemas of the slices before it, and ends the waits of the slice
     `schema_wait_slices` before it unless a slice since registered their schema: either way it

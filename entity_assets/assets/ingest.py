@@ -1,6 +1,7 @@
 """Input streams: Kafka records of a slice become the raw tables and dead letters."""
 
 
+import json
 from collections import Counter
 from dataclasses import replace
 from functools import partial
@@ -14,8 +15,9 @@ from entity_assets.assets.common import (KINDS, RECENT_COMMITS, OutOfOrder, comm
                                          pop_counts, run_tasks, slice_of, table_metadata, task_slots)
 from entity_assets.assets import topics
 from entity_assets.assets.retries import retried_when_transient
-from entity_assets.ingest import (HELD, INPUT_STREAMS, STAMPS_MODULUS, IngestionStream, ingest_tasks, lake_table,
-                                  new_registrations, registry_before, resolve_tasks, waits_ending, waits_for)
+from entity_assets.ingest import (HELD, INPUT_STREAMS, STAMPS_MODULUS, IngestionStream, WaitHistory, ingest_tasks,
+                                  lake_table, new_registrations, registry_before, resolve_tasks, waits_ending,
+                                  waits_for)
 from entity_assets.kafka_io import KafkaUnreachable, read_range, warm_producer, watermarks
 from entity_assets.manifests import ManifestStore
 from entity_assets.messages import DeadLetterCode
@@ -83,7 +85,9 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
                       "sources): restore the Kafka resource's settings that closed the slice")
     ranges = [r for r in manifest.ranges if r.count > 0]
     registry = _registry(engine, manifest.key, streams_by_topic)
-    due = _due_waits(engine, kafka, manifest.key, slicing.schema_wait_slices)
+    highest = _highest_ingested(engine)
+    endings = waits_ending(manifest.key, _wait_history(context, engine, slicing, manifest.key, highest))
+    due = _due_waits(engine, kafka, manifest.key, endings)
     decoding = _schemas_first(kafka, ranges, streams_by_topic, registry) if registry is not None else {}
     streams_by_topic = {t: replace(s, registry=decoding) if isinstance(s, IngestionStream) else s
                         for t, s in streams_by_topic.items()}
@@ -95,14 +99,13 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     )
     files = run_tasks(spark, tasks, fn, manifest.messages)
     counts = pop_counts(files)
-    highest = _highest_ingested(engine)
     stamps = str(counts["stamps"] % STAMPS_MODULUS)
     changed = _changed_since(engine, manifest.key, counts["read"], stamps, highest)
     highest = max(highest, manifest.key)
     if (counts["expired"] or changed) and (kept := _committed(engine, manifest.key)):
         yield from _keep(context, engine, manifest.key, files, kept, changed, highest)
         return
-    resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing, due)
+    resolved = _apply_waiting(spark, kafka, engine, files, registry, manifest.key, slicing, endings, due)
     if resolved:
         context.log.info(f"slice {manifest.key}: {resolved} data message(s) waiting for their schema applied")
     summary = commit_slice(engine, TABLES, files, manifest.key,
@@ -166,32 +169,55 @@ def _schemas_first(kafka: KafkaResource, ranges: list, streams_by_topic: dict, r
     return {**found, **registry}
 
 
-def _due_waits(engine, kafka: KafkaResource, slice_key: str, wait: int) -> list:
-    """The `schema_waits` files of the slice whose waits this one ends. That slice must be
-    ingested first if it may hold Qlik data messages: ingested after, its waits would never end."""
-    ending = waits_ending(slice_key, wait)
-    if ending is None or ending == slice_key:  # with no wait, this one: its committed files are a run's it replaces
-        return []
-    due = engine.slice_files("schema_waits", [ending])
-    if not due and not engine.reached("entity_batches", ending, "replace_slice"):
-        streams = (kafka.input_stream(r.topic) for r in ManifestStore(engine).get(ending).ranges if r.count > 0)
-        if any(s is not None and s.may_hold_envelopes for s in streams):
-            raise OutOfOrder(f"slice {slice_key} ends the waits for their schema of slice {ending}'s Qlik data "
-                             f"messages and slice {ending} is not ingested: materialize the slices in order")
+WAITS_NOTE = "schema-wait-slices"
+"""The lake's note of its `WaitHistory`."""
+
+
+def _wait_history(context, engine, slicing: SlicingResource, slice_key: str, highest: str) -> WaitHistory:
+    """The `schema_wait_slices` each slice was first ingested with, a new setting from the first
+    slice ingested after it changed: a re-run ends the waits its first run ended, and a change
+    neither leaves a slice's waits unended nor ends them twice. A lake without the note (of a
+    release before it) took the setting of now for all its slices."""
+    noted = engine.read_note(WAITS_NOTE)
+    history: WaitHistory = [tuple(pair) for pair in json.loads(noted)] if noted else []
+    wait, seq = slicing.schema_wait_slices, slice_seq(slice_key)
+    if history and (history[-1][1] == wait or seq <= slice_seq(highest or key_of(0))):
+        return history  # a slice ingested before (a re-run, a backfill): its time's setting
+    if history and history[-1][1] != wait:
+        context.log.info(f"schema_wait_slices is {wait} from slice {slice_key} on ({history[-1][1]} before): the "
+                         "slices whose waits end in a slice are found by the setting of its first run")
+    history = [*(pair for pair in history if pair[0] < seq), (seq if history else 1, wait)]
+    engine.write_note(WAITS_NOTE, json.dumps(history))
+    return history
+
+
+def _due_waits(engine, kafka: KafkaResource, slice_key: str, endings: list[str]) -> list:
+    """The `schema_waits` files of the slices whose waits this one ends. Those must be ingested
+    first if they may hold Qlik data messages: ingested after, their waits would never end."""
+    due = []
+    for ending in endings:
+        if ending == slice_key:  # with no wait, this one: its committed files are a run's it replaces
+            continue
+        files = engine.slice_files("schema_waits", [ending])
+        if not files and not engine.reached("entity_batches", ending, "replace_slice"):
+            streams = (kafka.input_stream(r.topic) for r in ManifestStore(engine).get(ending).ranges if r.count > 0)
+            if any(s is not None and s.may_hold_envelopes for s in streams):
+                raise OutOfOrder(f"slice {slice_key} ends the waits for their schema of slice {ending}'s Qlik data "
+                                 f"messages and slice {ending} is not ingested: materialize the slices in order")
+        due.extend(files)
     return due
 
 
 def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: dict | None, slice_key: str,
-                   slicing: SlicingResource, due: list) -> int:
+                   slicing: SlicingResource, endings: list[str], due: list) -> int:
     """Qlik data messages waiting for their schema: applied in the slice that registers it, dead
     letters too once they have waited `schema_wait_slices` slices (`resolve_tasks`, which this
-    runs only when either happens); `due`: the files of the waits that end (`_due_waits`).
+    runs only when either happens); `endings`: the slices whose waits end (`waits_ending`), `due`
+    their files (`_due_waits`).
     Returns how many were applied."""
     held = files.pop(HELD, [])
     new = new_registrations(engine, files, registry or {})
-    wait = slicing.schema_wait_slices
-    ending = waits_ending(slice_key, wait)
-    if not (new or due or (held and wait == 0)):
+    if not (new or due or (held and slice_key in endings)):
         files.setdefault("schema_waits", []).extend(held)
         return 0
     if registry is None:  # no envelope topic in the slice: the registry tells which due waits were applied since
@@ -199,7 +225,7 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
     earlier = due  # and, with new schemas, the earlier files whose schema ids' range holds one
     if new:
         earlier = [f for f in engine.files("schema_waits")
-                   if f.min["slice"] < slice_key and (f.min["slice"] == ending or waits_for(f, new))]
+                   if f.min["slice"] < slice_key and (f.min["slice"] in endings or waits_for(f, new))]
     uri, rows = engine.uri("schema_waits"), slicing.max_messages_per_task
     waiting = sum(f.rows for f in held) + sum(f.rows for f in earlier)
     slots = task_slots(spark, waiting)  # a few messages: no Spark session for them
@@ -207,7 +233,7 @@ def _apply_waiting(spark, kafka: KafkaResource, engine, files: dict, registry: d
              for t in file_tasks(held, rows, slots)]
     tasks += [{**t, "earlier": True} for t in file_tasks(earlier, rows, slots)]
     fn = partial(resolve_tasks, prefix=kafka.topic_prefix, sources=kafka.sources(), registry={**registry, **new},
-                 new=frozenset(new), slice_key=slice_key, wait_slices=wait,
+                 new=frozenset(new), slice_key=slice_key, due=frozenset(endings),
                  table_uris={t: engine.uri(t) for t in TABLES}, storage_options=engine.storage_options)
     out = run_tasks(spark, tasks, fn, waiting)
     applied = pop_counts(out)["applied"]
