@@ -337,6 +337,7 @@ def _instance_for_runs():
     from dagster import DagsterInstance, DagsterInvariantViolationError
 
     from entity_assets.launcher import settle_runs
+    from entity_assets.partitions import LAKE_POOL
     from entity_assets.sensors import kafka_offsets_sensor
 
     try:
@@ -352,6 +353,8 @@ def _instance_for_runs():
         print(f"entity-assets: runs of the lake {os.environ['ENTITY_ASSETS_LAKE']} are recorded in the project's own "
               f"instance ({home}), and only its runs in flight are waited for: if a daemon runs this lake's slices, "
               "set DAGSTER_HOME to its instance", file=sys.stderr)
+    elif home == _home() / "dagster" and LAKE_POOL not in instance.event_log_storage.get_concurrency_keys():
+        instance.event_log_storage.set_concurrency_slots(LAKE_POOL, 1)  # as scripts/ui.sh does, for a daemon later
     blockers = settle_runs(instance, kafka_offsets_sensor.name)
     if blockers:
         raise RunsInFlight(blockers)

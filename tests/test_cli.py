@@ -836,8 +836,12 @@ def test_an_instance_without_the_projects_dagster_yaml_is_named_before_runs_are_
     cli._instance_for_runs()
     assert "no dagster.yaml in DAGSTER_HOME" in capsys.readouterr().err
     (tmp_path / "home" / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    cli._instance_for_runs()
+    instance = cli._instance_for_runs()
     assert capsys.readouterr().err == ""
+    # the home's own instance gets the lake pool's limit as scripts/ui.sh sets it: the sensor warns of none
+    from entity_assets.partitions import LAKE_POOL
+
+    assert instance.event_log_storage.get_concurrency_info(LAKE_POOL).slot_count == 1
 
 
 def test_broker_start_without_the_local_extra_says_which_extra_brings_it(monkeypatch, tmp_path, capsys):
