@@ -106,14 +106,21 @@ AZURE_OPTIONS = {
     **dict.fromkeys(("azure_storage_tenant_id", "azure_storage_authority_id", "azure_tenant_id",
                      "azure_authority_id", "tenant_id", "authority_id"), "tenant_id"),
     **dict.fromkeys(("azure_storage_sas_key", "azure_storage_sas_token", "sas_key", "sas_token"), "sas_token"),
+    **dict.fromkeys(("azure_federated_token_file", "federated_token_file"), "federated_token_file"),
     **dict.fromkeys(("azure_storage_use_emulator", "use_emulator"), "use_emulator"),
     **dict.fromkeys(("azure_storage_endpoint", "azure_endpoint", "endpoint"), "endpoint"),
     "azurite_blob_storage_url": "azurite_url",
 }
 """delta-rs's Azure storage options (object_store's names, any case) by the pyarrow
 AzureFileSystem argument each sets, or by what `_azure` makes of them (`use_emulator`,
-`endpoint`). Unlike S3's, pyarrow reads none of them from the environment, so `AZURE_*`
-variables count as options too, as they do for delta-rs."""
+`endpoint`; `federated_token_file` picks a credential, `_azure_settings`). Unlike S3's, pyarrow
+reads none of them from the environment, so `AZURE_*` variables count as options too, as they
+do for delta-rs."""
+
+AZURE_CREDENTIALS = ({"account_key"}, {"sas_token"}, {"client_id", "client_secret", "tenant_id"},
+                     {"client_id", "tenant_id", "federated_token_file"})
+"""The credentials `AZURE_OPTIONS` give, in delta-rs's order of preference (its AzureConfigHelper):
+account key, SAS token, client secret, workload identity."""
 
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -140,7 +147,7 @@ def filesystem(uri: str, storage_options: dict[str, str] | None) -> tuple[pafs.F
         return _s3(parsed.netloc, tuple(sorted(settings.items()))), f"{parsed.netloc}{path}"
     if scheme in AZURE_SCHEMES:
         container, _, host = parsed.netloc.partition("@")
-        settings = _settings(storage_options, AZURE_OPTIONS, "AZURE_", "AZURITE_")
+        settings = _azure_settings(storage_options)
         if host:  # the account named in the URI is the account
             settings["account_name"] = host.split(".")[0]
         return _azure(tuple(sorted(settings.items()))), f"{container}{path}"
@@ -190,13 +197,40 @@ def prefetched(fn: Callable, items: Iterable, ahead: int) -> Iterator:
         wait(pending)
 
 
+def _arguments(options: dict[str, str] | None, names: dict[str, str]) -> dict[str, str]:
+    """The filesystem arguments `names` gives `options`."""
+    return {argument: value for name, value in (options or {}).items() if (argument := names.get(name.lower()))}
+
+
+def _variables(*prefixes: str) -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith(prefixes)}
+
+
 def _settings(storage_options: dict[str, str] | None, names: dict[str, str], *prefixes: str) -> dict[str, str]:
     """The filesystem arguments `names` gives the environment's variables of `prefixes` and,
     over them, the storage options."""
-    settings = {}
-    for options in ({k: v for k, v in os.environ.items() if k.startswith(prefixes)}, storage_options or {}):
-        settings.update((argument, value) for name, value in options.items() if (argument := names.get(name.lower())))
-    return settings
+    return {**_arguments(_variables(*prefixes), names), **_arguments(storage_options, names)}
+
+
+def _azure_settings(storage_options: dict[str, str] | None) -> dict[str, str]:
+    """`_settings` of an Azure lake, with one credential chosen as delta-rs chooses its own: the
+    first of `AZURE_CREDENTIALS` the options give whole, else one they give in part and the
+    environment completes, else one the environment gives whole.
+
+    Merged, the environment's account key and an option's SAS token, or the client and tenant ids
+    that AKS workload identity sets without a secret, are arguments pyarrow refuses. Workload
+    identity passes none: pyarrow's default credential chain reads its variables itself (from the
+    environment only). With no credential, a client id alone names a user-assigned managed identity.
+    """
+    given = _arguments(storage_options, AZURE_OPTIONS)
+    found = _arguments(_variables("AZURE_", "AZURITE_"), AZURE_OPTIONS)
+    settings = {**found, **given}
+    credential = ([kind for kind in AZURE_CREDENTIALS if kind <= given.keys()]
+                  or [kind for kind in AZURE_CREDENTIALS if kind & given.keys() and kind <= settings.keys()]
+                  or [kind for kind in AZURE_CREDENTIALS if kind <= found.keys()] or [{"client_id"}])[0]
+    if "federated_token_file" in credential:
+        credential = set()
+    return {k: v for k, v in settings.items() if k in credential or not any(k in kind for kind in AZURE_CREDENTIALS)}
 
 
 def _endpoint(endpoint: str) -> tuple[str, str]:

@@ -182,6 +182,27 @@ def test_azure_files_use_the_account_and_endpoint_of_the_options_or_of_the_uri(n
         filesystem("az://lake/entity-assets", {"azure_storage_account_key": AZURITE_KEY})
 
 
+def _credential(storage_options: dict[str, str]) -> dict[str, str]:
+    """The credential arguments of an Azure lake's filesystem (made without a request to Azure)."""
+    made = filesystem("abfss://lake@acct.dfs.core.windows.net/lake", storage_options)[0].__reduce__()[1][0]
+    return {k: made[k] for k in ("account_key", "sas_token", "client_id", "client_secret", "tenant_id") if made[k]}
+
+
+def test_azure_files_take_one_credential_the_options_before_the_environment(no_aws_environment, monkeypatch):
+    # AKS workload identity: ids and a token file, no secret, which pyarrow's default chain reads
+    for name, value in {"AZURE_CLIENT_ID": "app", "AZURE_TENANT_ID": "tenant",
+                        "AZURE_FEDERATED_TOKEN_FILE": "/var/run/secrets/azure/tokens/token"}.items():
+        monkeypatch.setenv(name, value)
+    assert _credential({}) == {}
+    assert _credential({"AZURE_STORAGE_SAS_KEY": "sv=1"}) == {"sas_token": "sv=1"}
+    assert _credential({"client_secret": "s"}) == {"client_id": "app", "client_secret": "s", "tenant_id": "tenant"}
+    monkeypatch.delenv("AZURE_FEDERATED_TOKEN_FILE")
+    assert _credential({}) == {"client_id": "app"}  # a user-assigned managed identity
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
+    assert _credential({}) == {"account_key": AZURITE_KEY}
+    assert _credential({"sas_token": "sv=1"}) == {"sas_token": "sv=1"}
+
+
 def test_a_lake_on_object_storage_holds_what_a_local_lake_holds(make_pipeline, object_lake, lake_rows,
                                                                 delete_records_before):
     root, options = object_lake
