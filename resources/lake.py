@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Literal
 
 from dagster import ConfigurableResource
 from pydantic import Field, field_validator
@@ -28,7 +29,7 @@ class LakeResource(Deployed, ConfigurableResource):
     root: str = Field(default_factory=lambda: os.path.join(default_home(), "lake"),
                       description="local folder or object-store URI (s3://, abfss://, gs://)")
     storage_options: dict[str, str] = Field(default_factory=dict, description="delta-rs/object-store options; secrets via EnvVar")
-    engine: str = Field(default="delta-rs", description="table engine; delta-rs is the one shipped")
+    engine: Literal["delta-rs"] = Field(default="delta-rs", description="table engine; delta-rs is the one shipped")
     vacuum_retention_hours: int = Field(
         default=168, ge=0,
         description="lake_maintenance deletes files replaced longer ago than this, and Delta log files as old; "
@@ -51,7 +52,5 @@ class LakeResource(Deployed, ConfigurableResource):
 
     def open(self, *, snapshot: bool = False) -> DeltaRsEngine:
         """`snapshot`: for one step of a run, which reads each table as of its first look (see `DeltaRsEngine`)."""
-        if self.engine != "delta-rs":
-            raise ValueError(f"unknown lake engine {self.engine!r}: this build ships 'delta-rs'")
         root = self.root if "://" in self.root else os.path.abspath(self.root)
         return DeltaRsEngine(root, self.storage_options, snapshot=snapshot)

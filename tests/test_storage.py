@@ -27,6 +27,7 @@ from entity_assets.storage import (
     repeated_deliveries,
 )
 from entity_assets.tables import SCHEMAS
+from resources import LakeResource
 
 KEY = "0000000001"
 
@@ -612,3 +613,9 @@ def test_a_bucket_fetched_in_another_thread_switches_in_as_a_read_in_line_would(
         return sorted(read_table(str(tmp_path / written.path)).drop_columns(["slice"]).to_pylist(), key=str)
 
     assert rewrite(fetch=True) == rewrite(fetch=False)
+
+
+def test_the_lake_refuses_an_engine_it_does_not_ship_when_it_is_made(tmp_path):
+    """At the code location's load (or the launchpad's config check), not in a run's first step."""
+    with pytest.raises(ValueError, match="engine\n.*'delta-rs'"):
+        LakeResource(root=str(tmp_path), engine="delta-spark")
