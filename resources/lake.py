@@ -22,8 +22,9 @@ def default_home() -> str:
 class LakeResource(Deployed, ConfigurableResource):
     """Root URI and engine of the Delta lake.
 
-    `delta-rs` commits the files Spark tasks write; a cluster with the Delta Lake jars can
-    add a delta-spark engine behind the same `DeltaRsEngine` method set (docs/storage.md).
+    `delta-rs` commits the parquet files Spark tasks write with pyarrow. Another engine would
+    have to keep this one's file and commit-info conventions, not only its methods: the assets
+    rely on them (docs/storage.md, where delta-spark fits).
     """
 
     root: str = Field(default_factory=lambda: os.path.join(default_home(), "lake"),
