@@ -269,7 +269,8 @@ def _expired(consumer: Consumer, r: OffsetRange, offset: int, config: dict | Non
 
 
 ABSENT_AFTER = 5.0
-"""Seconds without a record after which a reader asks whether its partition is still there."""
+"""Seconds without a record after which a reader asks whether its partition is still there, and
+after which a "no" is asked again before the reader takes it."""
 
 
 def _absent(consumer: Consumer, r: OffsetRange) -> bool:
@@ -322,7 +323,7 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
     )
     try:
         consumer.assign([TopicPartition(r.topic, r.partition, r.start)])
-        last_progress = time.monotonic()
+        last_progress, absent_since = time.monotonic(), None
         next_offset = r.start
         while True:
             # consume() waits for num_messages or the timeout: never ask for more than the range holds
@@ -359,10 +360,16 @@ def read_range(config: dict, r: OffsetRange, *, batch: int = 10_000, idle_timeou
                         gone = None
                     if gone is None and stalled:
                         raise TimeoutError(f"{r.topic}[{r.partition}] stalled at {position} before {r.end}")
-                elif not messages and time.monotonic() - last_progress > ABSENT_AFTER and _absent(consumer, r):
-                    gone = RecordsExpired(r.topic, r.partition, position, r.end)
+                elif not messages and time.monotonic() - last_progress > ABSENT_AFTER:
+                    # said again ABSENT_AFTER later: a broker just restarted answers so until its metadata is in
+                    if not _absent(consumer, r):
+                        absent_since = None
+                    elif absent_since is None:
+                        absent_since = time.monotonic()
+                    elif time.monotonic() - absent_since > ABSENT_AFTER:
+                        gone = RecordsExpired(r.topic, r.partition, position, r.end)
             if messages:
-                last_progress = time.monotonic()
+                last_progress, absent_since = time.monotonic(), None
             if gone is not None:
                 if expired is None:
                     raise gone

@@ -175,7 +175,7 @@ def test_offsets_a_partition_no_longer_holds_are_never_skipped_silently(broker, 
     assert [(g.start, g.stop) for g in gone] == [(12, 14)]
 
 
-def test_the_offsets_of_a_partition_no_longer_there_are_gone_not_a_stall(broker):
+def test_the_offsets_of_a_partition_no_longer_there_are_gone_not_a_stall(broker, monkeypatch):
     """A topic deleted (or created again with fewer partitions) after a slice closed: librdkafka
     reports nothing to a reader of the partition, which waited out its idle timeout, failing the
     run, whose retries failed alike, and every later slice was refused."""
@@ -195,6 +195,20 @@ def test_the_offsets_of_a_partition_no_longer_there_are_gone_not_a_stall(broker)
         time.sleep(0.1)
     with pytest.raises(RecordsExpired, match=r"kafka-io-deleted\[0\] no longer holds offsets \[0, 10\)"):
         list(read_range(config, OffsetRange(topic, 0, 0, 10), idle_timeout=600))
+    # one "unknown topic" is not enough: a broker just restarted says so until its metadata is in
+    said = iter([True, False, True, False])
+    asked = []
+
+    def absent(consumer, r):
+        asked.append(time.monotonic())
+        return next(said, None) if len(asked) <= 4 else real(consumer, r)
+
+    real = kafka_io._absent
+    monkeypatch.setattr(kafka_io, "_absent", absent)
+    monkeypatch.setattr(kafka_io, "ABSENT_AFTER", 0.5)
+    with pytest.raises(RecordsExpired):
+        list(read_range(config, OffsetRange(topic, 0, 0, 10), idle_timeout=600))
+    assert len(asked) >= 6 and asked[-1] - asked[4] > 0.5  # the last two no's, ABSENT_AFTER apart
 
 
 def test_output_topics_are_created_with_the_configured_topic_settings(broker, monkeypatch, tmp_path):
