@@ -588,16 +588,27 @@ def producer_limit(config: dict) -> int:
     return int(producer_settings(config)["message.max.bytes"]) - BATCH_FRAMING
 
 
+COMPRESSION_LEVELS = {"gzip": (6, 0, 9), "zstd": (3, 0, 22), "lz4": (1, 1, 12)}
+"""Codec -> (the level librdkafka compresses at for `compression.level` -1, and the least and
+greatest it compresses at) in Arrow's terms: Arrow's own defaults (gzip 9, zstd 1) are not
+librdkafka's (zlib's 6, zstd's 3), and a message measured smaller than it is sent passes the
+check for the broker to refuse. lz4's levels 0 to 2 are all LZ4's fast mode, Arrow's 1."""
+
+
 def compressed_size(value: bytes, config: dict) -> int:
     """The bytes of `value` once the producer's codec has compressed it, as the broker measures a
-    batch against its topic's limit (a record that large is alone in its batch: `batch.size`)."""
+    batch against its topic's limit (a record that large is alone in its batch: `batch.size`).
+    The codec's name is librdkafka's, of any case."""
     settings = producer_settings(config)
-    codec = str(settings["compression.type"])
+    codec = str(settings["compression.type"]).lower()
     if codec not in ("zstd", "gzip", "lz4", "snappy") or not pa.Codec.is_available(codec):
         return len(value)
+    if codec == "snappy":
+        return pa.Codec(codec).compress(value).size
+    default, least, greatest = COMPRESSION_LEVELS[codec]
     level = int(settings.get("compression.level", -1))
-    return pa.Codec(codec, **({"compression_level": level} if level >= 0 and codec in ("zstd", "gzip") else {})
-                    ).compress(value).size
+    level = default if level == -1 else min(max(level, least), greatest)
+    return pa.Codec(codec, compression_level=level).compress(value).size
 
 
 def partition_counts(config: dict, topics: Iterable[str], timeout: float = 30.0) -> dict[str, int]:

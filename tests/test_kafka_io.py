@@ -372,6 +372,34 @@ def test_the_size_check_measures_with_the_codec_the_producer_uses():
     assert kafka_io.producer_settings({"compression.codec": "none"})["compression.type"] == "none"
 
 
+def test_the_size_check_takes_the_codec_s_name_in_any_case_as_librdkafka_does():
+    """`compression.type=ZSTD` measured the uncompressed length: a message over the topic's
+    limit that fits once compressed was left off Kafka as undeliverable."""
+    text = json.dumps([{"id": i, "name": f"entity {i}"} for i in range(20_000)]).encode()
+    for codec in ("zstd", "gzip", "lz4", "snappy"):
+        assert kafka_io.compressed_size(text, {"compression.type": codec.upper()}) == kafka_io.compressed_size(
+            text, {"compression.type": codec}) < len(text) // 2
+
+
+@pytest.mark.parametrize("codec, librdkafka_level", [("gzip", 6), ("zstd", 3)])
+def test_the_default_compression_level_is_measured_at_librdkafka_s_level_not_arrow_s(codec, librdkafka_level):
+    """`compression.level` -1 is librdkafka's default of the codec (zlib's 6, zstd's 3): Arrow's
+    own (gzip 9, zstd 1) compress this text smaller than the producer does, so a message could
+    pass the check and be refused by the broker."""
+    text = json.dumps([{"id": i, "name": f"entity {i}", "zone": "A" * (i % 7)} for i in range(20_000)]).encode()
+    sent = pa.Codec(codec, compression_level=librdkafka_level).compress(text).size
+    assert pa.Codec(codec).compress(text).size < sent
+    assert kafka_io.compressed_size(text, {"compression.type": codec, "compression.level": -1}) == sent
+    assert kafka_io.compressed_size(text, {"compression.type": codec, "compression.level": "-1"}) == sent
+
+
+def test_a_level_librdkafka_caps_is_measured_at_its_cap():
+    """librdkafka takes `compression.level` up to 12 and compresses gzip at 9 at most; Arrow refuses 12."""
+    text = b"entity " * 5000
+    assert kafka_io.compressed_size(text, {"compression.type": "gzip", "compression.level": 12}) == pa.Codec(
+        "gzip", compression_level=9).compress(text).size
+
+
 def test_a_partition_the_metadata_gives_no_leader_is_not_asked_for_its_offsets(broker, monkeypatch):
     """librdkafka would wait out the whole timeout for it, a sensor's 60 s."""
     config = {"bootstrap.servers": broker.bootstrap}
