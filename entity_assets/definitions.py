@@ -249,6 +249,19 @@ def _publish() -> dict:
     return {"publish": True, "published_streams": streams}
 
 
+def _librdkafka_takes(kafka: dict) -> None:
+    """Refuses, naming its variable, what librdkafka would refuse as each tick's and run's
+    client is made (after the run's retries), naming none."""
+    secrets = dict.fromkeys(kafka["client_secret_env"], "-")
+    if "ssl_key_password" in kafka:
+        secrets["ssl.key.password"] = "-"
+    # the secrets' keys alone first: one misspelt is theirs, not the client config's (which may
+    # need them: `ssl.keystore.location` its password)
+    for field, settings in (("client_secret_env", secrets), ("client_config", {**kafka["client_config"], **secrets})):
+        if said := refused_setting(settings):
+            raise SettingError(f"{VARIABLES[field]}: librdkafka refuses it: {said}")
+
+
 def build_resources() -> dict:
     """Embedded defaults (local broker, local lake, local Spark); the settings a deployment sets
     are overridable by env (`VARIABLES`, docs/operations.md), secrets through EnvVar."""
@@ -283,9 +296,7 @@ def build_resources() -> dict:
         "offsets_went_back": _env("offsets_went_back", "report"),
     }
     retries()  # read when a step fails; a value that is no count is refused here, at the load
-    secrets = [*kafka["client_secret_env"], *(["ssl.key.password"] if "ssl_key_password" in kafka else [])]
-    if said := refused_setting({**kafka["client_config"], **dict.fromkeys(secrets, "-")}):  # else each run's, retried
-        raise SettingError(f"{VARIABLES['client_config']}: librdkafka refuses it: {said}")
+    _librdkafka_takes(kafka)
     return {name: _resource(cls, settings) for name, cls, settings in (
         ("spark", SparkResource, spark), ("kafka", KafkaResource, kafka), ("lake", LakeResource, lake),
         ("slicing", SlicingResource, slicing))}

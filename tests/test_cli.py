@@ -701,6 +701,10 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "ssl.certificate.locaton=/x", 'No such configuration property: '
                                                                         '"ssl.certificate.locaton"'),
     ("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "error_cb=log", "librdkafka refuses it"),  # a callback's name: no traceback
+    # a secret's key misspelt is the secrets' variable's, which the client config's error blamed
+    ("ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV", "ssl.keystore.pasword=KAFKA_KEYSTORE_PASSWORD",
+     'ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV: librdkafka refuses it: No such configuration property: '
+     '"ssl.keystore.pasword"'),
     ("KAFKA_SECURITY_PROTOCOL", "SASL-SSL", "security_protocol 'SASL-SSL': one of PLAINTEXT"),
     ("ENTITY_ASSETS_NEW_TOPIC_PARTITIONS", "0", "new_topic_partitions: 0; give 1 or more"),
     # settings that would be read as something else, and do nothing
