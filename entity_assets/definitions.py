@@ -21,7 +21,7 @@ from entity_assets.assets.retries import retries
 from entity_assets.assets.notifications import changes_by_device, device_notifications, zone_changes
 from entity_assets.assets.schemas import learn_schemas
 from entity_assets.jobs import history_job, slice_job, trace_job
-from entity_assets.kafka_io import refused_setting
+from entity_assets.kafka_io import SASL_MECHANISMS, has_gssapi, refused_setting
 from entity_assets.maintenance import lake_maintenance, lake_maintenance_schedule
 from entity_assets.sensors import kafka_offsets_sensor
 from resources import KafkaResource, LakeResource, SettingError, SlicingResource, SparkResource
@@ -260,6 +260,41 @@ def _librdkafka_takes(kafka: dict) -> None:
     for field, settings in (("client_secret_env", secrets), ("client_config", {**kafka["client_config"], **secrets})):
         if said := refused_setting(settings):
             raise SettingError(f"{VARIABLES[field]}: librdkafka refuses it: {said}")
+    _sasl(kafka)
+
+
+def _sasl(kafka: dict) -> None:
+    """A SASL protocol's mechanism and credentials, which `refused_setting` leaves to a client
+    that connects. Each comes from its variable or from a key of the client config, which wins
+    (`KafkaResource.config`); the secrets' keys are read at run time only."""
+    config, secrets = kafka["client_config"], kafka["client_secret_env"]
+
+    def setting(field: str, *keys: str) -> tuple[str | None, str]:
+        """The value librdkafka gets for `keys` (a name and its alias), and where it is set."""
+        key = next((k for k in keys if k in config), None)
+        return (config[key], f"{key} in {VARIABLES['client_config']}") if key else (kafka.get(field), VARIABLES[field])
+
+    protocol, protocol_from = setting("security_protocol", "security.protocol")
+    if not (protocol or "").upper().startswith("SASL_") or secrets.keys() & {"security.protocol", "sasl.mechanism",
+                                                                              "sasl.mechanisms"}:
+        return  # no SASL, or a protocol or mechanism known at run time only
+    mechanism, mechanism_from = setting("sasl_mechanism", "sasl.mechanism", "sasl.mechanisms")
+    built = [m for m in SASL_MECHANISMS if m != "GSSAPI" or has_gssapi()]
+    if mechanism is None and "GSSAPI" not in built:
+        raise SettingError(f"{protocol_from}={protocol} needs {VARIABLES['sasl_mechanism']} ({', '.join(built)}): "
+                           "librdkafka's default, GSSAPI (Kerberos), is not in this build of it")
+    if mechanism is not None and mechanism not in built:
+        raise SettingError(f"{mechanism_from}={mechanism!r}: librdkafka takes {', '.join(built)}, as written"
+                           + (" (this build has no GSSAPI, Kerberos)" if mechanism == "GSSAPI" else ""))
+    if mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+        lacking = []
+        for field, key in (("sasl_username", "sasl.username"), ("sasl_password", "sasl.password")):
+            value, where = setting(field, key)
+            if not value and key not in secrets:
+                lacking.append(where)
+        if lacking:
+            raise SettingError(f"{mechanism_from}={mechanism} needs a user name and password: set "
+                               f"{' and '.join(lacking)}")
 
 
 def build_resources() -> dict:

@@ -76,6 +76,21 @@ _SILENT.addHandler(logging.NullHandler())
 _SILENT.propagate = False
 
 
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+"""librdkafka's SASL mechanisms, by the names it compares case by case when a client is made;
+GSSAPI (Kerberos), its default, only where it was built with libsasl2 (`has_gssapi`)."""
+
+
+def has_gssapi() -> bool:
+    """Whether this librdkafka has GSSAPI: the confluent-kafka wheel the project pins has not,
+    and a client with it fails as it is made (`No provider for SASL mechanism GSSAPI`)."""
+    try:
+        Producer({"builtin.features": "sasl_gssapi", "logger": _SILENT})
+    except KafkaException:
+        return False
+    return True
+
+
 FETCH_BYTES = 32 * 1024 * 1024
 """A fetch's bytes at most: several `consume` batches of the largest messages."""
 

@@ -21,7 +21,7 @@ from entity_assets.manifests import ManifestStore
 from entity_assets.slices import slice_key
 from entity_assets.tables import SCHEMAS
 from entity_assets.trace import parse_record
-from resources import KafkaResource, LakeResource, SlicingResource
+from resources import KafkaResource, LakeResource, SettingError, SlicingResource
 
 
 def test_run_materializes_closed_slices_again_in_order_to_rebuild_deleted_tables(make_pipeline, lake_rows, tmp_path,
@@ -475,11 +475,11 @@ def test_run_s_lag_report_gives_librdkafka_the_sasl_credentials_not_the_names_of
 def test_a_kafka_client_setting_librdkafka_refuses_is_a_line_and_status_2(monkeypatch, tmp_path, capfd):
     monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
-    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")  # PLAIN without its credentials
-    monkeypatch.setenv("KAFKA_SASL_MECHANISM", "PLAIN")
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SSL")  # a CA file the client reads as it is made
+    monkeypatch.setenv("KAFKA_SSL_CA_LOCATION", str(tmp_path / "missing-ca.pem"))
     assert cli.main(["topics", "--dry-run"]) == 2
     err = capfd.readouterr().err
-    assert err.startswith("entity-assets topics: a Kafka client setting is not valid: ") and "sasl.username" in err
+    assert err.startswith("entity-assets topics: a Kafka client setting is not valid: ") and "ssl.ca.location" in err
     assert err.count("\n") == 1
 
 
@@ -723,6 +723,71 @@ def test_a_setting_from_the_environment_that_is_not_valid_is_a_line_not_a_traceb
     assert cli.main(["topics", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("entity-assets topics: a setting is not valid") and said in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("mechanism, said", [
+    ("SCRAM-SHA512", "KAFKA_SASL_MECHANISM='SCRAM-SHA512': librdkafka takes PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, "
+                     "OAUTHBEARER, as written"),
+    ("plain", "KAFKA_SASL_MECHANISM='plain': librdkafka takes"),
+    ("GSSAPI", "KAFKA_SASL_MECHANISM='GSSAPI': librdkafka takes PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER, as "
+               "written (this build has no GSSAPI, Kerberos)"),
+])
+def test_a_sasl_mechanism_librdkafka_lacks_stops_the_load_naming_its_variable(mechanism, said, monkeypatch):
+    """librdkafka checks the mechanism as each client is made: every tick and run failed, after
+    the run's retries, naming no variable. Without a SASL protocol it reads none."""
+    from entity_assets import definitions
+
+    monkeypatch.setattr(definitions, "has_gssapi", lambda: False)  # confluent-kafka's wheels
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("KAFKA_SASL_MECHANISM", mechanism)
+    with pytest.raises(SettingError) as refused:
+        definitions.build_resources()
+    assert said in str(refused.value)
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "sasl.mechanisms=OAUTHBEARER")  # the client config's wins
+    definitions.build_resources()
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "security.protocol=SSL")
+    definitions.build_resources()
+
+
+def test_librdkafka_s_default_mechanism_is_taken_only_where_it_has_gssapi(monkeypatch):
+    from entity_assets import definitions
+
+    monkeypatch.setenv("ENTITY_ASSETS_KAFKA_CLIENT_CONFIG", "security.protocol=sasl_plaintext")
+    monkeypatch.setattr(definitions, "has_gssapi", lambda: False)
+    with pytest.raises(SettingError, match="^security.protocol in ENTITY_ASSETS_KAFKA_CLIENT_CONFIG=sasl_plaintext "
+                                           "needs KAFKA_SASL_MECHANISM .PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, "
+                                           "OAUTHBEARER.: librdkafka's default, GSSAPI .Kerberos., is not in this "
+                                           "build of it$"):
+        definitions.build_resources()
+    monkeypatch.setattr(definitions, "has_gssapi", lambda: True)
+    definitions.build_resources()
+
+
+def test_plain_and_scram_need_a_user_name_and_password_from_any_of_their_settings(monkeypatch):
+    """librdkafka refuses the client without them; they may come from the client config and the
+    secrets' variables too."""
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    needs = "needs a user name and password: set"
+    for settings, said in (  # each over those before it
+            ({"KAFKA_SASL_MECHANISM": "PLAIN"},
+             f"KAFKA_SASL_MECHANISM=PLAIN {needs} KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD"),
+            ({"KAFKA_SASL_MECHANISM": "SCRAM-SHA-256", "KAFKA_SASL_USERNAME": "pipeline"},
+             f"KAFKA_SASL_MECHANISM=SCRAM-SHA-256 {needs} KAFKA_SASL_PASSWORD"),
+            ({"ENTITY_ASSETS_KAFKA_CLIENT_CONFIG": "sasl.username="},  # the client config's wins
+             f"KAFKA_SASL_MECHANISM=SCRAM-SHA-256 {needs} sasl.username in ENTITY_ASSETS_KAFKA_CLIENT_CONFIG and "
+             "KAFKA_SASL_PASSWORD"),
+            ({"ENTITY_ASSETS_KAFKA_CLIENT_CONFIG": "sasl.username=pipeline",
+              "ENTITY_ASSETS_KAFKA_CLIENT_SECRET_ENV": "sasl.password=KAFKA_SCRAM_PASSWORD"}, None)):
+        for name, value in settings.items():
+            monkeypatch.setenv(name, value)
+        if said is None:
+            build_resources()
+            continue
+        with pytest.raises(SettingError) as refused:
+            build_resources()
+        assert str(refused.value) == said
 
 
 @pytest.mark.parametrize("name, value", [
