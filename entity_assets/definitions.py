@@ -26,6 +26,7 @@ from entity_assets.maintenance import lake_maintenance, lake_maintenance_schedul
 from entity_assets.sensors import kafka_offsets_sensor
 from resources import KafkaResource, LakeResource, SettingError, SlicingResource, SparkResource
 from resources.kafka import DEFAULT_BOOTSTRAP, IngestionSource
+from resources.lake import LEAST_RETENTION_HOURS
 
 
 VARIABLES = {
@@ -297,6 +298,17 @@ def _sasl(kafka: dict) -> None:
                                f"{' and '.join(lacking)}")
 
 
+def _retention_hours() -> int:
+    """The vacuum's retention, refused below `LEAST_RETENTION_HOURS`, which spares the files of a
+    slice being written."""
+    hours = _number("vacuum_retention_hours", "168")
+    if hours < LEAST_RETENTION_HOURS:
+        raise SettingError(f"{VARIABLES['vacuum_retention_hours']}={hours}: give {LEAST_RETENTION_HOURS} or more: "
+                           "lake maintenance deletes files no version names once they are that old, and a slice "
+                           "writing beside it (entity-assets run) has not committed its own yet")
+    return hours
+
+
 def build_resources() -> dict:
     """Embedded defaults (local broker, local lake, local Spark); the settings a deployment sets
     are overridable by env (`VARIABLES`, docs/operations.md), secrets through EnvVar."""
@@ -317,7 +329,7 @@ def build_resources() -> dict:
     }
     if VARIABLES["ingestion"] in os.environ:  # set empty: no ingestion topics
         kafka["ingestion"] = _ingestion()
-    lake = {**_given(("root",)), "vacuum_retention_hours": _number("vacuum_retention_hours", "168"),
+    lake = {**_given(("root",)), "vacuum_retention_hours": _retention_hours(),
             **{field: _number(field, "") for field in _given(("state_file_rows",))}}
     spark = {"master": _master(), "conf": _settings("conf", secrets_refused=True),
              **{field: _number(field, "") for field in _given(("driver_rows",))}}

@@ -19,6 +19,13 @@ def default_home() -> str:
     return os.path.abspath(os.environ.get("ENTITY_ASSETS_HOME", "").strip() or ".entity-assets")  # set blank: unset
 
 
+LEAST_RETENTION_HOURS = 1
+"""The least `ENTITY_ASSETS_VACUUM_RETENTION_HOURS` a deployment may set: the vacuum deletes the
+files no version names once they are this old, and a slice's files are named by none until its
+commit, so at 0 a maintenance beside an `entity-assets run` (which the lake pool does not order)
+deleted the files the run was about to commit. A test's lake, made directly, may take 0."""
+
+
 class LakeResource(Deployed, ConfigurableResource):
     """Root URI and engine of the Delta lake.
 
@@ -34,7 +41,8 @@ class LakeResource(Deployed, ConfigurableResource):
     vacuum_retention_hours: int = Field(
         default=168, ge=0,
         description="lake_maintenance deletes files replaced longer ago than this, and Delta log files as old; "
-                    "time travel and replays reach back as far",
+                    "time travel and replays reach back as far (the environment's variable: at least "
+                    f"{LEAST_RETENTION_HOURS})",
     )
 
     state_file_rows: int = Field(

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -688,6 +689,9 @@ def test_a_port_from_the_environment_that_is_no_port_is_a_usage_error(monkeypatc
     # values a resource refuses: one line that names the variable, not pydantic's text naming the field
     ("ENTITY_ASSETS_OFFSETS_WENT_BACK", "bogus", "ENTITY_ASSETS_OFFSETS_WENT_BACK='bogus': Input should be 'report'"),
     ("ENTITY_ASSETS_STATE_FILE_ROWS", "0", "ENTITY_ASSETS_STATE_FILE_ROWS='0': Input should be greater than"),
+    # the vacuum would delete the files of a slice that `run` writes beside it, not committed yet
+    ("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "0", "ENTITY_ASSETS_VACUUM_RETENTION_HOURS=0: give 1 or more: lake "
+                                                  "maintenance deletes files no version names once they are that old"),
     ("ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS", "maybe", "ENTITY_ASSETS_KAFKA_COMMIT_OFFSETS='maybe': Input should be a valid "
                                                      "boolean"),
     ("ENTITY_ASSETS_PUBLISH", "no", "ENTITY_ASSETS_PUBLISH='no': Value error, published_streams: no derived stream"),
@@ -994,15 +998,19 @@ def test_maintenance_vacuums_the_lake_without_the_daemon(monkeypatch, tmp_path, 
 
     monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
     monkeypatch.setenv("DAGSTER_HOME", "")
-    monkeypatch.setenv("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "0")
+    monkeypatch.setenv("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "1")  # the least the variable takes
     engine = DeltaRsEngine(str(tmp_path / "lake"))
     engine.ensure("dead_letters", SCHEMAS["dead_letters"])
-    orphan = FileWriter("dead_letters", engine.uri("dead_letters"), SCHEMAS["dead_letters"], "0000000001")
-    orphan.append({"slice": "0000000001", "stream": "entity-batches", "code": "GENERR001", "reason": "r",
-                   "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": 0, "kafka_timestamp": 1})
-    [written] = orphan.close()  # a failed run's file, never committed
+    written = []
+    for seq in ("0000000001", "0000000002"):
+        orphan = FileWriter("dead_letters", engine.uri("dead_letters"), SCHEMAS["dead_letters"], seq)
+        orphan.append({"slice": seq, "stream": "entity-batches", "code": "GENERR001", "reason": "r",
+                       "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": 0, "kafka_timestamp": 1})
+        written += [tmp_path / "lake" / "dead_letters" / f.path for f in orphan.close()]
+    failed, writing = written  # a failed run's file, never committed; a running slice's, not committed yet
+    os.utime(failed, (time.time() - 2 * 3600,) * 2)
     assert cli.main(["maintenance"]) == 0
     assert "lake_maintenance: done" in capsys.readouterr().out
-    assert not (tmp_path / "lake" / "dead_letters" / written.path).exists()
+    assert not failed.exists() and writing.exists()
     [run] = DagsterInstance.get().get_runs()
     assert run.job_name == "lake_maintenance" and "entity-assets/worker" in run.tags

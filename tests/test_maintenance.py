@@ -461,15 +461,17 @@ def test_a_run_whose_resource_differs_from_the_environment_is_refused(tmp_path, 
     for n in (3, 2):
         deployed.replace_slice("dead_letters", SCHEMAS["dead_letters"], _write(deployed, "dead_letters", "0000000001", n),
                                "0000000001")
+    failed = os.path.join(deployed.uri("dead_letters"), _write(deployed, "dead_letters", "0000000002", 1)[0].path)
+    os.utime(failed, (time.time() - 2 * 3600,) * 2)  # a failed run's file, two hours old
     monkeypatch.setenv("ENTITY_ASSETS_LAKE", str(tmp_path / "deployed"))
-    monkeypatch.setenv("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "0")
+    monkeypatch.setenv("ENTITY_ASSETS_VACUUM_RETENTION_HOURS", "1")
     lake = build_resources()["lake"]
     result = lake_maintenance.execute_in_process(run_config={"resources": {"lake": {"config": {"state_file_rows": 99}}}},
                                                  resources={"lake": lake}, raise_on_error=False)
     assert not result.success
     said = str(result.all_events)
     assert "lake.vacuum_retention_hours is 168, where ENTITY_ASSETS_VACUUM_RETENTION_HOURS sets it" in said
-    assert len(_parquet(deployed, "dead_letters")) == 2  # nothing vacuumed
+    assert len(_parquet(deployed, "dead_letters")) == 3  # nothing vacuumed
     # the deployment's settings: the run goes
     assert lake_maintenance.execute_in_process(resources={"lake": lake}).success
-    assert len(_parquet(deployed, "dead_letters")) == 1
+    assert len(_parquet(deployed, "dead_letters")) == 2 and not os.path.exists(failed)
