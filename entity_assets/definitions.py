@@ -186,6 +186,12 @@ def _master() -> str:
         raise SettingError(f"{VARIABLES['master']}={master!r} names a cluster, but {VARIABLES['root']} is unset: "
                            f"the lake would be a folder of this host that its executors do not share. Set "
                            f"{VARIABLES['root']} (s3://…, abfss://…, or a path every executor mounts)")
+    if (master.startswith("sc://") and not LOCAL_MASTER.match(master)
+            and not re.search(r";use_ssl=(?i:true)(;|$)", master)
+            and not os.environ.get("SPARK_CONNECT_AUTHENTICATE_TOKEN")):  # what makes pyspark's channel TLS
+        warnings.warn(f"{VARIABLES['master']}={master!r}: the channel to this Spark Connect endpoint is plaintext "
+                      "(add ;use_ssl=true), and the Spark tasks' closures carry the Kafka and lake secrets "
+                      "(docs/operations.md, secrets in Spark tasks)", stacklevel=2)
     return master
 
 

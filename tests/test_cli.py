@@ -753,6 +753,28 @@ def test_a_sasl_mechanism_librdkafka_lacks_stops_the_load_naming_its_variable(me
     definitions.build_resources()
 
 
+def test_a_spark_connect_endpoint_of_another_host_without_tls_is_warned_of(monkeypatch, recwarn):
+    """The Spark tasks' closures carry the resolved Kafka and lake secrets; pyspark's channel to
+    an endpoint is plaintext unless its URL says use_ssl=true or a token is given."""
+    from entity_assets.definitions import build_resources
+
+    monkeypatch.setenv("ENTITY_ASSETS_LAKE", "s3://bucket/lake")
+    for master, warned in (("sc://spark.internal:15002", True), ("sc://spark.internal:15002/;use_ssl=true", False),
+                           ("sc://127.0.0.1:15002", False), ("spark://spark-master:7077", False)):
+        monkeypatch.setenv("ENTITY_ASSETS_SPARK_MASTER", master)
+        recwarn.clear()
+        build_resources()
+        said = [str(w.message) for w in recwarn.list if "Spark Connect" in str(w.message)]
+        assert said == ([f"ENTITY_ASSETS_SPARK_MASTER={master!r}: the channel to this Spark Connect endpoint is "
+                         "plaintext (add ;use_ssl=true), and the Spark tasks' closures carry the Kafka and lake "
+                         "secrets (docs/operations.md, secrets in Spark tasks)"] if warned else []), master
+    monkeypatch.setenv("ENTITY_ASSETS_SPARK_MASTER", "sc://spark.internal:15002")
+    monkeypatch.setenv("SPARK_CONNECT_AUTHENTICATE_TOKEN", "t")
+    recwarn.clear()
+    build_resources()
+    assert not [w for w in recwarn.list if "Spark Connect" in str(w.message)]
+
+
 def test_librdkafka_s_default_mechanism_is_taken_only_where_it_has_gssapi(monkeypatch):
     from entity_assets import definitions
 
