@@ -675,6 +675,11 @@ DELETED_FILE_RETENTION_SETTING = "delta.deletedFileRetentionDuration"
 days), a full vacuum takes the file for one no version names, and deletes it by its age."""
 COMMIT_PREFIX = "entity_assets."
 """Of the names of the commit info a commit records (`DeltaRsEngine.commit`)."""
+MADE_PROPERTY = "entity_assets.madeInSlice"
+"""Table property: the slice whose run made the table. A table with no slice before its run's
+is new there, or rebuilt from there, unless a run of an earlier slice made it and failed before
+its first commit (`require_published`)."""
+
 DONE_PROPERTY = "entity_assets.slicesDone."
 """Table property per operation: the slices whose commits `expire_log` may delete, as ranges
 ("1-40,42-97"), so that `reached` still knows them (a gap is a slice that never succeeded)."""
@@ -792,15 +797,19 @@ class DeltaRsEngine:
             self._existing.add(table)
         return True
 
-    def ensure(self, table: str, schema: pa.Schema, added_in_place: Iterable[str] = ()) -> None:
-        """Creates the table if missing; gives a table of an older lake the `CHECKPOINT_INTERVAL`
-        and the columns of `schema` named in `added_in_place` that it lacks (a commit each, once)."""
+    def ensure(self, table: str, schema: pa.Schema, added_in_place: Iterable[str] = (),
+               slice_key: str | None = None) -> None:
+        """Creates the table if missing, noting the slice whose run made it (`made_in`); gives a
+        table of an older lake the `CHECKPOINT_INTERVAL` and the columns of `schema` named in
+        `added_in_place` that it lacks (a commit each, once)."""
         from deltalake import DeltaTable, Field
 
         if not self.exists(table):
             DeltaTable.create(self.uri(table), schema, mode="ignore",
                               configuration={CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)},
                               storage_options=self.storage_options, post_commithook_properties=_post_commit())
+            if slice_key is not None:  # Delta's create takes none of its own properties
+                self._set_properties(table, {MADE_PROPERTY: slice_key})
             return
         self._set_properties(table, {CHECKPOINT_SETTING: str(CHECKPOINT_INTERVAL)})
         dt = self._open(table)
@@ -808,6 +817,10 @@ class DeltaRsEngine:
         if missing := [schema.field(n) for n in added_in_place if n not in present]:
             dt.alter.add_columns([Field.from_arrow(f) for f in missing], post_commithook_properties=_post_commit())
             self._written.add(table)
+
+    def made_in(self, table: str) -> str | None:
+        """The slice whose run made `table` (None: made by a release before the note, or outside a run)."""
+        return self._open(table).metadata().configuration.get(MADE_PROPERTY)
 
     def _set_properties(self, table: str, properties: dict[str, str]) -> None:
         """Sets table properties on the step's handle of the table, in one commit only when one changes."""

@@ -355,7 +355,8 @@ def test_older_slices_run_again_in_a_row_after_the_log_was_trimmed(tmp_path):
 
 
 def test_a_stream_publishes_a_slice_after_the_slice_before_unless_the_table_starts_there(tmp_path):
-    """`require_published`: what a step checks before it runs, on its stream table's log."""
+    """`require_published`: what a step checks before it runs, on its stream table's log (and on
+    the slice whose run made the table)."""
     from entity_assets.assets.common import OutOfOrder, record_published, require_published
 
     engine, table = DeltaRsEngine(str(tmp_path)), "dead_letters"
@@ -377,6 +378,13 @@ def test_a_stream_publishes_a_slice_after_the_slice_before_unless_the_table_star
     # a slice an older release wrote records no publish: taken as published
     engine.commit(table, SCHEMAS[table], add=[], operation="replace_slice", slice_key=key(7))
     require_published(engine, table, key(8))
+    # a table the run of its first slice made, which failed before its commit: not one that starts later
+    made = DeltaRsEngine(str(tmp_path / "made"))
+    made.ensure(table, SCHEMAS[table], slice_key=key(1))
+    with pytest.raises(OutOfOrder, match=f"messages of slice {key(1)} are not published"):
+        require_published(made, table, key(2))
+    made.ensure("zone_changes", SCHEMAS["zone_changes"], slice_key=key(2))  # new in the release slice 2 ran
+    require_published(made, "zone_changes", key(2))
 
 
 def test_a_stream_table_deleted_and_rebuilt_from_slice_1_publishes_only_the_slices_after(tmp_path):

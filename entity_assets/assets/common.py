@@ -27,11 +27,11 @@ from entity_assets.tables import ADDED_IN_PLACE, APPLIED_IN_ORDER, COORDINATES, 
 from resources import SparkResource
 
 
-def ensure_tables(engine: DeltaRsEngine, tables: Iterable[str], reads: Iterable[str] = ()) -> None:
-    """Makes the tables a step writes and opens those it `reads`, all at once on an object store,
-    where each is a few round trips."""
+def ensure_tables(engine: DeltaRsEngine, slice_key: str, tables: Iterable[str], reads: Iterable[str] = ()) -> None:
+    """Makes the tables a step writes in the run of `slice_key` and opens those it `reads`, all at
+    once on an object store, where each is a few round trips."""
     writes = set(tables)
-    engine.each(lambda table: engine.ensure(table, SCHEMAS[table], ADDED_IN_PLACE.get(table, ()))
+    engine.each(lambda table: engine.ensure(table, SCHEMAS[table], ADDED_IN_PLACE.get(table, ()), slice_key)
                 if table in writes else engine.exists(table), [*tables, *reads])
 
 
@@ -602,10 +602,14 @@ def require_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None
     if engine.version_after(table, before, PUBLISH) is not None or _published_after(engine, table, before) is not None:
         return  # it published, or a later slice did (a re-run of older slices records no publish)
     written = engine.commit_after(table, before, "replace_slice")
-    if written is None and (engine.reached(table, before, "replace_slice")  # older than what the log holds
-                            or not any(done < before for done in engine.slices_done(table, "replace_slice"))):
-        return  # or the table starts at this slice (new, or rebuilt from here): nothing before it to follow
-    if written is not None and "publish_recorded" not in written:
+    if written is None and engine.reached(table, before, "replace_slice"):
+        return  # older than what the log holds
+    if written is None and not any(done < before for done in engine.slices_done(table, "replace_slice")):
+        made = engine.made_in(table)
+        if made is None or made >= slice_key:
+            return  # the table starts at this slice (new, or rebuilt from here): nothing before it to follow
+        # a run of an earlier slice made it and failed before its commit
+    elif written is not None and "publish_recorded" not in written:
         return  # an older release's
     raise OutOfOrder(f"slice {slice_key}: the {table} messages of slice {before} are not published (its run failed "
                      f"or has not run): run slice {before} first, so that a key's messages reach Kafka in order")

@@ -34,7 +34,7 @@ def devices(context: AssetExecutionContext, spark: SparkResource, lake: LakeReso
     A bucketed state like entities: a slice rewrites only the files of the devices it saw.
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
-    ensure_tables(engine, ["devices"], reads=["connections"])
+    ensure_tables(engine, key, ["devices"], reads=["connections"])
     require_inputs(engine, key, ("connections",), "devices")
     connections = engine.slice_files("connections", [key])
     # the app-version counts of the state the slice makes: the counts recorded by the slice

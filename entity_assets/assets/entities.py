@@ -103,7 +103,7 @@ def entity_patches(context: AssetExecutionContext, spark: SparkResource, lake: L
     write and publish in one pass.
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
-    ensure_tables(engine, ["entity_patches"], reads=["entity_batches"])
+    ensure_tables(engine, key, ["entity_patches"], reads=["entity_batches"])
     require_inputs(engine, key, ("entity_batches",), "entity_patches")
     window = dedupe_window(context, engine, key, slicing)
     found = redeliveries(spark, engine, "entity_batches", key, BATCH_IDENTITY, window)
@@ -176,7 +176,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     responses and schema learning.
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
-    ensure_tables(engine, APPLY_TABLES, reads=["entity_patches", "schema_patches"])
+    ensure_tables(engine, key, APPLY_TABLES, reads=["entity_patches", "schema_patches"])
     uris = {t: engine.uri(t) for t in APPLY_TABLES}
     require_inputs(engine, key, ("entity_patches", "schema_patches"), "apply_patches")
     require_published(engine, "entity_updates", key)

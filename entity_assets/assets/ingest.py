@@ -77,7 +77,7 @@ def ingest(context: AssetExecutionContext, spark: SparkResource, kafka: KafkaRes
     if kafka.publish:  # the later steps publish from this process: their producer starts now
         warm_producer(kafka.config())
     manifest = ManifestStore(engine).get(slice_of(context))
-    ensure_tables(engine, TABLES)
+    ensure_tables(engine, manifest.key, TABLES)
     streams_by_topic = {r.topic: kafka.input_stream(r.topic) for r in manifest.ranges if r.count > 0}
     if unread := sorted(t for t, s in streams_by_topic.items() if s is None):
         raise Failure(f"slice {manifest.key} holds records of {', '.join(unread)}, which no input stream reads "

@@ -61,7 +61,7 @@ def _metadata(engine, table: str, summary: dict, **extra) -> dict:
 def zone_changes(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource,
                  kafka: KafkaResource, slicing: SlicingResource) -> MaterializeResult:
     engine, key = lake.open(snapshot=True), slice_of(context)
-    ensure_tables(engine, ["zone_changes"], reads=["entity_updates"])
+    ensure_tables(engine, key, ["zone_changes"], reads=["entity_updates"])
     require_inputs(engine, key, ("entity_updates",), "zone_changes")
     summary, counts = write_stream(context, spark, kafka, slicing, engine, engine.slice_files("entity_updates", [key]),
                                     "zone_changes", key, fold.zone_changes_task)
@@ -134,7 +134,7 @@ def changes_by_device(context: AssetExecutionContext, spark: SparkResource, lake
     warns with its key and why.
     """
     engine, key = lake.open(snapshot=True), slice_of(context)
-    ensure_tables(engine, ["changes_by_device"], reads=["zone_changes", "entities"])
+    ensure_tables(engine, key, ["changes_by_device"], reads=["zone_changes", "entities"])
     require_inputs(engine, key, ("zone_changes",), "changes_by_device")
     version = applied_version(engine, "entities", key, "changes_by_device")
     # state files hold a row group per collection: the others are skipped by their statistics
@@ -172,7 +172,7 @@ def device_notifications(context: AssetExecutionContext, spark: SparkResource, l
     """Device inboxes are bucketed state; acks of a slice apply before its new notifications. Its
     tasks have each device's change summaries in order, so they publish changes-by-device too."""
     engine, key = lake.open(snapshot=True), slice_of(context)
-    ensure_tables(engine, ["device_notifications", "device_inboxes"],
+    ensure_tables(engine, key, ["device_notifications", "device_inboxes"],
                   reads=["changes_by_device", "notification_acks"])
     note_files, ack_files = engine.slice_files("changes_by_device", [key]), engine.slice_files("notification_acks", [key])
     uris = {t: engine.uri(t) for t in ("device_notifications", "device_inboxes")}

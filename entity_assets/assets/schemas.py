@@ -43,7 +43,7 @@ from resources import LakeResource, SlicingResource, SparkResource
 def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: LakeResource, slicing: SlicingResource):
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
     engine, key = lake.open(snapshot=True), slice_of(context)
-    ensure_tables(engine, ["learned_schemas"], reads=["schema_learning", "schemas"])
+    ensure_tables(engine, key, ["learned_schemas"], reads=["schema_learning", "schemas"])
     require_inputs(engine, key, ("schema_learning",), "learn_schemas")
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
     # each task summarizes the rows of its files (no shuffle); summaries merge exactly
