@@ -647,13 +647,19 @@ def _published_note(table: str) -> str:
 
 
 def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) -> bool:
-    """Whether this run of the slice publishes the streams of `table`'s step: not when a later
-    slice's messages are out already. The slice's messages carry older values of keys that
+    """Whether this run of the slice publishes the streams of `table`'s step: not when its own
+    messages or a later slice's are out already. The slice's messages carry older values of keys that
     later ones updated: consumers would take them as the latest, and so would compaction, which
     keeps a key's last message. Its rows are rewritten all the same."""
     later = _published_after(engine, table, slice_key)
     if later is None:
-        return True
+        if engine.version_after(table, slice_key, PUBLISH) is None or context.run.tags.get(REPUBLISH_TAG) == "true":
+            return True
+        # a step retried after its publish (a read of the lake that failed), or the newest slice run again
+        context.log.warning(f"slice {slice_key} publishes nothing: its {table} messages are published already "
+                            f"(tag the run {REPUBLISH_TAG}=true, or `entity-assets run --slices {slice_key} "
+                            "--republish`, to publish them again)")
+        return False
     if context.run.tags.get(REPUBLISH_TAG) == "true" and PARENT_RUN_ID_TAG in context.run.tags:
         # the UI's re-execution keeps its parent's tags: slices published since would be overtaken unasked
         context.log.warning(f"slice {slice_key} publishes nothing: this run re-executes run "
