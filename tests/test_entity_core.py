@@ -706,6 +706,23 @@ def test_a_slice_run_again_keeps_the_dedupe_window_of_its_first_run(make_pipelin
     assert len(rows(first, "entity_patches", request=90)) == 1 and not rows(first, "entity_updates", slice=keys[1])
 
 
+def test_the_schema_patches_of_a_slice_take_the_dedupe_window_its_entity_patches_took(tmp_path):
+    """apply_patches' first run re-executed after the setting changed: its schema redeliveries
+    must be found as its entity ones were (and as every replay finds them)."""
+    import logging
+    from types import SimpleNamespace
+
+    from resources import SlicingResource
+
+    engine, key = DeltaRsEngine(str(tmp_path)), slice_key(1)
+    engine.ensure("entity_patches", SCHEMAS["entity_patches"])
+    engine.commit("entity_patches", SCHEMAS["entity_patches"], add=[], operation="replace_slice", slice_key=key,
+                  metadata={entities.WINDOW: "2"})
+    context, now = SimpleNamespace(log=logging.getLogger("test")), SlicingResource(dedupe_window_slices=7)
+    assert entities.dedupe_window(context, engine, key, now) == 7  # entity_patches' run again, nothing applied
+    assert entities.dedupe_window(context, engine, key, now, patched=True) == 2
+
+
 def test_patches_refuse_a_slice_while_any_slice_of_its_dedupe_window_is_not_ingested(pipeline):
     """Slice 2 failed at ingest while slices 3 and 4 went on: slice 4's patches would miss slice
     2's deliveries of its requests, and apply one redelivered there a second time."""

@@ -777,6 +777,22 @@ def test_an_inbox_that_is_never_acknowledged_stays_bounded(tmp_path, monkeypatch
     assert (message["count"], message["begun"], message["ended"]) == (3, 2, 4)
 
 
+def test_learn_schemas_refuses_a_slice_whose_schema_updates_are_not_committed(pipeline):
+    """apply_patches commits its tables at once on an object store: a crash can leave schema_learning
+    committed without schema_updates, whose statuses tell learn_schemas whether a declaration
+    changed; read as none, the slice's declared change would never be learned."""
+    from entity_assets.partitions import slices_partitions
+    from entity_assets.tables import SCHEMAS
+
+    engine = pipeline.engine
+    engine.ensure("schema_learning", SCHEMAS["schema_learning"])
+    engine.replace_slice("schema_learning", SCHEMAS["schema_learning"], [], K1)
+    pipeline.instance.add_dynamic_partitions(slices_partitions.name, [K1])
+    result = pipeline.run(K1, assets=["learned_schemas"], raise_on_error=False)
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert f"slice {K1}: schema_updates holds no rows of it yet" in pipeline.failure_text(failure)
+
+
 def test_a_slice_without_learning_leaves_learned_schemas_as_they_were(pipeline):
     """Most slices of a deployment carry no learning request: learn_schemas then records the
     slice without reading or rewriting the summaries, which grow with every field name, and its

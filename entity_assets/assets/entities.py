@@ -69,10 +69,13 @@ WINDOW = "dedupe_window"
 use too (the state holds what that window applied)."""
 
 
-def dedupe_window(context, engine, slice_key: str, slicing: SlicingResource) -> int:
+def dedupe_window(context, engine, slice_key: str, slicing: SlicingResource, *, patched: bool = False) -> int:
     """The slicing resource's `dedupe_window_slices`, or, for a slice the state has applied, the
-    window its run used: with another, a re-run would drop other redeliveries than the state applied."""
-    if not engine.exists("entities") or (engine.applied("entities", STATE_APP) or 0) < slice_seq(slice_key):
+    window its run used: with another, a re-run would drop other redeliveries than the state applied.
+    `patched`: the window entity_patches took for the slice, which its schema patches take too
+    (the setting may have changed between the two steps: a run re-executed from its failure)."""
+    if not patched and (not engine.exists("entities")
+                        or (engine.applied("entities", STATE_APP) or 0) < slice_seq(slice_key)):
         return slicing.dedupe_window_slices
     entry = engine.commit_after("entity_patches", slice_key, "replace_slice") or {}
     window = int(entry.get(WINDOW, slicing.dedupe_window_slices))
@@ -193,7 +196,7 @@ def apply_patches(context: AssetExecutionContext, spark: SparkResource, lake: La
     commit_entities = commit_buckets_later(engine, "entities", key, apply, snapshot, entity_files)
 
     schema_found = redeliveries(spark, engine, "schema_patches", key, SCHEMA_PATCH_IDENTITY,
-                                dedupe_window(context, engine, key, slicing))
+                                dedupe_window(context, engine, key, slicing, patched=True))
     schema_files, commit_schemas = fold_buckets_later(
         spark, {"schema_patches": engine.slice_files("schema_patches", [key])},
         partial(fold.schema_patch_rows, redelivered=schema_found.at), fold.schema_fold_task, key_columns=("dbid",),

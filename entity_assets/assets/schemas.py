@@ -44,7 +44,7 @@ def learn_schemas(context: AssetExecutionContext, spark: SparkResource, lake: La
     """Spark tasks summarize their rows; the driver merges summaries, never documents."""
     engine, key = lake.open(snapshot=True), slice_of(context)
     ensure_tables(engine, key, ["learned_schemas"], reads=["schema_learning", "schemas"])
-    require_inputs(engine, key, ("schema_learning",), "learn_schemas")
+    require_inputs(engine, key, ("schema_learning", "schema_updates"), "learn_schemas")  # the latter's statuses below
     apply, version, _ = state_as_of(engine, "learned_schemas", key)
     # each task summarizes the rows of its files (no shuffle); summaries merge exactly
     schemas_version = applied_version(engine, "schemas", key, "learn_schemas")  # refused before schemas has the slice
