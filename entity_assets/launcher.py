@@ -85,13 +85,14 @@ def run_worker(instance: DagsterInstance, run: DagsterRun, by_launcher: bool = T
 
 
 def process_alive(pid: int, since: float) -> bool:
-    """Whether `pid` is a live process that already existed at `since` (not a reused pid)."""
+    """Whether `pid` is a live process that already existed at `since` (not a reused pid). Another
+    user's too is checked for its start: after a reboot a dead worker's pid may be root's."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # it exists, and its /proc stat is readable all the same
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()

@@ -30,6 +30,17 @@ def test_a_process_is_alive_only_if_it_existed_when_the_run_saw_it():
     assert not process_alive(os.getpid(), 0.0)  # a pid reused by a newer process
 
 
+def test_another_user_s_process_that_reused_the_pid_is_no_worker(monkeypatch):
+    """After a reboot a dead worker's pid may be a root process's, which a daemon may not signal:
+    the run stayed RUNNING forever, holding the lake pool's slot."""
+    def not_permitted(pid, signal):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", not_permitted)
+    assert not process_alive(os.getpid(), 0.0)
+    assert process_alive(os.getpid(), time.time())
+
+
 def test_the_instance_checks_workers_of_runs_launched_through_a_code_server_and_of_the_cli(project_instance):
     instance = project_instance
     assert isinstance(instance.run_launcher, LocalRunLauncher)
