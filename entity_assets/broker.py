@@ -35,8 +35,12 @@ class LocalBroker(LocalService):
     def bootstrap(self) -> str:
         return self.address
 
+    @property
+    def folder_argument(self) -> str:
+        return str(self.data_dir / "data")
+
     def command(self) -> list[str]:
-        return [str(_binary()), "start", "--data-dir", str(self.data_dir / "data"), "--only", "kafka",
+        return [str(_binary()), "start", "--data-dir", self.folder_argument, "--only", "kafka",
                 "--kafka-port", str(self.port), "--host", self.host]
 
     def ready(self) -> bool:

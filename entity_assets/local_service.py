@@ -126,6 +126,18 @@ class LocalService:
     def fingerprint_file(self) -> Path:
         return self.data_dir / f"{self.name}.fingerprint"
 
+    @property
+    def folder_argument(self) -> str | None:
+        """An argument of the server's command line that names this folder: another home's server (on
+        the same default port) is not this one's, whatever a stale pid file says. None: its command
+        names no folder (the object stores, on ports of their own)."""
+        return None
+
+    def of_this_folder(self, pid: int, arguments: list[str]) -> bool:
+        """Whether the server `pid`, whose command line is `arguments`, is this folder's."""
+        argument = self.folder_argument
+        return argument is None or f" {argument} " in f" {' '.join(arguments)} "  # `ps`'s is split at blanks
+
     def command(self) -> list[str]:
         raise NotImplementedError
 
@@ -163,15 +175,16 @@ class LocalService:
             return False
 
     def pid(self) -> int | None:
-        """The server's pid, if it runs. One on another port than this one's raises PortInUse."""
+        """The server's pid, if it runs (this folder's: never another home's). One on another port than
+        this one's raises PortInUse."""
         try:
             pid = int(self.pid_file.read_text())
             os.kill(pid, 0)
         except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
             return None
         arguments = _arguments(pid)
-        if arguments is None or not any(self.program in a for a in arguments):
-            return None  # stale, or cannot tell: never signal it
+        if arguments is None or not any(self.program in a for a in arguments) or not self.of_this_folder(pid, arguments):
+            return None  # stale, another home's, or cannot tell: never signal it
         if not any(a == str(self.port) or a.endswith(f"={self.port}") for a in arguments):
             raise PortInUse(f"the {self.name} of {self.data_dir} runs with pid {pid} on another port than "
                             f"{self.port}: stop it first (same settings as its start), or use its port")

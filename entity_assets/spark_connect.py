@@ -33,7 +33,7 @@ from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from entity_assets.local_service import LocalService, PortInUse, write_file
+from entity_assets.local_service import PROC, LocalService, PortInUse, write_file
 
 DEFAULT_PORT = 15002
 """Spark Connect's own default port."""
@@ -46,6 +46,9 @@ TOKEN_VARIABLE = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 """Where the server reads its token when its conf has none: `spark.connect.authenticate.token`
 would put it on its command line, which every user of the host sees."""
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+FOLDER_CONF = "spark.entity-assets.folder"
+"""A setting of the server's that Spark keeps unread: its folder, on its command line, which tells
+this home's server from another's on the same port."""
 
 
 class Outdated(RuntimeError):
@@ -94,6 +97,22 @@ class LocalSparkConnect(LocalService):
     def token_file(self) -> Path:
         return self.data_dir / "token"
 
+    @property
+    def folder_argument(self) -> str:
+        return f"{FOLDER_CONF}={self.data_dir}"
+
+    def of_this_folder(self, pid: int, arguments: list[str]) -> bool:
+        """A server started by a release that did not name its folder is this folder's if its
+        environment holds this folder's token (Linux's /proc; elsewhere it cannot be told)."""
+        if f"{FOLDER_CONF}=" in " ".join(arguments):
+            return super().of_this_folder(pid, arguments)
+        try:
+            environment = (PROC / str(pid) / "environ").read_bytes().split(b"\0")
+            token = self.token_file.read_bytes()
+        except OSError:
+            return False
+        return f"{TOKEN_VARIABLE}=".encode() + token in environment
+
     def command(self) -> list[str]:
         from resources.spark import DEFAULT_CONF, LOCAL_CONF
 
@@ -104,7 +123,7 @@ class LocalSparkConnect(LocalService):
                 "spark.connect.session.manager.defaultSessionTimeout": SESSION_TIMEOUT, **dict(self.conf)}
         return [str(home / "bin" / "spark-submit"), "--master", self.master, "--name", "entity-assets",
                 *(arg for key, value in conf.items() for arg in ("--conf", f"{key}={value}")),
-                "--class", SERVER_CLASS, str(jar)]
+                "--conf", self.folder_argument, "--class", SERVER_CLASS, str(jar)]
 
     def environment(self) -> dict[str, str]:
         # Python workers run this venv's interpreter, which has the project's task code.

@@ -35,7 +35,7 @@ def test_the_local_server_serves_one_long_session_with_the_project_workers(tmp_p
     assert "SparkConnectServer" in command and "spark-connect_" in command
     for setting in ("spark.connect.grpc.binding.port=15123", f"defaultSessionTimeout={SESSION_TIMEOUT}",
                     "spark.python.daemon.module=entity_assets.spark_daemon", "spark.log.level=WARN",
-                    "spark.ui.enabled=false", "spark.driver.bindAddress=127.0.0.1"):
+                    "spark.ui.enabled=false", "spark.driver.bindAddress=127.0.0.1", f"--conf {server.folder_argument}"):
         assert setting in command
     server.prepare()  # a new token at each start, in its environment, never on its command line
     token = server.token_file.read_text()
@@ -88,15 +88,53 @@ def test_a_stale_pid_file_names_no_server_and_its_process_is_never_signalled(tmp
 
 def test_a_server_of_the_same_folder_on_another_port_is_named(running, tmp_path):
     """`--port 29093 broker start` beside the demo's broker on 29092: one data folder, two brokers."""
-    broker = running("noida-db", "--kafka-port", "29092")
+    broker = running("noida-db", "--data-dir", str(tmp_path / "data"), "--kafka-port", "29092")
+    LocalBroker(tmp_path, port=29092).pid_file.write_text(str(broker.pid))
+    assert LocalBroker(tmp_path, port=29092).pid() == broker.pid
+    with pytest.raises(PortInUse, match="on another port than 29093"):
+        LocalBroker(tmp_path, port=29093).pid()
+
+
+def test_another_home_s_server_is_never_taken_for_this_one_s(running, tmp_path):
+    """Two clones on the default ports: a stale pid file of one that names the other's server (a
+    reboot since) made `broker stop` and `spark stop` end the other's."""
+    ours, theirs = LocalBroker(tmp_path / "a", port=29092), LocalBroker(tmp_path / "ab", port=29092)
+    broker = running("noida-db", "start", "--data-dir", theirs.folder_argument, "--kafka-port", "29092")
+    ours.data_dir.mkdir()
+    ours.pid_file.write_text(str(broker.pid))
+    assert ours.pid() is None and ours.stop() is False and broker.poll() is None
+    theirs.data_dir.mkdir()
+    theirs.pid_file.write_text(str(broker.pid))
+    assert theirs.pid() == broker.pid
+    ours, theirs = LocalSparkConnect(tmp_path / "a", port=15124), LocalSparkConnect(tmp_path / "ab", port=15124)
+    server = running(SERVER_CLASS, "--conf", theirs.folder_argument, "--conf", "spark.connect.grpc.binding.port=15124")
+    ours.pid_file.write_text(str(server.pid))
+    assert ours.pid() is None and ours.stop() is False and server.poll() is None
+    theirs.pid_file.write_text(str(server.pid))
+    assert theirs.pid() == server.pid
+
+
+def test_a_server_started_before_it_named_its_folder_is_this_one_s_if_it_holds_its_token(tmp_path):
+    """A release before named no folder on the Spark server's command line: its token tells, so
+    that `spark start` after an upgrade still restarts this home's server (it names no other)."""
+    server = LocalSparkConnect(tmp_path, port=15124)
+    server.prepare()
+    command = [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)", SERVER_CLASS,
+               "spark.connect.grpc.binding.port=15124"]
+    started = [subprocess.Popen(command, stdout=subprocess.PIPE, env={**os.environ, TOKEN_VARIABLE: token})
+               for token in (server.token_file.read_text(), "another home's")]
     try:
-        LocalBroker(tmp_path, port=29092).pid_file.write_text(str(broker.pid))
-        assert LocalBroker(tmp_path, port=29092).pid() == broker.pid
-        with pytest.raises(PortInUse, match="on another port than 29093"):
-            LocalBroker(tmp_path, port=29093).pid()
+        for proc in started:
+            proc.stdout.readline()
+        server.pid_file.write_text(str(started[0].pid))
+        assert server.pid() == started[0].pid
+        server.pid_file.write_text(str(started[1].pid))
+        assert server.pid() is None
     finally:
-        broker.kill()
-        broker.wait()
+        for proc in started:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
 
 
 def test_a_server_that_exits_at_its_start_says_why_from_its_log(tmp_path, monkeypatch, free_port):
@@ -113,7 +151,7 @@ def test_a_run_presents_the_home_s_server_its_token_and_refuses_it_started_on_ot
     its workers. The token is read from the server's folder, not from the master URL the UI shows."""
     monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
     server = LocalSparkConnect(tmp_path / "spark", port=15124)
-    started = running(SERVER_CLASS, "spark.connect.grpc.binding.port=15124")
+    started = running(SERVER_CLASS, server.folder_argument, "spark.connect.grpc.binding.port=15124")
     try:
         server.data_dir.mkdir()
         server.prepare()
