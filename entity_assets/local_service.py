@@ -77,6 +77,28 @@ def _arguments(pid: int) -> list[str] | None:
     return said.stdout.split() or None
 
 
+def _listener(port: int) -> int | None:
+    """The pid of a process of this user that listens on `port` (Linux's /proc: the socket's inode,
+    then the process with it among its descriptors); None where it cannot be told."""
+    sockets = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... inode
+            if fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:  # 0A: LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    for descriptor in PROC.glob("[0-9]*/fd/*") if sockets else ():  # another user's are not listed
+        try:
+            if os.readlink(descriptor) in sockets:
+                return int(descriptor.parts[-3])
+        except OSError:
+            continue
+    return None
+
+
 def write_file(path: Path, text: str) -> None:
     """Replaces `path` at once (a reader never sees it half written), readable by its owner only."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -211,7 +233,9 @@ class LocalService:
                       "restarting it", file=sys.stderr)
                 self._stop()
             if self.listening():  # ours would not bind, and a probe would take the other for it
-                raise PortInUse(f"{self.address} is in use by a process that {self.pid_file} does not name: "
+                holder = _listener(self.port)
+                which = f"pid {holder}" if holder else f"`ss -ltnp 'sport = :{self.port}'` names it"
+                raise PortInUse(f"{self.address} is in use by a process that {self.pid_file} does not name ({which}): "
                                 f"stop it, or give this {self.name} another port")
             self.prepare()
             # the child keeps its own descriptor; the log is the user's alone, as its folder

@@ -5,6 +5,7 @@ process's command line says it is the server."""
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,6 +109,23 @@ def test_a_start_is_ready_only_while_its_own_server_runs(tmp_path, free_port, mo
     with pytest.raises(NotReady, match="exited with 3"):
         server.start(timeout=30)
     assert not server.pid_file.exists()
+
+
+def test_a_server_whose_folder_was_deleted_is_named_by_its_pid(tmp_path, free_port, monkeypatch):
+    """`rm -rf .entity-assets` while the broker runs: every later start stopped at the port, naming
+    no process to stop."""
+    server = Listener(tmp_path / "home", port=free_port())
+    pid = server.start(timeout=30)
+    try:
+        server.pid_file.unlink()
+        with pytest.raises(local_service.PortInUse, match=rf"does not name \(pid {pid}\): stop it"):
+            server.start(timeout=30)
+        monkeypatch.setattr(local_service, "PROC", tmp_path / "no-proc")  # macOS: what finds it
+        with pytest.raises(local_service.PortInUse, match=rf"\(`ss -ltnp 'sport = :{server.port}'` names it\)"):
+            server.start(timeout=30)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def test_the_end_of_a_long_log_is_read_from_its_end(tmp_path, free_port, monkeypatch):
