@@ -2,9 +2,10 @@
 
 Each runs detached from the command that started it (it outlives a demo or a `dagster dev`),
 with its pid file and log in its own folder under the project home, and is stopped by that pid:
-SIGTERM, waited for so it can save, then SIGKILL after a timeout. Starts and stops of one folder
-take turns (a lock file there): two `scripts/ui.sh` at once would otherwise both launch a server,
-and the one whose server lost the port would stop the other's.
+SIGTERM, waited for so it can save, then SIGKILL after a timeout, waited for too (a start right
+after must find the port free). Starts and stops of one folder take turns (a lock file there):
+two `scripts/ui.sh` at once would otherwise both launch a server, and the one whose server lost
+the port would stop the other's.
 """
 
 from __future__ import annotations
@@ -109,6 +110,29 @@ def write_file(path: Path, text: str) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+KILLED_WAIT = 5.0
+"""Seconds a stop waits for a server to be gone after SIGKILL, which the kernel carries out at once
+unless the process is stuck in the kernel (a hung disk)."""
+
+
+def _exited(pid: int, timeout: float) -> bool:
+    """Waits up to `timeout` seconds for `pid` to exit; reaps it where this process is its parent."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _end(proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -283,27 +307,16 @@ class LocalService:
 
     def _stop(self, timeout: float = 30.0) -> bool:
         pid = self.pid()
-        if pid is None:
-            self.pid_file.unlink(missing_ok=True)
-            return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)  # reap when we are the parent
-                if done == pid:
+        if pid is not None:
+            for sent, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, KILLED_WAIT)):
+                try:
+                    os.kill(pid, sent)
+                except ProcessLookupError:  # exited since its pid was read
                     break
-            except ChildProcessError:
-                pass
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
-            os.kill(pid, signal.SIGKILL)
+                if _exited(pid, wait):
+                    break
         self.pid_file.unlink(missing_ok=True)
-        return True
+        return pid is not None
 
     def status(self) -> dict:
         return {"address": self.address, "pid": self.pid(), "data_dir": str(self.data_dir)}

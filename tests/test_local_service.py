@@ -128,6 +128,39 @@ def test_a_server_whose_folder_was_deleted_is_named_by_its_pid(tmp_path, free_po
         os.waitpid(pid, 0)
 
 
+STUBBORN = """import signal, socket, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+server = socket.create_server(("127.0.0.1", int(sys.argv[2])))
+time.sleep(600)"""
+
+
+def test_a_stop_waits_for_a_killed_server_to_be_gone(tmp_path, free_port, monkeypatch):
+    """A server that outlives SIGTERM's wait is killed: the stop returned at once, and a start right
+    after found its port still open."""
+    monkeypatch.setattr(Listener, "command", lambda self: [sys.executable, "-c", STUBBORN, self.program, str(self.port)])
+    server = Listener(tmp_path, port=free_port())
+    pid = server.start(timeout=30)
+    assert server.stop(timeout=0.5) is True
+    assert not _alive(pid) and not server.listening() and not server.pid_file.exists()
+
+
+def test_a_server_that_exits_before_its_signal_is_stopped(running, tmp_path, monkeypatch):
+    """It exited between the read of its pid and SIGTERM: the stop failed with "No such process",
+    leaving its pid file."""
+    server = Listener(tmp_path, port=29558)
+    listener = running(server.program, "29558")
+    server.pid_file.write_text(str(listener.pid))
+    kill = os.kill
+
+    def exited(pid, sent):
+        if sent == signal.SIGTERM:
+            raise ProcessLookupError(3, "No such process")
+        kill(pid, sent)
+
+    monkeypatch.setattr(os, "kill", exited)
+    assert server.stop() is True and not server.pid_file.exists()
+
+
 def test_the_end_of_a_long_log_is_read_from_its_end(tmp_path, free_port, monkeypatch):
     """A server's log of months (gigabytes) was read whole to show its last five lines."""
     server = Listener(tmp_path, port=free_port())
