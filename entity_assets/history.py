@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from entity_assets import core
 from entity_assets.patch import STATUS_OK
-from entity_assets.slices import slice_key
+from entity_assets.slices import slice_key, slice_seq
 from entity_assets.storage import DeltaRsEngine, read_tables
 from entity_assets.tables import SCHEMAS
 
@@ -32,8 +32,9 @@ INDEXED = [*COLUMNS, "bucket", "previousSlice"]
 
 
 class Diverged(Exception):
-    """An update that does not apply to the version before it: `entity_updates` lacks one of the
-    entity's updates (a slice's files deleted by hand), or was written by other code."""
+    """An update that does not apply to the version before it, or a history that does not reach the
+    entity's row in `entities`: `entity_updates` lacks some of the entity's updates (a slice's
+    files deleted by hand, a run that failed between its commits), or was written by other code."""
 
 
 def versions(updates: Iterable[dict]) -> list[dict]:
@@ -72,8 +73,9 @@ def entity_history(engine: DeltaRsEngine, dbid: str, collection: str, zone: str,
     Its row in `entities` names the last such slice, and each update the one before
     (`previousSlice`), so a history reads as many slices as changed the entity, whatever the
     lake's age, and of their files only the row groups whose `bucket` statistics admit it. Where
-    that chain breaks (updates written before the index columns were added in place, or a state
-    without its updates), it reads every slice before the break instead.
+    that chain breaks (updates written before the index columns were added in place), it reads
+    every slice before the break instead. A history that does not end at the entity's row in
+    `entities` (that slice's updates missing) is `Diverged`.
     """
     if not engine.exists("entity_updates"):
         return []
@@ -94,6 +96,19 @@ def entity_history(engine: DeltaRsEngine, dbid: str, collection: str, zone: str,
         updates += found
         if not found or found[0]["bucket"] is None:
             older = [f for f in engine.files("entity_updates") if f.min.get("slice", "") < at]  # no later file
-            return versions(updates + [u for u in read(older) if u["slice"] < at])
+            return _reaching(versions(updates + [u for u in read(older) if u["slice"] < at]), state[0])
         at = found[0]["previousSlice"]
-    return versions(updates if state else read(engine.files("entity_updates")))
+    return _reaching(versions(updates), state[0]) if state else versions(read(engine.files("entity_updates")))
+
+
+def _reaching(history: list[dict], now: dict) -> list[dict]:
+    """`history`, which must end at the entity's row in `entities`: where a slice's updates are
+    missing (a read between apply_patches' commit of `entities` and its commit of
+    `entity_updates`, or a run that failed between them), the replay of the slices before it
+    would end versions short, with nothing to say so."""
+    last = history[-1] if history else {"version": 0, "slice": None}
+    if (last["version"], last["slice"]) != (now["version"], now["slice"]):
+        raise Diverged(f"entity_updates lacks slice {now['slice']}'s updates of this entity, whose row in entities "
+                       f"is version {now['version']} of that slice (the history replayed ends at version "
+                       f"{last['version']}): re-run slice {slice_seq(now['slice'])}, or read again once its run ended")
+    return history
