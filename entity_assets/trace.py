@@ -135,7 +135,8 @@ def trace(engine: DeltaRsEngine, topic: str, partition: int, offset: int) -> Tra
         later = sorted(_read(engine, "entity_batches", None, None, after), key=lambda r: r["slice"])[:1]
         trail.applied = later[0]["slice"] if later else None
         _add(trail, "entity_batches", later)
-        _add(trail, "dead_letters", _read(engine, "dead_letters", None, None, after))  # the wait's end, or bad once decoded
+        # the wait's end, or the record bad once decoded: after its own slice's, in slice order
+        _add(trail, "dead_letters", sorted(_read(engine, "dead_letters", None, None, after), key=lambda r: r["slice"]))
     for table in TRAIL[RECORD_TABLES:]:
         _add(trail, table, _read(engine, table, [trail.applied or trail.slice], None, at))
     trail.inboxes = _inboxes(engine, trail.applied or trail.slice, trail.rows.get("changes_by_device", []))
@@ -178,8 +179,10 @@ def _notes(engine: DeltaRsEngine, trail: Trail) -> list[str]:
 
 
 def _add(trail: Trail, table: str, rows: list[dict]) -> None:
+    """Appends: a held record may have rows of a table in its own slice and in a later one (a
+    dead letter of its wait, then one of the record once decoded)."""
     if rows:
-        trail.rows[table] = [_shown(row) for row in rows]
+        trail.rows.setdefault(table, []).extend(_shown(row) for row in rows)
 
 
 def _read(engine: DeltaRsEngine, table: str, slices: list[str] | None, columns: list[str] | None, filters) -> list[dict]:

@@ -279,6 +279,37 @@ def test_trace_finds_a_record_s_slice_in_log2_manifests_and_where_offsets_went_b
     assert slice_holding(engine, "t", 0, 415) is None
 
 
+def test_a_held_record_s_trail_keeps_its_own_slice_s_dead_letter_and_a_later_one_in_slice_order(tmp_path):
+    """With schema_wait_slices=0, a Qlik data message waits and is an EA-SCHEMA-UNKNOWN dead letter in
+    its own slice; once decoded in a later slice, it may be a dead letter again."""
+    from entity_assets.manifests import ManifestStore
+    from entity_assets.storage import DeltaRsEngine, FileWriter
+    from entity_assets.tables import SCHEMAS
+    from entity_assets.trace import format_trail, trace
+
+    engine, topic = DeltaRsEngine(str(tmp_path / "lake")), "acme.prod.qlik.erp"
+    for seq in range(1, 4):
+        ManifestStore(engine).write(Manifest(seq, (OffsetRange(topic, 0, (seq - 1) * 10, seq * 10),), NOW + seq))
+
+    def put(table, seq, *rows):
+        engine.ensure(table, SCHEMAS[table])
+        writer = FileWriter(table, engine.uri(table), SCHEMAS[table], slice_key(seq))
+        for row in rows:
+            writer.append({"slice": slice_key(seq), "kafka_topic": topic, "kafka_partition": 0, "kafka_offset": 8,
+                           "kafka_timestamp": NOW, "stream": "erp", **row})
+        engine.replace_slice(table, SCHEMAS[table], writer.close(), slice_key(seq))
+
+    put("schema_waits", 1, {"code": "EA-SCHEMA-PENDING", "reason": "waits for schema s", "schemaId": "s"})
+    put("dead_letters", 1, {"code": "EA-SCHEMA-UNKNOWN", "reason": "no schema s within 0 slices"})
+    put("dead_letters", 3, {"code": "GENERR001", "reason": "bad once decoded, again"})
+    put("dead_letters", 2, {"code": "GENERR001", "reason": "bad once decoded"})  # after slice 3's, as a re-run writes
+    trail = trace(engine, topic, 0, 8)
+    assert trail.slice == slice_key(1)
+    assert [r["reason"] for r in trail.rows["dead_letters"]] == [
+        "no schema s within 0 slices", "bad once decoded", "bad once decoded, again"]
+    assert format_trail(trail).count("dead_letters") == 3
+
+
 def test_the_newest_whole_run_of_a_slice_decides_whether_a_restore_lost_it():
     """`newest_whole` on a real (ephemeral) instance's run records, tagged as Dagster tags them:
     subset runs neither hide a whole run nor stand for one; a re-execution of a whole run (the
