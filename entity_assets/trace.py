@@ -75,7 +75,8 @@ def parse_record(text: str, topic_of) -> tuple[str, int, int]:
     """TOPIC:PARTITION:OFFSET (a topic name may hold colons, the numbers cannot); `topic_of`
     gives the topic of the name (`KafkaResource.topic_named`: the prefix where it lacks it)."""
     topic, partition, offset = (text.rsplit(":", 2) + ["", ""])[:3]
-    if not (topic and partition.isdigit() and offset.isdigit()):
+    # ASCII digits: `str.isdigit` also takes ², which `int` refuses, and ١٢, which it reads as 12
+    if not (topic and all(n.isascii() and n.isdigit() for n in (partition, offset))):
         raise ValueError(f"{text!r} is not TOPIC:PARTITION:OFFSET (e.g. entity-batches:0:17)")
     return topic_of(topic), int(partition), int(offset)
 

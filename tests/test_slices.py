@@ -279,6 +279,13 @@ def test_trace_finds_a_record_s_slice_in_log2_manifests_and_where_offsets_went_b
     assert slice_holding(engine, "t", 0, 415) is None
 
 
+@pytest.mark.parametrize("text", ["t:0", "t:0:", ":0:1", "t:-1:1", "t:0:1.5", "t:\u00b2:1", "t:0:\u0661\u0662"])
+def test_a_record_is_topic_partition_offset_in_ascii_digits(text):
+    from entity_assets.trace import parse_record
+
+    assert parse_record("a:b:0:12", str.upper) == ("A:B", 0, 12)  # a topic's colons are its own
+    with pytest.raises(ValueError, match="is not TOPIC:PARTITION:OFFSET"):
+        parse_record(text, str)
 def test_a_held_record_s_trail_keeps_its_own_slice_s_dead_letter_and_a_later_one_in_slice_order(tmp_path):
     """With schema_wait_slices=0, a Qlik data message waits and is an EA-SCHEMA-UNKNOWN dead letter in
     its own slice; once decoded in a later slice, it may be a dead letter again."""
