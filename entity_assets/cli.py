@@ -680,10 +680,11 @@ def cmd_history(args) -> int:
     except Diverged as exc:
         raise SystemExit(f"entity-assets history: {exc}") from None
     if args.slice is None and args.at is None:
-        for v in history:
+        for v in history:  # marked: `--at` never reads a version of no length (docs/entity-core.md)
+            zero = "  (zero-length: the next update had ended by then)" if v["valid_to"] == v["valid_from"] else ""
             print(printable(json.dumps(v, ensure_ascii=False) if args.json else
-                  f"v{v['version']}  slice {v['slice']}  valid {v['valid_from']}..{v['valid_to'] or ''}  {v['action']} "
-                  f"by {v['clientid']}/{v['request']}/{v['part']}  "
+                  f"v{v['version']}  slice {v['slice']}  valid {v['valid_from']}..{v['valid_to'] or ''}{zero}  "
+                  f"{v['action']} by {v['clientid']}/{v['request']}/{v['part']}  "
                   + ("(deleted)" if v["deleted"] else json.dumps(v["document"], ensure_ascii=False))))
     else:
         found = as_of(history, slice=args.slice, time=args.at)

@@ -6,9 +6,11 @@ ops, in slice files that are never rewritten, and a patch that failed (status 2 
 nothing. So replaying an entity's updates in the fold's order (slice, then `core.ORDER`) through
 the patch engine gives every version it had: version v is the document after its v-th update.
 
-A version is valid from its patch's `ended` until the next version's start (the data hub seed's
-valid_from/valid_to). Messages may arrive out of `begun` order across slices, and a version holds
-every change before it, so it starts when all of them had ended: the running maximum of `ended`.
+A version is valid from its patch's `ended` until the next version's start. Slice order wins, as
+in the fold (not the data hub seed's effective-time order): messages may arrive out of `begun`
+order across slices, and a version holds every change before it, so it starts when all of them
+had ended, the running maximum of `ended`. A version whose next update had ended by then is valid
+from t to t: a state of the fold that no time reads (its slice does, where it is the slice's last).
 """
 
 from __future__ import annotations

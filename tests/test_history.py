@@ -1,11 +1,15 @@
 """An entity's history replayed from its updates: versions, validity, reads as of a slice or a time."""
 
+import functools
+
 import pyarrow as pa
 import pytest
 
-from entity_assets import core
+from entity_assets import cli, core
 from entity_assets.assets.common import ensure_tables
 from entity_assets.history import Diverged, as_of, entity_history, versions
+from entity_assets.manifests import ManifestStore
+from entity_assets.slices import Manifest, OffsetRange
 from entity_assets.storage import DeltaRsEngine, FileWriter
 from entity_assets.tables import SCHEMAS
 
@@ -59,19 +63,21 @@ def test_an_update_that_does_not_apply_to_the_version_before_it_says_the_history
         versions([CREATE, {**RENAME, "action": "created"}])
 
 
+def commit_rows(engine, name, schema, slice_, *rows):
+    """A commit of `rows`, (entity key, row) pairs, as a slice's step makes one."""
+    writer = FileWriter(name, engine.uri(name), schema, slice_)
+    for key, row in rows:
+        writer.append({**row, **dict(zip(core.ENTITY_KEY, key)), "bucket": core.bucket_of(*key)})
+    engine.commit(name, schema, add=writer.close(), operation="test", slice_key=slice_)
+
+
 def test_a_history_follows_its_entity_s_slices_back_and_reads_what_came_before_the_index_whole(tmp_path, monkeypatch):
     engine, table = DeltaRsEngine(str(tmp_path)), "entity_updates"
     ann, bob, cy = ("db", "people", "z", "ann"), ("db", "people", "z", "bob"), ("db", "people", "z", "cy")
     index = ("bucket", "previousSlice")
     old = pa.schema([f for f in SCHEMAS[table] if f.name not in index])  # a lake of an older release
     engine.ensure(table, old)
-
-    def commit(name, schema, slice_, *rows):
-        writer = FileWriter(name, engine.uri(name), schema, slice_)
-        for key, row in rows:
-            writer.append({**row, **dict(zip(core.ENTITY_KEY, key)), "bucket": core.bucket_of(*key)})
-        engine.commit(name, schema, add=writer.close(), operation="test", slice_key=slice_)
-
+    commit = functools.partial(commit_rows, engine)
     commit(table, old, "0000000001", (ann, CREATE), (ann, RENAME))
     ensure_tables(engine, [table, "entities"])  # the next slice's step adds the columns: one commit, no rebuild
     assert engine.read(table, columns=list(index)).to_pylist() == [{"bucket": None, "previousSlice": None}] * 2
@@ -96,3 +102,33 @@ def test_a_history_follows_its_entity_s_slices_back_and_reads_what_came_before_t
                         else every(name, *a, **k))
     assert [(v["version"], v["document"], v["slice"]) for v in entity_history(engine, *cy)] == [
         (1, {"name": "Ann"}, "0000000002"), (2, {"name": "Bea"}, "0000000003")]
+
+
+def test_the_cli_marks_a_version_of_no_length_and_says_a_history_short_of_its_state_on_a_line(tmp_path, monkeypatch,
+                                                                                               capsys):
+    engine, updates = DeltaRsEngine(str(tmp_path / "lake")), SCHEMAS["entity_updates"]
+    for seq in range(1, 5):
+        ManifestStore(engine).write(Manifest(seq, (OffsetRange("entity-batches", 0, seq, seq + 1),), seq))
+    ensure_tables(engine, ["entity_updates", "entities"])
+    ann, bob = ("db", "people", "z", "ann"), ("db", "people", "z", "bob")
+    commit_rows(engine, "entity_updates", updates, "0000000001", (ann, CREATE), (ann, RENAME))
+    commit_rows(engine, "entity_updates", updates, "0000000002", (ann, {**DELETE, "previousSlice": "0000000001"}),
+                (bob, {**CREATE, "slice": "0000000002"}))
+    commit_rows(engine, "entity_updates", updates, "0000000003", (ann, {**RECREATE, "previousSlice": "0000000002"}))
+    commit_rows(engine, "entities", SCHEMAS["entities"], "0000000004", (ann, {"slice": "0000000003", "version": 4}),
+                (bob, {"slice": "0000000004", "version": 2}))  # slice 4's commit of entity_updates not made yet
+    monkeypatch.setenv("ENTITY_ASSETS_HOME", str(tmp_path))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    monkeypatch.setenv("ENTITY_ASSETS_LAKE", engine.root)
+    assert cli.main(["history", *ann]) == 0
+    # the deletion, of slice 2, is followed by a re-creation that began before it (slice order wins)
+    assert [line.split("  ")[2:4] for line in capsys.readouterr().out.splitlines()] == [
+        ["valid 100..200", "created by c/1/1"], ["valid 200..300", "updated by c/2/1"],
+        ["valid 300..300", "(zero-length: the next update had ended by then)"], ["valid 300..", "created by c/4/1"]]
+    assert cli.main(["history", *ann, "--slice", "2"]) == 0 and capsys.readouterr().out == "null\n"
+    assert cli.main(["history", *ann, "--at", "300"]) == 0 and capsys.readouterr().out == '{"name": "Cy"}\n'
+    with pytest.raises(SystemExit) as stopped:  # its message a line on stderr, its status 1
+        cli.main(["history", *bob])
+    assert stopped.value.code == ("entity-assets history: entity_updates lacks slice 0000000004's updates of this "
+                                  "entity, whose row in entities is version 2 of that slice (the history replayed "
+                                  "ends at version 1): re-run slice 4, or read again once its run ended")
