@@ -183,15 +183,19 @@ def record_size(key: bytes | None, value: bytes | None) -> int:
 
 
 def dead_letter(out: FileWriter, exc: Exception, slice_key: str, stream: str, topic: str, partition: int,
-                offset: int, timestamp: int, key: bytes | None, value: bytes | None) -> None:
+                offset: int, timestamp: int, key: bytes | None, value: bytes | None,
+                headers: list | None = None) -> None:
     """A `dead_letters` row of a record: an InvalidMessage's code, or GENERR009 for anything else (a
-    bug); for a Qlik data message waiting for its schema, a `schema_waits` row, with the schema's id."""
+    bug); for a Qlik data message waiting for its schema, a `schema_waits` row, with the schema's id.
+    `headers`: the record's, as confluent-kafka gives them ((key, value) pairs) or as a row holds them."""
     code, reason = ((exc.code.value, exc.reason) if isinstance(exc, m.InvalidMessage)
                     else (m.DeadLetterCode.UNEXPECTED.value, f"{type(exc).__name__}: {exc}"))
+    kept = headers and [h if isinstance(h, dict) else {"key": h[0], "value": h[1]} for h in headers]
     out.append({"slice": slice_key, "kafka_topic": topic, "kafka_partition": partition, "kafka_offset": offset,
                 "kafka_timestamp": timestamp, "stream": stream, "kafka_key": key, "value": value, "code": code,
-                "reason": reason, "schemaId": exc.schema_id if isinstance(exc, qlik.SchemaPending) else None},
-               record_size(key, value))
+                "reason": reason, "schemaId": exc.schema_id if isinstance(exc, qlik.SchemaPending) else None,
+                "kafka_headers": kept or None},
+               record_size(key, value) + sum(len(h["key"]) + len(h["value"] or b"") for h in kept or ()))
 
 
 STAMPS_MODULUS = 2 ** 62
@@ -240,7 +244,8 @@ def ingest_tasks(tasks: Iterator[dict], *, kafka_config: dict, streams_by_topic:
                 values = stream.read(msg)
             except Exception as exc:  # InvalidMessage: its code; anything else (a bug) must not lose the record either
                 dead_letter(writer(HELD if isinstance(exc, qlik.SchemaPending) else "dead_letters"), exc, slice_key,
-                            stream.name, r.topic, r.partition, msg.offset(), msg.timestamp()[1], msg.key(), msg.value())
+                            stream.name, r.topic, r.partition, msg.offset(), msg.timestamp()[1], msg.key(), msg.value(),
+                            msg.headers())
                 continue
             if type(values) is Routed:
                 if values.table not in routed:
@@ -372,7 +377,8 @@ def resolve_tasks(tasks: Iterator[dict], *, prefix: str, sources: Mapping[str, a
             try:
                 values = stream.values_of(*coordinates, r["kafka_key"], r["value"])
             except Exception as exc:
-                dead_letter(dead, exc, slice_key, r["stream"], *coordinates, r["kafka_key"], r["value"])
+                dead_letter(dead, exc, slice_key, r["stream"], *coordinates, r["kafka_key"], r["value"],
+                            r.get("kafka_headers"))
                 continue
             if (topic, coordinates[1]) not in rows:
                 rows[topic, coordinates[1]] = _Rows(BATCH_FIELDS, OffsetRange(topic, coordinates[1], 0, 0), slice_key,

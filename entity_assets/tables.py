@@ -25,7 +25,10 @@ REQUEST = [("clientid", STR), ("request", I64), ("user", STR), ("dbid", STR)]
 FLAGS = [("learning", BOOL), ("includeBefore", BOOL), ("includeAfter", BOOL)]
 TARGET = [("collection", STR), ("zone", STR), ("entity", STR)]
 RESULT = [("ended", I64), ("status", I32), ("error", STR), ("before", STR), ("after", STR)]
-LETTER = [("stream", STR), ("kafka_key", BIN), ("value", BIN), ("code", STR), ("reason", STR)]
+HEADERS = pa.list_(pa.struct([("key", STR), ("value", BIN)]))
+"""A record's Kafka headers, in order, as Spark's Kafka source reads them (a repeated key stays)."""
+LETTER = [("stream", STR), ("kafka_key", BIN), ("value", BIN), ("code", STR), ("reason", STR),
+          ("kafka_headers", HEADERS)]
 STATE = [("version", I64), ("deleted", BOOL), ("document", STR), ("ended", I64), ("bucket", I32)]
 
 
@@ -116,7 +119,8 @@ SCHEMAS["partial_responses"] = pa.schema(list(UPDATE) + [pa.field("stream", STR)
 SCHEMAS["pending_responses"] = SCHEMAS["partial_responses"]
 
 ADDED_IN_PLACE = {"entity_updates": ("bucket", "previousSlice", "leftZone"),
-                  "changes_by_device": ("clientid", "request", "part", "begun")}
+                  "changes_by_device": ("clientid", "request", "part", "begun"),
+                  "dead_letters": ("kafka_headers",), "schema_waits": ("kafka_headers",)}
 """Columns that a table of an older release gains by a metadata commit (`DeltaRsEngine.ensure`),
 its older files reading as null there, instead of a rebuild (docs/operations.md, Upgrading):
 only columns whose readers take null for "nothing to do", such as an index."""

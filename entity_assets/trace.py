@@ -196,7 +196,16 @@ def _read(engine: DeltaRsEngine, table: str, slices: list[str] | None, columns: 
 
 
 def _shown(row: dict) -> dict:
-    return {k: v.decode("utf-8", "replace") if isinstance(v, bytes) else v for k, v in row.items() if k not in _HIDDEN}
+    return {k: _text(v) for k, v in row.items() if k not in _HIDDEN}
+
+
+def _text(value):
+    """Bytes (a key, a value, a header's value) as text, for people and JSON."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_text(v) for v in value]
+    return {k: _text(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def _inboxes(engine: DeltaRsEngine, slice_key: str, changes: list[dict]) -> list[dict]:

@@ -79,7 +79,7 @@ def test_a_history_follows_its_entity_s_slices_back_and_reads_what_came_before_t
     engine.ensure(table, old)
     commit = functools.partial(commit_rows, engine)
     commit(table, old, "0000000001", (ann, CREATE), (ann, RENAME))
-    ensure_tables(engine, [table, "entities"])  # the next slice's step adds the columns: one commit, no rebuild
+    ensure_tables(engine, "0000000002", [table, "entities"])  # the next slice's step adds the columns: one commit, no rebuild
     assert engine.read(table, columns=list(index)).to_pylist() == [{"bucket": None, "previousSlice": None}] * 2
     commit(table, SCHEMAS[table], "0000000002", (ann, {**DELETE, "previousSlice": "0000000001"}),
            (bob, {**CREATE, "slice": "0000000002"}), (cy, {**CREATE, "slice": "0000000002"}))
@@ -109,7 +109,7 @@ def test_the_cli_marks_a_version_of_no_length_and_says_a_history_short_of_its_st
     engine, updates = DeltaRsEngine(str(tmp_path / "lake")), SCHEMAS["entity_updates"]
     for seq in range(1, 5):
         ManifestStore(engine).write(Manifest(seq, (OffsetRange("entity-batches", 0, seq, seq + 1),), seq))
-    ensure_tables(engine, ["entity_updates", "entities"])
+    ensure_tables(engine, "0000000001", ["entity_updates", "entities"])
     ann, bob = ("db", "people", "z", "ann"), ("db", "people", "z", "bob")
     commit_rows(engine, "entity_updates", updates, "0000000001", (ann, CREATE), (ann, RENAME))
     commit_rows(engine, "entity_updates", updates, "0000000002", (ann, {**DELETE, "previousSlice": "0000000001"}),

@@ -937,6 +937,28 @@ BAD = {
 }
 
 
+def test_a_dead_letter_keeps_its_record_s_headers(pipeline):
+    """A producer's trace id and other headers stay with the record it sent, in their order, a
+    repeated key and bytes that are no text included; `trace` shows them as text."""
+    from confluent_kafka import Producer
+
+    headers = [("traceparent", b"00-4bf92f3577b34da6-00f067aa0ba902b7-01"), ("bin", b"\xff\x00"),
+               ("traceparent", b"again"), ("empty", None)]
+    producer = Producer(pipeline.kafka.config())
+    producer.produce(pipeline.topic(STREAM), key=b"traced", value=b'{"clientid": ', headers=headers, partition=0)
+    producer.produce(pipeline.topic(STREAM), key=b"plain", value=b"[", partition=0)
+    assert producer.flush(30) == 0
+    [request] = pipeline.tick()
+    assert pipeline.run_request(request, assets=ingest_only(pipeline)).success
+    dead = {r["kafka_key"]: r for r in pipeline.read("dead_letters").to_pylist()}
+    assert dead[b"traced"]["kafka_headers"] == [{"key": k, "value": v} for k, v in headers]
+    assert dead[b"plain"]["kafka_headers"] is None
+    shown = trace.trace(pipeline.engine, pipeline.topic(STREAM), 0, dead[b"traced"]["kafka_offset"])
+    [letter] = shown.rows["dead_letters"]
+    assert letter["kafka_headers"][0] == {"key": "traceparent", "value": headers[0][1].decode()}
+    json.dumps(letter)  # as `trace --json` prints it
+
+
 def test_bad_records_go_to_dead_letters_and_the_rest_is_written(pipeline):
     assert len(OVERSIZE) > 1_000_000
     seed = samples.seed_records()  # the seed's samples spell "db"
