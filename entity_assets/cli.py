@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -332,6 +333,14 @@ class RunsInFlight(Exception):
     """Slices are being applied outside this process; `run` beside them would break slice order."""
 
 
+def _close(instance) -> None:
+    """Closes the instance's pooled SQLite connections (`instance_storage`): a run file left open
+    keeps its events in its -wal file, and the instance's dispose leaves the schedule storage's."""
+    instance.dispose()
+    if instance.schedule_storage is not None:
+        instance.schedule_storage.dispose()
+
+
 def _instance_for_runs():
     """The Dagster instance, once no slice is being applied elsewhere in it (RunsInFlight otherwise)."""
     from dagster import DagsterInstance, DagsterInvariantViolationError
@@ -344,6 +353,7 @@ def _instance_for_runs():
         instance = DagsterInstance.get()
     except DagsterInvariantViolationError as exc:  # DAGSTER_HOME not a folder
         raise UsageError(str(exc)) from None
+    atexit.register(_close, instance)
     home = Path(os.environ["DAGSTER_HOME"])
     if not (home / "dagster.yaml").exists():  # installed from a wheel, away from the repository, say
         print(f"entity-assets: no dagster.yaml in DAGSTER_HOME ({home}): runs are recorded in a default instance, "

@@ -118,7 +118,9 @@ def kafka_offsets_sensor(context: SensorEvaluationContext, kafka: KafkaResource,
                                      set(healed), taken)
         requested.update({seq: key for seq, key in again.items() if seq not in requested})
     keys = [slice_key(seq) for seq in sorted(requested)]
-    observations, reported = report_lag(context.log.warning, context.instance, kafka, store, marks, last, reported)
+    # `context.log` opens the tick's log file, which tick retention never deletes: only when there is a warning
+    observations, reported = report_lag(lambda text: context.log.warning(text), context.instance, kafka, store, marks,
+                                        last, reported)
     next_cursor = dump_cursor(last, read, closed_at, reported, taken)
     if not keys:
         pending = sum(max(0, ends[tp] - positions.get(tp, 0)) for tp in ends)

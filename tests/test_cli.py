@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -1031,8 +1032,14 @@ def test_maintenance_vacuums_the_lake_without_the_daemon(monkeypatch, tmp_path, 
         written += [tmp_path / "lake" / "dead_letters" / f.path for f in orphan.close()]
     failed, writing = written  # a failed run's file, never committed; a running slice's, not committed yet
     os.utime(failed, (time.time() - 2 * 3600,) * 2)
+    at_exit = []
+    monkeypatch.setattr(cli.atexit, "register", lambda fn, *args: at_exit.append(partial(fn, *args)))
     assert cli.main(["maintenance"]) == 0
     assert "lake_maintenance: done" in capsys.readouterr().out
     assert not failed.exists() and writing.exists()
-    [run] = DagsterInstance.get().get_runs()
+    with DagsterInstance.get() as instance:
+        [run] = instance.get_runs()
     assert run.job_name == "lake_maintenance" and "entity-assets/worker" in run.tags
+    for close in at_exit:  # as the process's exit does: a run file left open keeps its events in its -wal
+        close()
+    assert not list(Path(os.environ["DAGSTER_HOME"]).rglob("*-wal"))

@@ -346,6 +346,19 @@ def test_slice_rows_equal_what_was_produced(make_pipeline):
 
 # --------------------------------------------------------------------------- sensor ticks
 
+def test_a_tick_with_nothing_to_say_opens_no_log(pipeline, monkeypatch):
+    """The daemon's sensor context opens the tick's captured-log file at the first use of
+    `context.log`, and tick retention deletes rows, not files: one file a tick, 2,880 a day."""
+    from dagster import SensorEvaluationContext
+
+    used, real = [], SensorEvaluationContext.log
+    monkeypatch.setattr(SensorEvaluationContext, "log", property(lambda self: used.append(1) or real.fget(self)))
+    pipeline.produce(traffic(20, seed=1))
+    assert pipeline.tick() and used  # "requesting slices ..."
+    used.clear()
+    assert pipeline.tick() == [] and not used
+
+
 def test_ticks_close_contiguous_slices(pipeline):
     assert pipeline.tick() == []  # empty topics
     assert pipeline.last_result.skip_reason is not None
