@@ -513,7 +513,9 @@ def _materialize(instance, store, runs: list[tuple[str, str]], selection, log, t
     from entity_assets.sensors import kafka_offsets_sensor, slice_tags
     from entity_assets.slices import slice_seq
 
-    instance.add_dynamic_partitions("slices", [key for key, _ in runs])
+    keys = [key for key, _ in runs]
+    for at in range(0, len(keys), 1000):  # one IN list each: SQLite builds may bound its variables (32,766)
+        instance.add_dynamic_partitions("slices", keys[at:at + 1000])
     manifests = store.get_many(slice_seq(key) for key, _ in runs)
     job = defs.resolve_job_def("slice_job")
     summaries = []
