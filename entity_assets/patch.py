@@ -112,11 +112,15 @@ _BAD_ESCAPE = re.compile(r"~(?![01])")
 
 
 CACHED_PATH_CHARS = 256
-"""Paths the patch engine caches at most: a path may be as long as a message, and a slice of
-long ones would keep up to 65,536 of them in a worker for good."""
+CACHED_PATH_TOKENS = 16
+"""Paths the patch engine caches at most, in characters and in `/`s, each of `CACHED_PATHS`: a path
+may be as long as a message, and each token is a string of its own (a 254-character path of 124
+tokens outside Latin-1 held 11 KB). A slice of such paths kept 764 MB in a worker for good; cached
+paths hold a few KB each at most, real ones far less."""
+CACHED_PATHS = 4096
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=CACHED_PATHS)
 def parse_path(path: str) -> tuple[str, ...]:
     """Split a JSON Pointer into unescaped reference tokens.
 
@@ -418,7 +422,8 @@ def _tokens(op: dict, key: str) -> tuple[str, ...]:
     if not isinstance(path, str):
         raise _Fail(f"{key!r} must be a string, got {_kind(path)}")
     try:
-        return parse_path(path) if len(path) <= CACHED_PATH_CHARS else parse_path.__wrapped__(path)
+        cached = len(path) <= CACHED_PATH_CHARS and path.count("/") <= CACHED_PATH_TOKENS
+        return parse_path(path) if cached else parse_path.__wrapped__(path)
     except ValueError as exc:
         raise _Fail(str(exc)) from None
 
