@@ -17,7 +17,15 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
-from entity_assets.patch import MAX_DOCUMENT_BYTES, STATUS_FAILED, STATUS_OK, PatchError, apply_patch, is_delete
+from entity_assets.patch import (
+    MAX_DOCUMENT_BYTES,
+    STATUS_FAILED,
+    STATUS_OK,
+    PatchError,
+    apply_patch,
+    growth_bound,
+    is_delete,
+)
 
 STATE_BUCKETS = 32
 """Hash buckets of the entity state. Fixed for the life of a lake: changing it needs a rebuild."""
@@ -102,18 +110,19 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
     already (`history`) leaves that out, as a lake written before the limit may hold such ones.
     """
     before, items = state.doc, loads(ops)
+    known = None if not sized else 2 if before is None else state.size  # a missing document patches `{}`
     if implicit_empty:  # a schema is never absent: a tombstone would read as none
         deleting = next((i for i, op in enumerate(items) if is_delete(op)), None) if isinstance(items, list) else None
         if deleting is not None:
             return STATUS_FAILED, str(PatchError(deleting, items[deleting], SCHEMA_KEPT)), None, None, None
-        outcome = apply_patch({} if before is None else before, items, document="a database's schema")
+        outcome = apply_patch({} if before is None else before, items, document="a database's schema", size=known)
     else:
-        outcome = apply_patch(before, items)
+        outcome = apply_patch(before, items, size=known)
     if outcome.status != STATUS_OK:
         return outcome.status, outcome.error, None, None, None
     if check is not None and outcome.doc is not None and (error := check(before, outcome.doc)):
         return STATUS_FAILED, error, None, None, None
-    size = _bounded_size(state.size, ops, outcome.doc) if sized else 0
+    size = _bounded_size(outcome.size, ops, items, outcome.doc) if sized else 0
     if size > MAX_DOCUMENT_BYTES:
         return STATUS_FAILED, f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON", None, None, None
     state.doc, state.version, state.changed, state.ended = outcome.doc, state.version + 1, True, ended
@@ -143,14 +152,17 @@ GROWTH_PER_OPS_CHARACTER = 7
 a parent that an add or move creates by its token's and 6 more (`"a":{},` for `/a`)."""
 
 
-def _bounded_size(before: int, ops: str, doc) -> int:
-    """A bound of a patched document's JSON text (characters) that only documents near
-    `MAX_DOCUMENT_BYTES`, or patched by a copy, pay a measure for. Unbounded, patches of a few
-    bytes would grow a document past what a column of text holds (2 GiB)."""
+def _bounded_size(size: int, ops: str, items: list, doc) -> int:
+    """A bound of a patched document's JSON text (characters) that only a document whose bound of
+    its ops' growth (`growth_bound`) passes `MAX_DOCUMENT_BYTES` pays a measure for; `size`: the
+    patch's bound of it, the growth of its copies included (`PatchOutcome.size`). Unbounded,
+    patches of a few bytes would grow a document past what a column of text holds (2 GiB)."""
     if doc is None:
         return 0
-    bound = before + GROWTH_PER_OPS_CHARACTER * len(ops)
-    if bound > MAX_DOCUMENT_BYTES or '"copy"' in ops:
+    bound = size + GROWTH_PER_OPS_CHARACTER * len(ops)
+    if bound > MAX_DOCUMENT_BYTES:
+        bound = size + growth_bound(items)
+    if bound > MAX_DOCUMENT_BYTES:
         return len(dumps(doc))
     return bound
 

@@ -185,6 +185,36 @@ def test_adds_of_deep_paths_stop_at_the_limit_too(monkeypatch):
     assert replay.doc == state.doc
 
 
+def test_a_copy_bounds_the_document_by_what_it_copied_not_by_a_measure():
+    """Every copy serialized the whole document: one-op copies of a scalar into a 12 MB document
+    cost 388 ms each. The bound grows by the value copied and the ops' text."""
+    state = core.DocState()
+    assert core.apply(state, json.dumps([{"op": "add", "path": "/k", "value": list(range(10_000))},
+                                         {"op": "add", "path": "/s", "value": "v"}]), 1, False, False)[0] == 1
+    before, copy = state.size, '[{"op":"copy","from":"/s","path":"/t"}]'
+    assert core.apply(state, copy, 2, False, False)[:2] == (1, None)
+    assert state.size == before + len('"t":"v",') + core.GROWTH_PER_OPS_CHARACTER * len(copy)
+
+
+def test_a_document_near_the_limit_is_bounded_by_its_ops_not_measured_at_each_patch(monkeypatch):
+    """Within 7 times a patch's text of the limit (scaled down here), each patch serialized the
+    whole document (12 ms at 16 MB); a bound of what its ops add is enough, and the patch that
+    would pass the limit still fails."""
+    MAX_DOCUMENT_BYTES = 200_000
+    monkeypatch.setattr(core, "MAX_DOCUMENT_BYTES", MAX_DOCUMENT_BYTES)
+    state = core.DocState()
+    fill = json.dumps([{"op": "add", "path": "/pad", "value": "x" * (MAX_DOCUMENT_BYTES - 40)}])
+    assert core.apply(state, fill, 1, False, False)[0] == 1
+    assert core.apply(state, '[{"op":"add","path":"/s","value":"v"}]', 2, False, False)[0] == 1
+    bound, replace = state.size, '[{"op":"replace","path":"/s","value":"w"}]'
+    assert bound + core.GROWTH_PER_OPS_CHARACTER * len(replace) > MAX_DOCUMENT_BYTES
+    assert core.apply(state, replace, 3, False, False)[0] == 1
+    assert state.size == bound + len('"w"')  # the value's text, not a measure
+    too_much = json.dumps([{"op": "add", "path": "/t", "value": "y" * 40}])
+    assert core.apply(state, too_much, 4, False, False)[:2] == (
+        3, f"the document would be over {MAX_DOCUMENT_BYTES} bytes of JSON")
+
+
 def test_two_part_request_yields_the_seed_complete_response():
     parts = []
     for part, (entity, first, last, path, phone) in enumerate(
