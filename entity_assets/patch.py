@@ -215,7 +215,8 @@ def _text_size(value, memo: dict) -> int:
     if value is None or isinstance(value, bool):
         return 5
     if isinstance(value, int):
-        return value.bit_length() * 30103 // 100000 + 2  # digits (log10 of 2 = 0.30103) and a sign
+        # digits (log10 of 2 < 0.30103) and a sign: 0 is its 1 digit, a 12 MB array of zeros not 18 MB
+        return value.bit_length() * 30103 // 100000 + 1 + (value < 0)
     if isinstance(value, float):
         return len(repr(value))
     hit = memo.get(id(value))

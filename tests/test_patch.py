@@ -733,3 +733,16 @@ def test_a_copy_into_a_document_of_known_size_adds_what_it_copied_to_that_size()
     # a bound past the limit is measured: the document fits
     out = apply_patch(doc, [{"op": "copy", "from": "/s", "path": "/t"}], size=MAX_DOCUMENT_BYTES)
     assert out.status == STATUS_OK and len(json.dumps(out.doc, separators=(",", ":"))) <= out.size < 1_000_000
+
+
+
+def test_the_size_of_an_array_of_zeros_is_its_text():
+    """0 is one character: counted as 2 and a comma, twelve arrays of 490,000 zeros (11.8 MB) failed a
+    copy of a scalar as over 16 MiB, which an add of it did not."""
+    zeros = [0] * 490_000
+    doc = {**{f"k{i}": zeros for i in range(12)}, "s": 1}
+    out = apply_patch(doc, [{"op": "copy", "from": "/s", "path": "/t"}])
+    assert out.status == STATUS_OK, out.error
+    for n in (0, 9, 10, -1, -9, -10, 2**63 - 1, -(2**63), 10**40, 10**40 - 1, -(10**40)):
+        out = apply_patch({"n": n}, [{"op": "copy", "from": "", "path": "/c"}])
+        assert out.size >= len(json.dumps(out.doc, separators=(",", ":")))  # a bound still
