@@ -10,6 +10,7 @@ import pytest
 from entity_assets.patch import (
     MAX_DEPTH,
     MAX_DOCUMENT_BYTES,
+    MAX_SHIFTS,
     STATUS_FAILED,
     STATUS_NOT_FOUND,
     STATUS_OK,
@@ -722,7 +723,6 @@ def test_the_depth_check_walks_a_shared_subtree_once():
     assert out.status == STATUS_FAILED
 
 
-
 def test_a_copy_into_a_document_of_known_size_adds_what_it_copied_to_that_size():
     """Measured at each copy, a 1 MB batch of one-op copies of a scalar into a 1 MB document took 5
     minutes; given the input's size, the bound grows by the value and its member."""
@@ -735,7 +735,6 @@ def test_a_copy_into_a_document_of_known_size_adds_what_it_copied_to_that_size()
     assert out.status == STATUS_OK and len(json.dumps(out.doc, separators=(",", ":"))) <= out.size < 1_000_000
 
 
-
 def test_the_size_of_an_array_of_zeros_is_its_text():
     """0 is one character: counted as 2 and a comma, twelve arrays of 490,000 zeros (11.8 MB) failed a
     copy of a scalar as over 16 MiB, which an add of it did not."""
@@ -746,3 +745,21 @@ def test_the_size_of_an_array_of_zeros_is_its_text():
     for n in (0, 9, 10, -1, -9, -10, 2**63 - 1, -(2**63), 10**40, 10**40 - 1, -(10**40)):
         out = apply_patch({"n": n}, [{"op": "copy", "from": "", "path": "/c"}])
         assert out.size >= len(json.dumps(out.doc, separators=(",", ":")))  # a bound still
+
+
+def test_inserts_and_removes_before_an_array_s_end_stop_at_a_budget_of_moved_elements():
+    """Each shifts the rest of its array: 26,666 inserts at the front of 490,000 elements took 4 s."""
+    doc = {"a": [0] * 990_000}  # 50 inserts at the front move 49,501,225 elements, the 51st 990,050 more
+    front = [{"op": "add", "path": "/a/0", "value": 1}]
+    assert apply_patch(doc, front * 50).status == STATUS_OK
+    out = apply_patch(doc, front * 51)
+    assert out.status == STATUS_FAILED and out.doc is doc
+    assert out.error == f"op 50 (add /a/0): the patch's inserts and removes would move over {MAX_SHIFTS} array elements"
+    out = apply_patch(doc, [{"op": "remove", "path": "/a/1"}] * 51)
+    assert out.status == STATUS_FAILED and out.error.startswith("op 50 (remove /a/1): ")
+    out = apply_patch(doc, [{"op": "move", "from": "/a/0", "path": "/a/-"}] * 51)
+    assert out.status == STATUS_FAILED and out.error.startswith("op 50 (move /a/0 -> /a/-): ")
+    # at the end, and replacing, move nothing
+    ends = [{"op": "add", "path": "/a/-", "value": 1}, {"op": "remove", "path": "/a/990000"},
+            {"op": "replace", "path": "/a/0", "value": 2}] * 1000
+    assert apply_patch(doc, ends).status == STATUS_OK
