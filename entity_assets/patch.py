@@ -446,7 +446,8 @@ def _tokens(op: dict, key: str) -> tuple[str, ...]:
     if not isinstance(path, str):
         raise _Fail(f"{key!r} must be a string, got {_kind(path)}")
     try:
-        cached = len(path) <= CACHED_PATH_CHARS and path.count("/") <= CACHED_PATH_TOKENS
+        chars = len(path)  # a path of 16 characters has 16 tokens at most: most are not counted
+        cached = chars <= CACHED_PATH_TOKENS or chars <= CACHED_PATH_CHARS and path.count("/") <= CACHED_PATH_TOKENS
         return parse_path(path) if cached else parse_path.__wrapped__(path)
     except ValueError as exc:
         raise _Fail(str(exc)) from None
