@@ -198,20 +198,31 @@ def _avro(raw: bytes, schema, what: str) -> Any:
 
 
 def _schema(text: str, what: str):
+    named: dict = {}  # every named type, wherever it is defined (also under a top-level union or array)
     try:
-        parsed = fastavro.parse_schema(json.loads(text))
+        parsed = fastavro.parse_schema(json.loads(text), named_schemas=named)
     except Exception as exc:
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: not an Avro schema ({exc})"[:300]) from None
-    named = parsed.get("__named_schemas", {}) if isinstance(parsed, dict) else {}
     if _contains_itself(parsed, named, set(), set()):
         # fastavro decodes a level per nested value, in C: 20 KB of them overflow the stack
         raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: a named type that contains itself "
                                                             "(a recursive schema): no table row is one")
-    if any(_takes_no_bytes(items, named) for items in _array_items(parsed, named)):
-        # a 5-byte block count would make 10^12 items out of nothing: memory, not a dead letter
-        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{what}: an array of items that take no bytes "
-                                                            "(null, a record without fields)")
+    if _Expansion(named, what).of(parsed)[1] > MAX_EXTRA_VALUES:
+        # two fields of the type before, twenty times: 2^20 records out of no bytes at all
+        raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT,
+                               f"{what}: a value of it decodes into more than {MAX_EXTRA_VALUES:,} values beyond "
+                               f"{VALUES_PER_BYTE} a byte (named types that hold named types many times over): "
+                               "no table row does")
     return parsed
+
+
+VALUES_PER_BYTE = 4
+MAX_EXTRA_VALUES = 10_000
+"""A schema's value decodes into at most `VALUES_PER_BYTE` values (records, scalars, lists, map
+entries) per byte read plus `MAX_EXTRA_VALUES`, or it is refused: a row of nullable columns is
+one value per byte and its record, while types holding types twice over double per level."""
+
+_MIN_BYTES = {"null": 0, "boolean": 1, "int": 1, "long": 1, "float": 4, "double": 8, "bytes": 1, "string": 1}
 
 
 def _contains_itself(schema, named: dict, inside: set, acyclic: set) -> bool:
@@ -239,46 +250,54 @@ def _contains_itself(schema, named: dict, inside: set, acyclic: set) -> bool:
     return (not isinstance(kind, str) or kind in named) and _contains_itself(kind, named, inside, acyclic)
 
 
-def _takes_no_bytes(schema, named: dict, seen: frozenset = frozenset()) -> bool:
-    """Whether Avro encodes a value of `schema` in no bytes at all."""
-    if isinstance(schema, str):
-        if schema in named and schema not in seen:
-            return _takes_no_bytes(named[schema], named, seen | {schema})
-        return schema == "null"
-    if isinstance(schema, list):
-        return False  # a union writes its branch's index
-    kind = schema["type"]
-    if kind in ("record", "error"):
-        return all(_takes_no_bytes(f["type"], named, seen | {schema["name"]}) for f in schema["fields"])
-    if kind == "fixed":
-        return schema["size"] == 0
-    return kind not in ("array", "map", "enum") and _takes_no_bytes(kind, named, seen)
+class _Expansion:
+    """Walks a schema for the most values a value of each type decodes into beyond
+    `VALUES_PER_BYTE` per byte it reads, each named type once: a type used twice in each of
+    twenty nested types is 2^20 values, and walking it per use took as long."""
 
+    def __init__(self, named: dict, what: str):
+        self.named, self.what = named, what
+        self.memo: dict[str, tuple[bool, int]] = {}
 
-def _array_items(schema, named: dict, seen: set | None = None):
-    """The item schemas of every array in `schema`, named types walked once."""
-    seen = set() if seen is None else seen
-    if isinstance(schema, str):
-        if schema in named and schema not in seen:
-            seen.add(schema)
-            yield from _array_items(named[schema], named, seen)
-        return
-    if isinstance(schema, list):
-        for branch in schema:
-            yield from _array_items(branch, named, seen)
-        return
-    kind = schema["type"]
-    if kind in ("record", "error"):
-        seen.add(schema["name"])
-        for field in schema["fields"]:
-            yield from _array_items(field["type"], named, seen)
-    elif kind == "array":
-        yield schema["items"]
-        yield from _array_items(schema["items"], named, seen)
-    elif kind == "map":
-        yield from _array_items(schema["values"], named, seen)
-    elif not isinstance(kind, str) or kind in named:
-        yield from _array_items(kind, named, seen)
+    def of(self, schema) -> tuple[bool, int]:
+        """Whether a value of `schema` takes no bytes at all, and its values beyond
+        `VALUES_PER_BYTE` a byte (negative: fewer)."""
+        name = schema if isinstance(schema, str) else schema.get("name") if isinstance(schema, dict) else None
+        if name not in self.named:
+            return self._walk(schema)
+        if name not in self.memo:
+            self.memo[name] = self._walk(self.named[name])
+        return self.memo[name]
+
+    def _walk(self, schema) -> tuple[bool, int]:
+        if isinstance(schema, str):
+            return _MIN_BYTES[schema] == 0, 1 - VALUES_PER_BYTE * _MIN_BYTES[schema]
+        if isinstance(schema, list):  # a union writes its branch's index
+            return False, max(self.of(branch)[1] for branch in schema) - VALUES_PER_BYTE
+        kind = schema["type"]
+        if kind in ("record", "error"):
+            fields = [self.of(f["type"]) for f in schema["fields"]]
+            return all(no_bytes for no_bytes, _ in fields), 1 + sum(extra for _, extra in fields)
+        if kind == "fixed":
+            return schema["size"] == 0, 1 - VALUES_PER_BYTE * schema["size"]
+        if kind == "enum":
+            return False, 1 - VALUES_PER_BYTE
+        if kind == "array":
+            self._repeated(*self.of(schema["items"]), "an array of items")
+        elif kind == "map":  # an entry: its key (a string) and its value
+            self._repeated(False, 1 - VALUES_PER_BYTE + self.of(schema["values"])[1], "a map of entries")
+        else:
+            return self.of(kind)
+        return False, 1 - VALUES_PER_BYTE  # the list or dict, and the block count 0 that ends it
+
+    def _repeated(self, no_bytes: bool, extra: int, what: str) -> None:
+        """Items past `VALUES_PER_BYTE` a byte each: a 5-byte block count makes 10^12 of them."""
+        if no_bytes:
+            raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT, f"{self.what}: {what} that take no bytes "
+                                                                "(null, a record without fields)")
+        if extra > 0:
+            raise m.InvalidMessage(m.DeadLetterCode.BAD_FORMAT,
+                                   f"{self.what}: {what} that decode into more than {VALUES_PER_BYTE} values a byte")
 
 
 class Decoder:

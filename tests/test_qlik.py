@@ -5,6 +5,7 @@ import decimal
 import io
 import json
 import pickle
+import time
 from dataclasses import replace
 
 import fastavro
@@ -191,6 +192,55 @@ def test_an_array_of_items_that_take_no_bytes_is_refused_before_decoding(items):
         qlik._schema(json.dumps(schema), "dataSchema")
     schema["fields"].pop()
     assert qlik._schema(json.dumps(schema), "dataSchema")
+
+
+def doubling(n: int) -> dict:
+    """R0 has no fields, and each Ri two fields of R(i-1): a value of Rn is 2^n records out of no bytes."""
+    if n == 0:
+        return {"type": "record", "name": "R0", "fields": []}
+    return {"type": "record", "name": f"R{n}", "fields": [{"name": "a", "type": doubling(n - 1)},
+                                                          {"name": "b", "type": f"R{n - 1}"}]}
+
+
+def test_a_schema_whose_value_doubles_per_level_is_a_dead_letter():
+    """A 2,365-byte data message of such an R20 decoded into 2^20 dicts: 9 s and 549 MB, twice
+    that per level more; walking an array of them for items that take no bytes was as long."""
+    schema = qlik.data_schema("T", {"A": "long"})
+    schema["fields"][0]["type"], schema["fields"][1]["type"] = ["null", doubling(20)], ["null", "R20"]
+    for raw in (_envelope(messageSchemaId=None, messageSchema=json.dumps(schema), message=b"\x02\x00\x00"),
+                _envelope(type="MD", messageSchemaId=None, messageSchema=json.dumps(
+                    {"type": "record", "name": "M", "fields": [{"name": "x", "type": doubling(20)}]}))):
+        with pytest.raises(InvalidMessage) as caught:
+            qlik.Decoder({}).decode(raw)
+        assert caught.value.code is DeadLetterCode.BAD_FORMAT and "more than 10,000 values" in caught.value.reason
+    started = time.process_time()
+    with pytest.raises(InvalidMessage, match="items that take no bytes"):
+        qlik._schema(json.dumps({"type": "array", "items": doubling(22)}), "dataSchema")
+    assert time.process_time() - started < 1
+    assert qlik._schema(json.dumps(doubling(12)), "dataSchema")  # 8,191 records: within the bound
+
+
+@pytest.mark.parametrize("kind, items, what", [("array", "items", "an array of items"),
+                                               ("map", "values", "a map of entries")])
+def test_items_that_decode_into_many_values_a_byte_are_refused(kind, items, what):
+    """A boolean beside 2^4 empty records: each byte of a 1 MB array or map a dozen values more."""
+    item = {"type": "record", "name": "I", "fields": [{"name": "b", "type": "boolean"},
+                                                      {"name": "r", "type": doubling(4)}]}
+    schema = {"type": "record", "name": "M", "fields": [{"name": "x", "type": {"type": kind, items: item}}]}
+    with pytest.raises(InvalidMessage, match=f"{what} that decode into more than 4 values a byte"):
+        qlik._schema(json.dumps(schema), "dataSchema")
+    item["fields"][1]["type"] = {"type": "record", "name": "W", "fields": [{"name": "e", "type": doubling(0)}]}
+    assert qlik._schema(json.dumps(schema), "dataSchema")  # an item of a boolean and 3 records: 4 values a byte
+
+
+def test_named_types_of_a_top_level_union_are_checked():
+    """fastavro keeps a schema's named types on a top-level record only: under a union, an
+    array of empty records went unchecked, and a 99-byte envelope decoded into 4M of them."""
+    schema = json.dumps([{"type": "record", "name": "E", "fields": []}, {"type": "array", "items": "E"}])
+    raw = _envelope(messageSchemaId=None, messageSchema=schema, message=b"\x02\x80\x89\x7a\x00")  # 10^6 items
+    with pytest.raises(InvalidMessage) as caught:
+        qlik.Decoder({}).decode(raw)
+    assert caught.value.code is DeadLetterCode.BAD_FORMAT and "items that take no bytes" in caught.value.reason
 
 
 def test_a_value_nested_hundreds_of_levels_deep_is_a_dead_letter():
