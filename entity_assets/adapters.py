@@ -365,6 +365,8 @@ def _typed(value: dict) -> Any:
             grammar, kind, bound = _NUMBERS[name]
             if not grammar.fullmatch(inner):
                 return inner if inner in ("NaN", "Infinity", "-Infinity") and kind is float else _UNTYPED
+            if bound is not None and len(inner.lstrip("-").lstrip("0")) > len(str(bound)):
+                return _UNTYPED  # out of range, and past 4,300 digits int() refuses it (a GENERR007)
             number = kind(inner)
             if bound is not None and not -bound <= number < bound:
                 return _UNTYPED
