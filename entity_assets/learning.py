@@ -1,7 +1,7 @@
 """Schema learning: infer entity types from observed entity documents.
 
 Runs distributed, so observations are kept in a mergeable `Summary` whose size
-grows with the number of distinct field paths, never with the number of
+grows with the number of distinct field paths (to `MAX_PATHS`), never with the number of
 documents: Spark tasks `observe` their rows, the driver `merge`s the partial
 summaries and then the previous slice's summary (stored via `to_json`).
 
@@ -68,8 +68,11 @@ _SYNONYMS = {
 _FORMAT = 1  # version of the to_json layout, checked by from_json
 
 MAX_FIELDS = 1_000
-"""Field names a level of a summary keeps (the smallest): past them the learned type says
+"""Field names of a level that a learned type shows (the smallest): past them it says
 `fieldsTruncated` (a document used as a map, a key per id, is no entity type's field list)."""
+MAX_PATHS = 10_000
+"""Field paths a summary keeps: the shallowest, and the smallest names among those as deep; a
+level that left names out says `truncated` (a map of maps made a million paths, a 43 MB row)."""
 _LONG = 2.0**63  # a whole number sent as a float is an INTEGER within a 64-bit integer's range
 
 
@@ -121,7 +124,7 @@ class _Field:
         f = _Field()
         f.present = self.present
         f.types = dict(self.types)
-        f.doc = Summary().merge(self.doc) if self.doc is not None else None
+        f.doc = Summary()._add(self.doc) if self.doc is not None else None
         return f
 
     def merge(self, other: _Field) -> None:
@@ -131,7 +134,7 @@ class _Field:
         if other.doc is not None:
             if self.doc is None:
                 self.doc = Summary()
-            self.doc.merge(other.doc)
+            self.doc._add(other.doc)
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"present": self.present, "types": dict(self.types)}
@@ -168,33 +171,37 @@ class Summary:
 
     Per field name: how many documents have it, how many had each type, and a nested
     Summary of its DOCUMENT values (to any depth). Merging is plain addition of counts,
-    hence associative and commutative, so Spark partials can be combined in any order.
+    hence associative and commutative, so Spark partials can be combined in any order; then
+    the `MAX_PATHS` first paths are kept (`_trim`), whatever the order.
     """
 
-    __slots__ = ("observed", "fields", "truncated")
+    __slots__ = ("observed", "fields", "truncated", "_grown")
 
     def __init__(self) -> None:
         self.observed = 0
         self.fields: dict[str, _Field] = {}
-        self.truncated = False  # names past MAX_FIELDS were left out (`_trim`)
+        self.truncated = False  # names of this level were left out (`_trim`)
+        self._grown = 0  # paths `observe` added since the last `_trim`
 
     def _trim(self) -> None:
-        """Keeps the `MAX_FIELDS` smallest names: a document used as a map (a key per id) would
-        make a summary, and the learned type, of every key any client sent, which each learning
-        slice reads and rewrites. Order-free, so partials still merge in any order: a name kept
-        in the end is among the smallest of every subset of the names, so no partial dropped its
-        counts. Trimmed past twice the bound, so a document of many names costs a sort per bound."""
-        if len(self.fields) > MAX_FIELDS:
-            self.fields = {name: self.fields[name] for name in sorted(self.fields)[:MAX_FIELDS]}
-            self.truncated = True
-
-    def _settle(self) -> None:
-        """Trims every level as a merge does (`observe` trims lazily, the level it walks only): equal
-        observations, equal summaries, and the same learned type."""
-        for f in self.fields.values():
-            if f.doc is not None:
-                f.doc._settle()
-        self._trim()
+        """Keeps the `MAX_PATHS` first paths, shallowest first, then by name: a document used as a
+        map of maps (a key per user, then per item) made a summary, and a learned type, of every
+        path any client sent, which each learning slice read and rewrote. The order is the paths',
+        so a path kept in the end is among the first of every subset of the paths: no partial
+        dropped its counts, and partials merge to the same summary in any order. A level's names
+        kept are its smallest. Trimmed past twice the bound, so a document of many paths costs a
+        sort per bound."""
+        budget, level = MAX_PATHS, [self]
+        while level:
+            deeper = []
+            for s in level:
+                if len(s.fields) > budget:
+                    s.fields = {name: s.fields[name] for name in sorted(s.fields)[:budget]}
+                    s.truncated = True
+                budget -= len(s.fields)
+                deeper.extend(f.doc for _, f in sorted(s.fields.items()) if f.doc is not None)
+            level = deeper
+        self._grown = 0
 
     @classmethod
     def of(cls, docs) -> Summary:
@@ -209,31 +216,46 @@ class Summary:
         """Count one document (an entity representation, e.g. an entity-updates ``after``)."""
         if not isinstance(doc, dict):
             raise TypeError(f"expected a document (dict), got {type(doc).__name__}")
+        self._grown += self._observe(doc)
+        if self._grown > MAX_PATHS:
+            self._trim()
+
+    def _observe(self, doc: dict) -> int:
+        """Counts `doc` in this level and those below it; returns the paths it added."""
         self.observed += 1
+        added = 0
         for name, value in doc.items():
             f = self.fields.get(name)
             if f is None:
                 f = self.fields[name] = _Field()
+                added += 1
             f.present += 1
             t = type_of(value)
             f.types[t] = f.types.get(t, 0) + 1
             if t == DOCUMENT:
                 if f.doc is None:
                     f.doc = Summary()
-                f.doc.observe(value)
-        if len(self.fields) > 2 * MAX_FIELDS:
-            self._trim()
+                added += f.doc._observe(value)
+        return added
 
-    def uncounted(self, name: str) -> bool:
-        """Whether `name` may have been left out (`_trim`): its counts, or their absence, say nothing."""
-        return self.truncated and (not self.fields or name > max(self.fields))
+    def shown(self) -> tuple[dict[str, _Field], bool]:
+        """The level's `MAX_FIELDS` smallest names, and whether it has others, or left some out."""
+        if len(self.fields) <= MAX_FIELDS:
+            return self.fields, self.truncated
+        return {name: self.fields[name] for name in sorted(self.fields)[:MAX_FIELDS]}, True
 
     def merge(self, other: Summary) -> Summary:
         """Add other's observations into self (other is left untouched and never aliased); returns self."""
         if not isinstance(other, Summary):
             raise TypeError(f"cannot merge {type(other).__name__} into Summary")
+        self._add(other)
+        self._trim()
+        return self
+
+    def _add(self, other: Summary) -> Summary:
+        """Adds other's counts into this level and those below it, trimming none."""
         if other is self:
-            other = Summary().merge(self)
+            other = Summary()._add(self)
         self.observed += other.observed
         self.truncated |= other.truncated
         for name, f in other.fields.items():
@@ -242,11 +264,10 @@ class Summary:
                 self.fields[name] = f.copy()
             else:
                 mine.merge(f)
-        self._trim()
         return self
 
     def to_dict(self) -> dict:
-        self._settle()
+        self._trim()
         return self._dict()
 
     def _dict(self) -> dict:
@@ -264,7 +285,9 @@ class Summary:
         d = json.loads(text)
         if not isinstance(d, dict) or d.get("format") != _FORMAT:
             raise ValueError(f"not a learning summary (format {_FORMAT})")
-        return cls._from_dict(d, "summary")
+        s = cls._from_dict(d, "summary")
+        s._trim()
+        return s
 
     @classmethod
     def _from_dict(cls, d: Any, where: str) -> Summary:
@@ -278,7 +301,6 @@ class Summary:
         for name, fd in fields.items():
             s.fields[name] = _Field.from_dict(fd, f"{where}.fields.{name}")
         s.truncated = d.get("truncated") is True
-        s._trim()
         return s
 
     def __eq__(self, other: object) -> bool:
@@ -406,9 +428,16 @@ def _declared_spec(spec: dict) -> dict:
     return out
 
 
+def _left_out(cut: bool, last: str | None, name: str) -> bool:
+    """Whether `name` may be one a level left out, past its last name shown: its counts, or their
+    absence, say nothing."""
+    return cut and (last is None or name > last)
+
+
 def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> dict[str, dict]:
     declared = declared or {}
-    observed_fields = level.fields if level is not None else {}
+    observed_fields, cut = level.shown() if level is not None else ({}, False)
+    last = max(observed_fields, default=None)
     total = level.observed if level is not None else 0
     out: dict[str, dict] = {}
     for name in sorted(set(declared) | set(observed_fields)):
@@ -416,7 +445,7 @@ def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> di
         spec = declared.get(name)
         if f is None or f.present == 0:
             entry = _declared_spec(spec) if spec is not None else {"type": NULL, "optional": True}
-            if total and not level.uncounted(name):  # observed documents at this level all lack it
+            if total and not _left_out(cut, last, name):  # observed documents at this level all lack it
                 entry["optional"] = True
             out[name] = entry
             continue
@@ -433,7 +462,7 @@ def _infer_fields(level: Summary | None, declared: dict[str, dict] | None) -> di
             nested = _fields_of(spec) if dtype == DOCUMENT else None
             if f.doc is not None or nested is not None:
                 entry["fields"] = _infer_fields(f.doc, nested)
-            if f.doc is not None and f.doc.truncated:
+            if f.doc is not None and f.doc.shown()[1]:
                 entry["fieldsTruncated"] = True
         elif t not in _RANK and (nested := _fields_of(spec)) is not None:
             entry["fields"] = {n: _declared_spec(nested[n]) for n in sorted(nested)}
@@ -447,9 +476,9 @@ def infer(summary: Summary, declared: dict | None = None) -> dict:
     Widening only: required -> optional (a document lacked the field or had NULL), INTEGER ->
     DOUBLE; undeclared observed fields are added. Deterministic: fields sorted by name.
     """
-    summary._settle()
+    summary._trim()
     return {"fields": _infer_fields(summary, _fields_of(declared)),
-            **({"fieldsTruncated": True} if summary.truncated else {})}
+            **({"fieldsTruncated": True} if summary.shown()[1] else {})}
 
 
 # ---------------------------------------------------------------- disagreements
@@ -461,7 +490,9 @@ def _counts(types: dict[str, int]) -> str:
 
 def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out: list[dict]) -> None:
     total = level.observed
-    for name, f in level.fields.items():
+    shown, cut = level.shown()
+    last = max(shown, default=None)
+    for name, f in shown.items():
         if f.present == 0:
             continue
         path = prefix + escape_token(name) if prefix else _top(name)
@@ -494,9 +525,9 @@ def _disagree(level: Summary, declared: dict[str, dict] | None, prefix: str, out
         for name, spec in (declared or {}).items():
             if spec.get("optional") is True:
                 continue
-            f = level.fields.get(name)
+            f = shown.get(name)
             missing = total - (f.present if f is not None else 0)
-            if missing > 0 and not level.uncounted(name):
+            if missing > 0 and not _left_out(cut, last, name):
                 out.append({
                     "path": prefix + escape_token(name) if prefix else _top(name),
                     "kind": "required_missing",
@@ -511,7 +542,7 @@ def disagreements(summary: Summary, declared: dict | None) -> list[dict]:
     does not admit (INTEGER fits DOUBLE, NULL fits optional); required_missing: with counts.
     """
     out: list[dict] = []
-    summary._settle()
+    summary._trim()
     _disagree(summary, _fields_of(declared) or {}, "", out)
     return sorted(out, key=lambda d: (d["path"], d["kind"]))
 

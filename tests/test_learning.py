@@ -4,6 +4,7 @@ import itertools
 import json
 import pickle
 import random
+from collections import Counter
 
 import pytest
 
@@ -480,9 +481,9 @@ def test_a_document_used_as_a_map_keeps_the_smallest_names_in_any_merge_order(mo
     whole = Summary.of(docs)
     for merged in _merged_in_any_order(docs, random.Random(3), 7):
         assert merged == whole
-    nested = whole.fields["map"].doc
-    assert sorted(nested.fields) == [f"k{j:03d}" for j in range(10)] and nested.truncated
-    assert nested.fields["k005"].present == 6  # docs 0-5 have it: exact
+    shown, cut = whole.fields["map"].doc.shown()
+    assert sorted(shown) == [f"k{j:03d}" for j in range(10)] and cut
+    assert shown["k005"].present == 6  # docs 0-5 have it: exact
     learned = infer(whole)
     assert learned["fields"]["map"]["fieldsTruncated"] is True and "fieldsTruncated" not in learned
     assert Summary.from_json(whole.to_json()) == whole
@@ -505,6 +506,62 @@ def test_a_summary_at_hand_learns_the_type_its_stored_copy_and_any_merge_of_it_l
     whole = Summary.of(docs)
     for merged in _merged_in_any_order(docs, random.Random(5), 7):
         assert infer(merged) == learned and merged == whole and infer(whole) == learned
+
+
+def _paths(doc: dict, prefix: tuple = ()) -> Counter:
+    """Each path of `doc`, once (a level's count of documents having it)."""
+    out = Counter()
+    for name, value in doc.items():
+        out[(*prefix, name)] += 1
+        if isinstance(value, dict):
+            out += _paths(value, (*prefix, name))
+    return out
+
+
+def _kept(summary: Summary, prefix: tuple = ()) -> dict:
+    out = {}
+    for name, f in summary.fields.items():
+        out[(*prefix, name)] = f.present
+        if f.doc is not None:
+            out.update(_kept(f.doc, (*prefix, name)))
+    return out
+
+
+def test_a_map_of_maps_keeps_the_first_paths_with_exact_counts_in_any_merge_order(monkeypatch):
+    """The bound on a level's names left a map of maps (a key per user, then per item) a million
+    paths: a 43 MB summary and a 47 MB learned row, rewritten at each learning slice. A summary
+    keeps its first paths, the shallowest, then by name, each with the counts of every document
+    however the partials were split and merged; the levels that left names out say so."""
+    import random
+
+    from entity_assets import learning
+
+    monkeypatch.setattr(learning, "MAX_PATHS", 40)
+    monkeypatch.setattr(learning, "MAX_FIELDS", 6)
+    rng = random.Random(11)
+    docs = [{"id": i, "users": {f"u{rng.randrange(12):02d}": {f"i{rng.randrange(30):02d}": {"n": 1} for _ in range(4)}
+                                for _ in range(3)}} for i in range(40)]
+    whole = Summary.of(docs)
+    for merged in _merged_in_any_order(docs, random.Random(3), 7):
+        assert merged == whole and infer(merged) == infer(whole)
+    everything = sum((_paths(d) for d in docs), Counter())
+    first = sorted(everything, key=lambda path: (len(path), path))[:40]
+    assert _kept(Summary.from_json(whole.to_json())) == {path: everything[path] for path in first}  # exact
+    users = whole.fields["users"].doc
+    assert not whole.truncated and len(users.fields) == 12 and users.shown()[1]  # 12 names kept, 6 shown
+    assert users.fields["u11"].doc.truncated and not users.fields["u11"].doc.fields  # past the bound
+    learned = infer(whole)["fields"]["users"]
+    assert learned["fieldsTruncated"] and sorted(learned["fields"]) == [f"u{j:02d}" for j in range(6)]
+    assert Summary.from_json(whole.to_json()) == whole
+
+
+def test_a_summary_keeps_ten_thousand_paths():
+    """Two documents of 1,000 names of 125 each: 251,000 paths, a summary of a few kept."""
+    docs = [{f"{i:03}": {f"{k}{j:03}": 0 for j in range(125)} for i in range(1000)} for k in range(2)]
+    summary = Summary.from_json(Summary.of(docs).to_json())
+    kept = _kept(summary)
+    assert len(kept) == 10_000 and all(n == 2 for path, n in kept.items() if len(path) == 1)
+    assert len(summary.to_json()) < 1_000_000 and len(json.dumps(infer(summary))) < 1_000_000
 
 
 def test_a_field_declared_null_is_no_constraint_as_a_field_declared_without_a_type():
@@ -537,7 +594,8 @@ def test_a_declared_field_past_the_names_kept_is_neither_missing_nor_made_option
     docs = [{"status": "ok", **{f"attr_{(i * 5 + j) % 40:04d}": j for j in range(5)}} for i in range(30)]
     declared = {"fields": {"status": {"type": "STRING"}, "attr_0000": {"type": "INTEGER"}}}
     summary = Summary.of(docs)
-    assert "status" not in summary.fields and summary.truncated
+    shown, cut = summary.shown()
+    assert "status" not in shown and cut
     assert infer(summary, declared)["fields"]["status"] == {"type": "STRING", "optional": False}
     assert not [d for d in disagreements(summary, declared) if d["path"] == "status"]
     assert infer(summary, declared)["fields"]["attr_0000"]["optional"] is True  # kept: counted, in some documents

@@ -109,7 +109,7 @@ def _unchanged(engine, key: str, apply: bool, version: int | None):
     """The slice leaves every collection as the slice before did: its state commit records the
     slice and changes no file, and the check has no learned entity to find at odds, without
     reading nor inferring the summaries, which grow with every field name learned (to
-    `learning.MAX_FIELDS` a level)."""
+    `learning.MAX_PATHS` paths a collection)."""
     stored = engine.read("learned_schemas", version, columns=["dbid"])
     result = {"rows": stored.num_rows, "files": 0,
               "version": commit_state(engine, "learned_schemas", key, [], []) if apply
