@@ -272,8 +272,8 @@ class _Expansion:
     def _walk(self, schema) -> tuple[bool, int]:
         if isinstance(schema, str):
             return _MIN_BYTES[schema] == 0, 1 - VALUES_PER_BYTE * _MIN_BYTES[schema]
-        if isinstance(schema, list):  # a union writes its branch's index
-            return False, max(self.of(branch)[1] for branch in schema) - VALUES_PER_BYTE
+        if isinstance(schema, list):  # a union writes its branch's index (an empty one has no value)
+            return False, max((self.of(branch)[1] for branch in schema), default=0) - VALUES_PER_BYTE
         kind = schema["type"]
         if kind in ("record", "error"):
             fields = [self.of(f["type"]) for f in schema["fields"]]

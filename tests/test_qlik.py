@@ -241,6 +241,10 @@ def test_named_types_of_a_top_level_union_are_checked():
     with pytest.raises(InvalidMessage) as caught:
         qlik.Decoder({}).decode(raw)
     assert caught.value.code is DeadLetterCode.BAD_FORMAT and "items that take no bytes" in caught.value.reason
+    for schema in ("[]", '{"type": "array", "items": []}'):  # a union of no branches: no value, nothing decodes
+        with pytest.raises(InvalidMessage) as caught:
+            qlik.Decoder({}).decode(_envelope(messageSchemaId=None, messageSchema=schema, message=b"\x02\x00"))
+        assert caught.value.code is DeadLetterCode.BAD_FORMAT and "not decodable" in caught.value.reason
 
 
 def test_a_value_nested_hundreds_of_levels_deep_is_a_dead_letter():
