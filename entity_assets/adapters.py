@@ -365,9 +365,10 @@ def _typed(value: dict) -> Any:
             grammar, kind, bound = _NUMBERS[name]
             if not grammar.fullmatch(inner):
                 return inner if inner in ("NaN", "Infinity", "-Infinity") and kind is float else _UNTYPED
-            if bound is not None and len(inner.lstrip("-").lstrip("0")) > len(str(bound)):
+            digits = inner.lstrip("-").lstrip("0") or "0"
+            if bound is not None and len(digits) > len(str(bound)):
                 return _UNTYPED  # out of range, and past 4,300 digits int() refuses it (a GENERR007)
-            number = kind(inner)
+            number = kind(digits if inner[0] != "-" else "-" + digits) if bound is not None else kind(inner)
             if bound is not None and not -bound <= number < bound:
                 return _UNTYPED
             return number if number not in (float("inf"), float("-inf")) else inner

@@ -106,8 +106,9 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
     `implicit_empty`: a missing document counts as `{}` (every database has a schema), so
     schema patches end with status 1 or 3, never 2. `check(before, after)`: what makes the
     patched document invalid, which fails the patch (status 3) as a failed op would. `sized`:
-    a patch that takes the document past `MAX_DOCUMENT_BYTES` fails; a replay of updates applied
-    already (`history`) leaves that out, as a lake written before the limit may hold such ones.
+    a patch that takes the document past `MAX_DOCUMENT_BYTES`, or shifts more than `MAX_SHIFTS`
+    array elements, fails; a replay of updates applied already (`history`) leaves both out, as a
+    lake written before the limits may hold such ones.
     """
     before, items = state.doc, loads(ops)
     known = None if not sized else 2 if before is None else state.size  # a missing document patches `{}`
@@ -115,9 +116,10 @@ def apply(state: DocState, ops: str, ended: int, include_before: bool, include_a
         deleting = next((i for i, op in enumerate(items) if is_delete(op)), None) if isinstance(items, list) else None
         if deleting is not None:
             return STATUS_FAILED, str(PatchError(deleting, items[deleting], SCHEMA_KEPT)), None, None, None
-        outcome = apply_patch({} if before is None else before, items, document="a database's schema", size=known)
+        outcome = apply_patch({} if before is None else before, items, document="a database's schema", size=known,
+                              limited=sized)
     else:
-        outcome = apply_patch(before, items, size=known)
+        outcome = apply_patch(before, items, size=known, limited=sized)
     if outcome.status != STATUS_OK:
         return outcome.status, outcome.error, None, None, None
     if check is not None and outcome.doc is not None and (error := check(before, outcome.doc)):

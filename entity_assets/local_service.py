@@ -156,6 +156,11 @@ class LocalService:
     """A part of the server process's command line that names its program: a pid file whose
     process lacks it is stale (a reboot, a crash), its pid another process's now."""
 
+    def __post_init__(self) -> None:
+        # one spelling of the folder, the one its server's command line names (`folder_argument`):
+        # scripts give the home as the shell's logical $PWD, a command without it as the real one
+        object.__setattr__(self, "data_dir", Path(os.path.realpath(self.data_dir)))
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"

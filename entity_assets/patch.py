@@ -246,20 +246,21 @@ class _Growth:
     (`owned`), which its later ops change in place (`_own`)."""
 
     MEASURES = 8
-    __slots__ = ("memo", "size", "measures", "depths", "owned", "shifts")
+    __slots__ = ("memo", "size", "measures", "depths", "owned", "shifts", "limited")
 
-    def __init__(self, size: int | None) -> None:
+    def __init__(self, size: int | None, limited: bool = True) -> None:
         self.memo: dict = {}
         self.size = size
         self.measures = 0
         self.depths: dict[int, tuple] = {}  # id -> (container, its nesting): kept alive, so ids stay its
         self.owned: dict[int, dict | list] = {}  # id -> container: in the document once, the input's nowhere
         self.shifts = 0  # array elements the patch's inserts and removes moved (`MAX_SHIFTS`)
+        self.limited = limited  # False: a replay of updates applied already, under an older release's rules
 
     def shift(self, count: int) -> None:
         """An insert or a remove is to move `count` elements of its array."""
         self.shifts += count
-        if self.shifts > MAX_SHIFTS:
+        if self.shifts > MAX_SHIFTS and self.limited:
             raise _Fail(f"the patch's inserts and removes would move over {MAX_SHIFTS} array elements")
 
     def disown(self, value) -> None:
@@ -547,14 +548,15 @@ def _outcome(status, doc=None, error=None, deleted=False, size=None) -> PatchOut
 
 
 def apply_patch(doc: dict | None, ops: list, *, document: str = "an entity document",
-                size: int | None = None) -> PatchOutcome:
+                size: int | None = None, limited: bool = True) -> PatchOutcome:
     """Apply a patch to an entity (None = does not exist). Never raises for bad ops.
 
     All-add patches on a missing entity create it; a trailing ``remove ""``
     deletes it; any failure returns STATUS_FAILED with the original doc. `document` names
     what the patch applies to in an error (a schema's client reads of its schema). `size`: at
     least the length of the JSON text the patch applies to (`doc`, or ``{}``'s 2), where the
-    caller knows it; the outcome's `size` then bounds the result's.
+    caller knows it; the outcome's `size` then bounds the result's. `limited` False: no
+    `MAX_SHIFTS` (a replay of updates a release before the limit applied).
     """
     if not isinstance(ops, list):
         return _outcome(STATUS_FAILED, doc, f"a patch must be an array of ops, got {_kind(ops)}")
@@ -571,7 +573,7 @@ def apply_patch(doc: dict | None, ops: list, *, document: str = "an entity docum
                 reason = "deleting the entity (remove \"\") must be the last op"
                 return _outcome(STATUS_FAILED, doc, str(PatchError(index, op, reason)))
             body, deleted = ops[:-1], True
-    growth = _Growth(size)
+    growth = _Growth(size, limited)
     try:
         result = _apply_ops(base, body, growth)
     except PatchError as exc:

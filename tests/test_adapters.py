@@ -194,8 +194,9 @@ def test_a_mongodb_number_outside_extended_json_s_grammar_or_range_stays_as_writ
     int() refused one, and well-formed JSON was a GENERR007 "malformed JSON" dead letter."""
     assert adapters.plain({"n": written}) == {"n": written}
     assert adapters.plain({"n": {"$numberInt": "-2147483648"}, "m": {"$numberDouble": "-1.0e+10"},
-                           "z": {"$numberLong": "-0000000000000000000009223372036854775808"}}) == \
-        {"n": -2147483648, "m": -1e10, "z": -2**63}
+                           "z": {"$numberLong": "-0000000000000000000009223372036854775808"},
+                           "zeros": {"$numberLong": "0" * 5000 + "1"}, "zero": {"$numberLong": "-000"}}) == \
+        {"n": -2147483648, "m": -1e10, "z": -2**63, "zeros": 1, "zero": 0}
 
 
 def test_mutated_mongodb_documents_are_values_or_invalid_messages():

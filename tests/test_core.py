@@ -185,6 +185,22 @@ def test_adds_of_deep_paths_stop_at_the_limit_too(monkeypatch):
     assert replay.doc == state.doc
 
 
+def test_a_replay_applies_what_an_older_release_applied_past_the_shifts_limit(monkeypatch):
+    """`history` replays updates as they were applied: one a release before `MAX_SHIFTS` applied
+    must apply again (limit scaled down here), or the history reads as missing an update."""
+    from entity_assets import patch
+
+    monkeypatch.setattr(patch, "MAX_SHIFTS", 100)
+    ops = core.dumps([{"op": "add", "path": "/a/0", "value": 1}] * 3)
+    state = core.DocState()
+    state.doc, state.size = {"a": [0] * 50}, 110
+    assert core.apply(state, ops, 0, False, False)[:2] == (
+        3, "op 1 (add /a/0): the patch's inserts and removes would move over 100 array elements")
+    replay = core.DocState()
+    replay.doc = {"a": [0] * 50}
+    assert core.apply(replay, ops, 0, False, False, sized=False)[0] == 1 and replay.doc["a"][:4] == [1, 1, 1, 0]
+
+
 def test_a_copy_bounds_the_document_by_what_it_copied_not_by_a_measure():
     """Every copy serialized the whole document: one-op copies of a scalar into a 12 MB document
     cost 388 ms each. The bound grows by the value copied and the ops' text."""

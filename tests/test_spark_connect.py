@@ -112,6 +112,10 @@ def test_another_home_s_server_is_never_taken_for_this_one_s(running, tmp_path):
     assert ours.pid() is None and ours.stop() is False and server.poll() is None
     theirs.pid_file.write_text(str(server.pid))
     assert theirs.pid() == server.pid
+    # a home named through a symbolic link (the shell's logical $PWD, as the scripts export it) is the same home
+    (tmp_path / "link").symlink_to(tmp_path / "ab")
+    assert LocalSparkConnect(tmp_path / "link", port=15124).pid() == server.pid
+    assert LocalBroker(tmp_path / "link", port=29092).pid() == broker.pid
 
 
 def test_a_server_started_before_it_named_its_folder_is_this_one_s_if_it_holds_its_token(tmp_path):

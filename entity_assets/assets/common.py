@@ -653,7 +653,9 @@ def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) 
     keeps a key's last message. Its rows are rewritten all the same."""
     later = _published_after(engine, table, slice_key)
     if later is None:
-        if engine.version_after(table, slice_key, PUBLISH) is None or context.run.tags.get(REPUBLISH_TAG) == "true":
+        published = (engine.version_after(table, slice_key, PUBLISH) is not None  # the note: of a rebuilt table too
+                     or engine.read_note(_published_note(table)) == slice_key)
+        if not published or context.run.tags.get(REPUBLISH_TAG) == "true":
             return True
         # a step retried after its publish (a read of the lake that failed), or the newest slice run again
         context.log.warning(f"slice {slice_key} publishes nothing: its {table} messages are published already "
