@@ -599,7 +599,7 @@ def require_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None
     if seq == 1 or not engine.exists(table):
         return
     before = key_of(seq - 1)
-    if engine.version_after(table, before, PUBLISH) is not None or _published_after(engine, table, before) is not None:
+    if engine.version_after(table, before, PUBLISH) is not None or _published_highest(engine, table) > before:
         return  # it published, or a later slice did (a re-run of older slices records no publish)
     written = engine.commit_after(table, before, "replace_slice")
     if written is None and engine.reached(table, before, "replace_slice"):
@@ -631,15 +631,14 @@ def highest_done(engine: DeltaRsEngine, table: str, operation: str) -> str:
     return max(islice(engine.slices_done(table, operation), RECENT_COMMITS), default="")
 
 
-def _published_after(engine: DeltaRsEngine, table: str, slice_key: str) -> str | None:
-    """The highest slice `table`'s stream published, if later than `slice_key` (a re-run of an
-    older slice records no publish). The lake's note of it outlives the table: a table deleted
-    and rebuilt from slice 1 would otherwise publish its whole history again."""
+def _published_highest(engine: DeltaRsEngine, table: str) -> str:
+    """The highest slice `table`'s stream published ("" if none; a re-run of an older slice records
+    no publish). The lake's note of it outlives the table: a table deleted and rebuilt from slice 1
+    would otherwise publish its whole history again."""
     logged, noted = highest_done(engine, table, PUBLISH), engine.read_note(_published_note(table))
     if noted is None and logged:  # a lake of a release before the note: noted before the table may go
         engine.write_note(_published_note(table), logged)
-    highest = max(logged, noted or "")
-    return highest if highest > slice_key else None
+    return max(logged, noted or "")
 
 
 def _published_note(table: str) -> str:
@@ -651,11 +650,9 @@ def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) 
     messages or a later slice's are out already. The slice's messages carry older values of keys that
     later ones updated: consumers would take them as the latest, and so would compaction, which
     keeps a key's last message. Its rows are rewritten all the same."""
-    later = _published_after(engine, table, slice_key)
-    if later is None:
-        published = (engine.version_after(table, slice_key, PUBLISH) is not None  # the note: of a rebuilt table too
-                     or engine.read_note(_published_note(table)) == slice_key)
-        if not published or context.run.tags.get(REPUBLISH_TAG) == "true":
+    later = _published_highest(engine, table)
+    if later <= slice_key:  # the slice itself, when its publish is recorded (of a table rebuilt since too)
+        if later < slice_key or context.run.tags.get(REPUBLISH_TAG) == "true":
             return True
         # a step retried after its publish (a read of the lake that failed), or the newest slice run again
         context.log.warning(f"slice {slice_key} publishes nothing: its {table} messages are published already "
@@ -682,7 +679,7 @@ def publishes_slice(context, engine: DeltaRsEngine, table: str, slice_key: str) 
 def record_published(engine: DeltaRsEngine, table: str, slice_key: str) -> None:
     """A `publish` commit, which the next slice asks for; none for a slice older than the newest
     published, whose own is there from its first run."""
-    if _published_after(engine, table, slice_key) is None:
+    if _published_highest(engine, table) <= slice_key:
         engine.commit(table, SCHEMAS[table], add=[], operation=PUBLISH, slice_key=slice_key)
         engine.write_note(_published_note(table), slice_key)
 
